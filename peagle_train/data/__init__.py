@@ -1,0 +1,1 @@
+"""Data preparation: conversations → token rows (input_ids, loss_mask), draft vocabulary, mask token."""

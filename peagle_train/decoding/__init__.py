@@ -1,0 +1,1 @@
+"""Reference decoder (target + P-EAGLE draft) and acceptance evaluation."""

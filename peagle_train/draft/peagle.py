@@ -1,0 +1,219 @@
+"""The P-EAGLE draft head (DESIGN.md §3; P-EAGLE arXiv 2602.01469 §3, EAGLE-3 arXiv 2503.01840).
+
+Layout (module names follow transformers' Llama so exports load in vLLM / speculators):
+    fc            Linear(3H → H, no bias) over the concatenated aux hidden states
+    layers[0]     input = cat(input_layernorm(embed(token)), hidden_norm(fc(feature))) : 2H,
+                  q/k/v take 2H, o_proj gives H; residual = fc(feature)
+    layers[1..]   ordinary Llama decoder layers
+    norm, lm_head final RMSNorm, Linear(H → V_draft)
+    embed_tokens  full target vocabulary, trainable (the mask token's row must learn)
+    mask_hidden   [1, 1, 3H] learnable feature fed at every depth ≥ 1 slot (before fc)
+    d2t, t2d      draft-vocabulary buffers (see data.vocab.DraftVocab)
+
+One forward takes any set of elements with explicit position ids and a boolean attention mask,
+which serves both the COD training axis (training/cod.py) and the decoder's KV-cached drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+@dataclass
+class DraftConfig:
+    """Sizes of a draft head; `from_target` copies them from the target's HF config."""
+
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+    target_hidden_size: int = 0
+    mask_token_id: int = 0
+    num_depths: int = 8
+    aux_layer_ids: list = field(default_factory=list)
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+
+    @classmethod
+    def from_target(cls, tcfg, *, num_layers: int, draft_vocab_size: int, mask_token_id: int,
+                    num_depths: int, aux_layer_ids: list[int], **overrides) -> "DraftConfig":
+        """Draft sizes from a target HF config (Llama/Qwen3-style fields); max_position_embeddings
+        and rope parameters are the target's (a shorter draft context is a known field bug)."""
+        rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tcfg, "rope_theta", 10000.0)}
+        heads = tcfg.num_attention_heads
+        return cls(
+            vocab_size=tcfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads),
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+            rms_norm_eps=tcfg.rms_norm_eps,
+            max_position_embeddings=tcfg.max_position_embeddings,
+            rope_parameters=dict(rope),
+            hidden_act=getattr(tcfg, "hidden_act", "silu"),
+            target_hidden_size=tcfg.hidden_size,
+            mask_token_id=mask_token_id,
+            num_depths=num_depths,
+            aux_layer_ids=list(aux_layer_ids),
+            **overrides,
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        """The draft layers' HF config (exported as `transformer_layer_config`)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters), tie_word_embeddings=False,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DraftAttention(nn.Module):
+    """GQA self-attention with an explicit boolean mask and an optional KV cache.
+
+    x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
+    S = cached + N. Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
+    """
+
+    def __init__(self, cfg: DraftConfig, in_size: int):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(in_size, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(in_size, self.kvh * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        B, N, _ = x.shape
+        q = self.q_proj(x).view(B, N, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, N, self.kvh, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, self.kvh, self.d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        rep = self.h // self.kvh
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask[:, None]
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, self.h * self.d)), (k, v)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer; layer 0 reads [embedding, feature] (2H) with `hidden_norm`."""
+
+    def __init__(self, cfg: DraftConfig, first: bool):
+        super().__init__()
+        self.first = first
+        H = cfg.hidden_size
+        self.self_attn = DraftAttention(cfg, 2 * H if first else H)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.norm_before_residual = cfg.norm_before_residual
+        if first:
+            self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, mask, cache=None, embeds=None):
+        if self.first:
+            normed = self.hidden_norm(h)
+            residual = normed if self.norm_before_residual else h
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        else:
+            residual, x = h, self.input_layernorm(h)
+        a, kv = self.self_attn(x, cos, sin, mask, cache)
+        h = residual + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class PEagleDraft(nn.Module):
+    """The P-EAGLE draft head. See the module docstring for its layout."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        H, V = cfg.hidden_size, cfg.vocab_size
+        T = cfg.target_hidden_size or H
+        self.embed_tokens = nn.Embedding(V, H)
+        if cfg.norm_before_fc:
+            self.fc_norm = LlamaRMSNorm(3 * T, eps=cfg.rms_norm_eps)
+        self.fc = nn.Linear(3 * T, H, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
+        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * 0.02)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the target's embeddings and its lm_head rows of the draft vocabulary (DESIGN.md §3)."""
+        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids])
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def slot_inputs(self, tokens: torch.Tensor, features: torch.Tensor, is_slot: torch.Tensor):
+        """Replace depth ≥ 1 slots by the mask token and `mask_hidden`.
+
+        tokens [B, N] int; features [B, N, 3H]; is_slot [B, N] bool. Returns (tokens, features).
+        """
+        tokens = torch.where(is_slot, torch.full_like(tokens, self.config.mask_token_id), tokens)
+        features = torch.where(is_slot[..., None], self.mask_hidden.reshape(-1).to(features.dtype), features)
+        return tokens, features
+
+    def forward(self, tokens, features, position_ids, mask, cache=None):
+        """Draft logits over the draft vocabulary.
+
+        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted);
+        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend);
+        cache: None or a list of per-layer (k, v). Returns (logits [B, N, V_draft] fp32 of the
+        compute dtype, new cache list).
+        """
+        if self.config.norm_before_fc:
+            features = self.fc_norm(features)
+        h = self.fc(features)
+        embeds = self.embed_tokens(tokens)
+        cos, sin = self.rotary_emb(h, position_ids)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            h, kv = layer(h, cos, sin, mask, None if cache is None else cache[i], embeds=embeds)
+            new_cache.append(kv)
+        return self.lm_head(self.norm(h)), new_cache
+
+    def draft_to_target(self, draft_token: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary indices to target ids: j + d2t[j]."""
+        return draft_token + self.d2t[draft_token]

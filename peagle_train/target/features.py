@@ -1,0 +1,93 @@
+"""Capture of the target's aux hidden states and final hidden state, and the EAGLE alignment.
+
+DESIGN.md §2: aux layers default to [2, N//2, N-3] (the *outputs* of those decoder layers, i.e.
+HF `output_hidden_states[i+1]`); the final hidden state is the last decoder layer's output before
+the final norm. Forward hooks on the decoder layers capture them without asking the model for all
+N hidden states.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class TargetOutput:
+    """logits: [B, T, V] (or [B, T, V_draft] when restricted); aux: [B, T, 3H] the aux hidden
+    states concatenated in layer order; final: [B, T, H] the pre-norm last-layer output."""
+
+    logits: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+class FeatureTarget:
+    """A frozen HF causal LM with hooks that capture aux and pre-norm final hidden states.
+
+    `forward(input_ids, draft_ids=None, **kw)` runs the decoder once. With `draft_ids` the logits
+    are `lm_head(norm(final))` restricted to those rows (the KL targets, [B, T, V_draft]) and the
+    full-vocabulary head is never computed; without them, full logits (decoding). Any extra
+    `cache` is an HF cache object (DynamicCache) for decoding; any other keyword (attention_mask,
+    position_ids) is passed to the HF model.
+    """
+
+    def __init__(self, model, aux_layer_ids: list[int] | None = None):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.layers = self.decoder.layers
+        n = len(self.layers)
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n)
+        if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids={self.aux_layer_ids} must be 3 layer indices in [0, {n}) (vLLM assumes 3H features)")
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in sorted(set(self.aux_layer_ids) | {n - 1}):
+            self.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def fn(_module, _inp, out):
+            self._captured[i] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, draft_ids: torch.Tensor | None = None, cache=None, **kw) -> TargetOutput:
+        self._captured.clear()
+        if cache is not None:
+            kw[self._cache_kw] = cache
+        out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
+        normed = out.last_hidden_state  # after the final norm
+        head = self.model.get_output_embeddings().weight
+        w = head if draft_ids is None else head[draft_ids]
+        logits = normed @ w.T
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        final = self._captured[len(self.layers) - 1]
+        return TargetOutput(logits.float(), aux, final)
+
+    __call__ = forward
+
+
+def align_for_draft(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, target_logits: torch.Tensor):
+    """The EAGLE pairing (DESIGN.md §2): for tokens x_0..x_{T-1}, row position i holds token
+    x_{i+1}, aux feature g_i, the target distribution from position i+1 and loss mask l_{i+1}.
+
+    Shapes in: input_ids, loss_mask [T]; aux [T, 3H]; target_logits [T, V_draft].
+    Shapes out (each one shorter): tokens [T-1], features [T-1, 3H], target_logits [T-1, V_draft],
+    loss_mask [T-1]. Position i therefore trains the draft to predict x_{i+2}.
+    """
+    return input_ids[1:], aux[:-1], target_logits[1:], loss_mask[1:]

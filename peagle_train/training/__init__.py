@@ -1,0 +1,1 @@
+"""COD sampling, attention masks, losses, metrics and the training loop."""

@@ -1,0 +1,83 @@
+"""COD (conditional drop-token) sampling and the P-EAGLE attention mask (DESIGN.md §4;
+P-EAGLE arXiv 2602.01469 §3.2).
+
+All depths of a packed row live on one axis: [depth 0 | depth 1 | ... ]. An element is a pair
+(anchor a, depth d): depth 0 is every row position (real token and feature), a depth-d element
+predicts the token d steps past its anchor's own prediction, from the mask token and `mask_hidden`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CODElements:
+    """Elements of one packed row. anchors, depths: [M] int64 (depth 0 first, then 1, 2, ...)."""
+
+    anchors: torch.Tensor
+    depths: torch.Tensor
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """Row position whose target distribution each element learns: anchor + depth. [M]"""
+        return self.anchors + self.depths
+
+
+def cod_sample(
+    valid: torch.Tensor,
+    doc_ids: torch.Tensor,
+    num_depths: int,
+    down_sample_ratio: float = 0.7,
+    down_sample_ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+    generator: torch.Generator | None = None,
+) -> CODElements:
+    """Sample the COD elements of one packed row.
+
+    valid: [n] bool, loss-valid row positions V (after the EAGLE shift); doc_ids: [n] int64.
+    Depth 0 = every position. S = V restricted to positions whose anchor c-1 lies in the same
+    document (or a random `max_anchors`-subset), P_1 = S; for d = 1..K-1,
+    m_d = floor((|S| - d) * max(r^d, r_min)) (stop when ≤ 0), C_d = random m_d-subset of P_d (all
+    of P_d if smaller); c ∈ C_d is element (c - d, d); P_{d+1} = {c+1 : c ∈ C_d, c+1 ∈ V, same doc}.
+    Deterministic for a given `generator` state.
+    """
+    n = valid.numel()
+    valid = valid.bool()
+    anchors = [torch.arange(n)]
+    depths = [torch.zeros(n, dtype=torch.long)]
+    # a valid position c can start a chain only if its anchor c-1 exists in the same document
+    has_anchor = torch.zeros(n, dtype=torch.bool)
+    has_anchor[1:] = doc_ids[1:] == doc_ids[:-1]
+    S = (valid & has_anchor).nonzero().flatten()
+    if max_anchors is not None and S.numel() > max_anchors:
+        S = S[torch.randperm(S.numel(), generator=generator)[:max_anchors]].sort().values
+    P = S
+    for d in range(1, num_depths):
+        m = math.floor((S.numel() - d) * max(down_sample_ratio**d, down_sample_ratio_min))
+        if m <= 0 or P.numel() == 0:
+            break
+        C = P if P.numel() <= m else P[torch.randperm(P.numel(), generator=generator)[:m]].sort().values
+        anchors.append(C - d)
+        depths.append(torch.full((C.numel(),), d, dtype=torch.long))
+        nxt = C + 1
+        keep = nxt < n
+        nxt, C = nxt[keep], C[keep]
+        P = nxt[valid[nxt] & (doc_ids[nxt] == doc_ids[C])]
+    return CODElements(torch.cat(anchors), torch.cat(depths))
+
+
+def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The P-EAGLE training mask. anchors, depths: [M]; doc_ids: [n] (per row position).
+
+    Query (a_q, d_q) sees key (a_k, d_k) iff same document and either d_k = 0 and a_k ≤ a_q
+    (the context up to its anchor) or a_k = a_q and d_k ≤ d_q (its own chain). Depth-0 queries
+    thus get causal attention within their document. Returns [M, M] bool (True = may attend).
+    """
+    aq, ak = anchors[:, None], anchors[None, :]
+    dq, dk = depths[:, None], depths[None, :]
+    same_doc = doc_ids[anchors][:, None] == doc_ids[anchors][None, :]
+    return same_doc & (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq)))

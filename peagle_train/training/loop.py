@@ -1,0 +1,200 @@
+"""The training loop: online target features → COD elements → P-EAGLE forward → KL loss.
+
+Read top to bottom: `pack_documents` groups conversations into packed rows, `packed_row` runs the
+frozen target on each document and applies the EAGLE alignment, `draft_step` samples COD elements
+and computes the loss, and `train` is the loop (Accelerate: one process or many).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..target.features import FeatureTarget, align_for_draft
+from .cod import CODElements, cod_attention_mask, cod_sample
+from .loss import LOSSES, depth_counts, metrics_from_counts
+
+
+@dataclass
+class PackedRow:
+    """One packed training row of n aligned positions (several documents, no cross-document
+    attention). tokens [n], valid [n] bool, doc_ids [n], pos_ids [n] (position within its document),
+    features [n, 3H], target_logits [n, V_draft]."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    target_logits: torch.Tensor
+    valid: torch.Tensor
+    doc_ids: torch.Tensor
+    pos_ids: torch.Tensor
+
+
+def pack_documents(lengths: list[int], tokens_per_step: int, seed: int) -> list[list[int]]:
+    """Shuffle documents with `seed` and group them greedily into rows of ≤ tokens_per_step tokens
+    (a longer document gets a row of its own). Returns lists of document indices."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    rows, cur, size = [], [], 0
+    for i in order:
+        if cur and size + lengths[i] > tokens_per_step:
+            rows.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += lengths[i]
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor) -> PackedRow:
+    """Run the frozen target on each document (no grad) and pack the aligned results (§2).
+
+    docs: (input_ids, loss_mask) pairs. Each document of T tokens gives T-1 aligned positions.
+    """
+    dev = target.model.device
+    parts = []
+    for d, (ids, mask) in enumerate(docs):
+        ids_t = torch.tensor(ids, device=dev)
+        out = target(ids_t[None], draft_ids=draft_ids)
+        tok, feat, logits, valid = align_for_draft(ids_t, torch.tensor(mask, device=dev), out.aux[0], out.logits[0])
+        n = tok.numel()
+        parts.append((tok, feat, logits, valid.bool(), torch.full((n,), d, device=dev), torch.arange(n, device=dev)))
+    return PackedRow(*(torch.cat(x) for x in zip(*parts)))
+
+
+def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int):
+    """Forward the draft over the COD elements of one row and compute the loss.
+
+    Returns (loss_sum, valid_count, depth_counts [4, K]); the loss to minimise is
+    loss_sum / valid_count (all depths together, DESIGN.md §4).
+    """
+    core = draft.module if hasattr(draft, "module") else draft
+    a, dpt = elements.anchors.to(row.tokens.device), elements.depths.to(row.tokens.device)
+    tgt = a + dpt
+    tokens, feats = core.slot_inputs(row.tokens[a], row.features[a], dpt > 0)
+    pos = row.pos_ids[a] + dpt
+    mask = cod_attention_mask(a, dpt, row.doc_ids)
+    logits, _ = draft(tokens[None], feats[None], pos[None], mask[None])
+    logits, tl, valid = logits[0], row.target_logits[tgt], row.valid[tgt]
+    loss_sum = LOSSES[loss_name](logits, tl, valid)
+    with torch.no_grad():
+        counts = depth_counts(logits, tl, a, dpt, valid, num_depths)
+    return loss_sum, int(valid.sum()), counts
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    """Linear warmup over `warmup` steps, then cosine or linear decay to 10% (or constant)."""
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t)
+    return f
+
+
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print) -> dict:
+    """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with online features.
+
+    tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
+    schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
+    seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
+    a summary dict (steps, tokens, seconds, final metrics).
+    """
+    lengths = [len(x) for x in rows["input_ids"]]
+    batches = []
+    for ep in range(tcfg.epochs):
+        batches += pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)
+    W, r = accelerator.num_processes, accelerator.process_index
+    steps = len(batches) // W
+    if tcfg.max_steps:
+        steps = min(steps, tcfg.max_steps)
+    if steps == 0:
+        raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes. Fix: more data.num_conversations.")
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
+                            weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
+    draft, opt, sched = accelerator.prepare(draft, opt, sched)
+    draft.train()
+    draft_ids = draft_ids.to(accelerator.device)
+    gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
+    total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
+    window = []
+    tokens_seen, t0 = 0, time.perf_counter()
+    log_path = out_dir / "train_log.jsonl"
+    logf = open(log_path, "w") if accelerator.is_main_process else None
+    bar = tqdm(range(steps), desc="training", unit="step", disable=not accelerator.is_main_process)
+    step = 0
+    for step in bar:
+        docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
+        row = packed_row(target, docs, draft_ids)
+        el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
+                        tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
+        loss_sum, count, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths)
+        loss = loss_sum / max(count, 1)
+        accelerator.backward(loss)
+        if tcfg.grad_clip:
+            accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
+        ntok = accelerator.reduce(torch.tensor(float(row.tokens.numel() + len(docs)), device=accelerator.device), "sum")
+        tokens_seen += int(ntok)
+        total_counts += counts
+        window.append(counts)
+        window = window[-20:]
+        m = metrics_from_counts(sum(window))
+        elapsed = time.perf_counter() - t0
+        rec = {"step": step + 1, "loss": float(loss), "lr": sched.get_last_lr()[0], "tokens": tokens_seen,
+               "tokens_per_second": tokens_seen / elapsed, "eal": m["eal"], "acc": m["acc"], "cond_acc": m["cond_acc"]}
+        if logf:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
+                        tok_s=f"{rec['tokens_per_second']:.0f}")
+        if tcfg.max_minutes and elapsed > 60 * tcfg.max_minutes:
+            log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")
+            break
+    if logf:
+        logf.close()
+    final = metrics_from_counts(sum(window))
+    return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
+            "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
+            "all_metrics": metrics_from_counts(total_counts), "draft": accelerator.unwrap_model(draft)}
+
+
+def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
+    """Write model.safetensors (fp32) + draft_config.json to out_dir (via a temp dir, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict(), **(extra or {})}, indent=2))
+    if out_dir.exists():
+        import shutil
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def load_checkpoint(ckpt_dir: Path):
+    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft (fp32)."""
+    from safetensors.torch import load_file
+
+    from ..draft.peagle import DraftConfig, PEagleDraft
+
+    meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
+    draft = PEagleDraft(DraftConfig(**meta["draft"]))
+    draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    return draft, meta

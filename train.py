@@ -1,0 +1,84 @@
+"""The main job: prepare data → train a P-EAGLE head (online target features) → evaluate τ → export.
+
+    python train.py recipe=smollm2-135m-demo output_dir=runs/demo
+    accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo
+
+Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
+eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+
+from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
+from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+from peagle_train.export.speculators import write_export
+from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
+from peagle_train.paths import resolve_path
+from peagle_train.training.loop import save_checkpoint, train
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    t_start = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    log = acc.print
+    out = Path(cfg.output_dir)
+    write_json(out / "run.json", {**run_metadata(), "config": OmegaConf.to_container(cfg, resolve=True)})
+
+    # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
+    target, tok = build_target(cfg.target, acc.device, log=log)
+    with acc.main_process_first():
+        data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
+                            num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
+                            min_supervised_tokens=cfg.data.min_supervised_tokens,
+                            draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
+                            seed=cfg.seed, log=log)
+    if acc.is_main_process:
+        save_prepared(data, out / "data")
+    log("data summary:\n" + format_summary(data.summary))
+
+    # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
+    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
+    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": cfg.seed})
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log)
+    draft = result.pop("draft")
+    summary = {"data": data.summary, "training": result}
+    log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
+        f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
+    if acc.is_main_process:
+        save_checkpoint(draft, out / "checkpoint", {"target": cfg.target.path, "train": result})
+
+        # 3. acceptance with the reference decoder, 4. export
+        draft.eval()
+        if cfg.eval.enabled:
+            prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
+                                      cfg.eval.num_prompts)
+            summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
+                                                  num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log)
+        if cfg.export.enabled:
+            used = {t for ids in data.rows["input_ids"] for t in ids}
+            write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,
+                         verifier_architectures=list(target.config.architectures or []),
+                         dtype=dtype_of(cfg.export.dtype), data_token_ids=used)
+            log(f"export written and validated: {out / 'export'}")
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        write_json(out / "summary.json", summary)
+        log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")
+    acc.wait_for_everyone()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

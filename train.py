@@ -57,7 +57,9 @@ def main(cfg: DictConfig) -> dict:
     log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
         f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
     if acc.is_main_process:
-        save_checkpoint(draft, out / "checkpoint", {"target": cfg.target.path, "train": result})
+        save_checkpoint(draft, out / "checkpoint", {
+            "target": cfg.target.path, "verifier_name_or_path": cfg.target.name_or_path,
+            "verifier_architectures": list(target.config.architectures or []), "train": result})
 
         # 3. acceptance with the reference decoder, 4. export
         draft.eval()

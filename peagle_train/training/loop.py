@@ -155,12 +155,13 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         window = window[-20:]
         m = metrics_from_counts(sum(window))
         elapsed = time.perf_counter() - t0
-        rec = {"step": step + 1, "loss": float(loss), "lr": sched.get_last_lr()[0], "tokens": tokens_seen,
+        loss_value = loss.item()
+        rec = {"step": step + 1, "loss": loss_value, "lr": sched.get_last_lr()[0], "tokens": tokens_seen,
                "tokens_per_second": tokens_seen / elapsed, "eal": m["eal"], "acc": m["acc"], "cond_acc": m["cond_acc"]}
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
+        bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
                         tok_s=f"{rec['tokens_per_second']:.0f}")
         if tcfg.max_minutes and elapsed > 60 * tcfg.max_minutes:
             log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")

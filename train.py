@@ -22,7 +22,7 @@ from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
-from peagle_train.training.loop import save_checkpoint, train
+from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -31,6 +31,8 @@ def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": cfg.seed})
+    check_training_config(tcfg)  # fail at start-up, naming the setting
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
     out = Path(cfg.output_dir)
@@ -50,7 +52,6 @@ def main(cfg: DictConfig) -> dict:
 
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
-    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": cfg.seed})
     result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}

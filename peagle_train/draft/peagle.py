@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -47,6 +48,39 @@ class DraftConfig:
     aux_layer_ids: list = field(default_factory=list)
     norm_before_fc: bool = False
     norm_before_residual: bool = False
+    model_type: str = "llama"       # the target family of layers 1..L-1: llama | qwen3
+    qk_norm: bool = False           # Qwen3-style per-head RMSNorm of q and k before RoPE
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        problems = []
+        if self.num_depths < 1:
+            problems.append(f"draft.num_depths={self.num_depths} must be ≥ 1")
+        if self.num_hidden_layers < 1:
+            problems.append(f"draft.num_layers={self.num_hidden_layers} must be ≥ 1")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if problems:
+            raise ValueError("Invalid draft config: " + "; ".join(problems))
+
+    def check_target(self, tcfg) -> None:
+        """Raise ValueError naming the setting when this head cannot read the target `tcfg`
+        (hidden size, vocabulary, aux layer ids)."""
+        problems = []
+        if self.target_hidden_size != tcfg.hidden_size:
+            problems.append(f"the head reads features of width 3×{self.target_hidden_size}, the target's hidden size is {tcfg.hidden_size}")
+        if self.vocab_size != tcfg.vocab_size:
+            problems.append(f"the head's vocabulary is {self.vocab_size}, the target's is {tcfg.vocab_size}")
+        n = tcfg.num_hidden_layers
+        if any(not 0 <= i < n for i in self.aux_layer_ids):
+            problems.append(f"aux_layer_ids={self.aux_layer_ids} must lie in [0, {n})")
+        if problems:
+            raise ValueError("Draft head and target disagree: " + "; ".join(problems))
 
     @classmethod
     def from_target(cls, tcfg, *, num_layers: int, draft_vocab_size: int, mask_token_id: int,
@@ -72,6 +106,8 @@ class DraftConfig:
             mask_token_id=mask_token_id,
             num_depths=num_depths,
             aux_layer_ids=list(aux_layer_ids),
+            model_type="qwen3" if "qwen3" in tcfg.model_type else "llama",
+            qk_norm="qwen3" in tcfg.model_type,
             **overrides,
         )
 
@@ -88,12 +124,29 @@ class DraftConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def layer_config_dict(self) -> dict:
+        """The draft layers' HF config as a dict, with the target family's model_type."""
+        d = self.llama_config().to_dict()
+        d["model_type"] = self.model_type
+        return d
+
+
+_FLEX = {}
+
+
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled on CUDA (fused kernel); eager elsewhere (exact, unfused)."""
+    key = device.type
+    if key not in _FLEX:
+        _FLEX[key] = torch.compile(flex_attention, dynamic=True) if key == "cuda" else flex_attention
+    return _FLEX[key]
+
 
 class DraftAttention(nn.Module):
-    """GQA self-attention with an explicit boolean mask and an optional KV cache.
+    """GQA self-attention with an explicit mask and an optional KV cache.
 
     x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
-    S = cached + N. Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
+    S = cached + N, or a FlexAttention BlockMask over [N, S]. Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
     """
 
     def __init__(self, cfg: DraftConfig, in_size: int):
@@ -103,19 +156,29 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_size, self.kvh * self.d, bias=False)
         self.v_proj = nn.Linear(in_size, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = LlamaRMSNorm(self.d, eps=cfg.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.d, eps=cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, mask, cache=None):
         B, N, _ = x.shape
-        q = self.q_proj(x).view(B, N, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, self.kvh, self.d).transpose(1, 2)
+        q = self.q_proj(x).view(B, N, self.h, self.d)
+        k = self.k_proj(x).view(B, N, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        rep = self.h // self.kvh
-        out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask[:, None]
-        )
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            rep = self.h // self.kvh
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask[:, None]
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.h * self.d)), (k, v)
 
 
@@ -199,7 +262,8 @@ class PEagleDraft(nn.Module):
         """Draft logits over the draft vocabulary.
 
         tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted);
-        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend);
+        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
+        or a BlockMask (training/cod.py);
         cache: None or a list of per-layer (k, v). Returns (logits [B, N, V_draft] fp32 of the
         compute dtype, new cache list).
         """
@@ -209,8 +273,13 @@ class PEagleDraft(nn.Module):
         embeds = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(h, position_ids)
         new_cache = []
+        ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            h, kv = layer(h, cos, sin, mask, None if cache is None else cache[i], embeds=embeds)
+            c = None if cache is None else cache[i]
+            if ckpt:  # activation checkpointing: recompute the layer in backward
+                h, kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, c, embeds, use_reentrant=False)
+            else:
+                h, kv = layer(h, cos, sin, mask, c, embeds=embeds)
             new_cache.append(kv)
         return self.lm_head(self.norm(h)), new_cache
 

@@ -37,7 +37,7 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
                        dtype: torch.dtype) -> dict:
     """config.json of a P-EAGLE export (keys as speculators 0.9.0 writes them)."""
     c = draft.config
-    layer_cfg = c.llama_config().to_dict()
+    layer_cfg = c.layer_config_dict()
     keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
             "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
@@ -65,6 +65,7 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "mask_token_id": c.mask_token_id,
         "num_speculative_tokens": c.num_depths,
+        "qk_norm": c.qk_norm,
         "speculators_version": SPECULATORS_VERSION,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -99,7 +100,8 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
         rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
         mask_token_id=cfg["mask_token_id"], num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
         aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg["norm_before_fc"],
-        norm_before_residual=cfg["norm_before_residual"],
+        norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
+        qk_norm=cfg.get("qk_norm", False),
     )
     draft = PEagleDraft(dc)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
@@ -148,6 +150,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
                        p + "post_attention_layernorm.weight": (H,)})
         if i == 0:
             expect[p + "hidden_norm.weight"] = (H,)
+        if cfg.get("qk_norm"):
+            expect[p + "self_attn.q_norm.weight"] = (hd,)
+            expect[p + "self_attn.k_norm.weight"] = (hd,)
     problems += [f"missing tensor {k}" for k in expect if k not in sd]
     problems += [f"unexpected tensor {k}" for k in sd if k not in expect]
     problems += [f"{k} has shape {tuple(sd[k].shape)}, config says {s}" for k, s in expect.items()

@@ -70,14 +70,41 @@ def cod_sample(
     return CODElements(torch.cat(anchors), torch.cat(depths))
 
 
-def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-    """The P-EAGLE training mask. anchors, depths: [M]; doc_ids: [n] (per row position).
+def _cod_rule(aq, dq, docq, ak, dk, dock):
+    """The §4 visibility rule on broadcastable tensors (shared by the dense and the flex mask)."""
+    return (docq == dock) & (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq)))
 
+
+def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The P-EAGLE training mask, dense (the exact fallback used on CPU).
+
+    anchors, depths: [M]; doc_ids: [n] (per row position).
     Query (a_q, d_q) sees key (a_k, d_k) iff same document and either d_k = 0 and a_k ≤ a_q
     (the context up to its anchor) or a_k = a_q and d_k ≤ d_q (its own chain). Depth-0 queries
     thus get causal attention within their document. Returns [M, M] bool (True = may attend).
     """
-    aq, ak = anchors[:, None], anchors[None, :]
-    dq, dk = depths[:, None], depths[None, :]
-    same_doc = doc_ids[anchors][:, None] == doc_ids[anchors][None, :]
-    return same_doc & (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq)))
+    docs = doc_ids[anchors]
+    return _cod_rule(anchors[:, None], depths[:, None], docs[:, None], anchors[None, :], depths[None, :], docs[None, :])
+
+
+def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor):
+    """The same mask as a FlexAttention BlockMask ([1, 1, M, M]); fully masked 128×128 blocks are
+    skipped by the kernel, so cost and memory follow the number of visible blocks, not M²."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = doc_ids[anchors]
+
+    def mask_mod(b, h, q, k):
+        return _cod_rule(anchors[q], depths[q], docs[q], anchors[k], depths[k], docs[k])
+
+    M = anchors.numel()
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M, KV_LEN=M, device=anchors.device)
+
+
+def use_flex(attention: str, device: torch.device) -> bool:
+    """Whether to use FlexAttention: `flex` always, `dense` never, `auto` on CUDA devices.
+
+    Raises ValueError for any other setting."""
+    if attention not in ("auto", "flex", "dense"):
+        raise ValueError(f"training.attention={attention!r} must be one of auto, flex, dense")
+    return attention == "flex" or (attention == "auto" and torch.device(device).type == "cuda")

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..target.features import FeatureTarget, align_for_draft
-from .cod import CODElements, cod_attention_mask, cod_sample
+from .cod import CODElements, cod_attention_mask, cod_block_mask, cod_sample, use_flex
 from .loss import LOSSES, depth_counts, metrics_from_counts
 
 
@@ -70,24 +70,81 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
     return PackedRow(*(torch.cat(x) for x in zip(*parts)))
 
 
-def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int):
-    """Forward the draft over the COD elements of one row and compute the loss.
+def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int, *,
+               partitions: int = 1, attention: str = "dense", accelerator=None):
+    """Forward the draft over the COD elements of one row, compute the loss and backpropagate.
 
-    Returns (loss_sum, valid_count, depth_counts [4, K]); the loss to minimise is
-    loss_sum / valid_count (all depths together, DESIGN.md §4).
+    The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4).
+    Sequence partitioning (P-EAGLE Algorithm 1): the row's positions are cut into `partitions`
+    contiguous parts; part p forwards the depth-0 context before and inside it plus the chains
+    anchored inside it, and back-propagates only the loss of its own elements (scaled by the
+    whole row's count). Every element sees exactly what it sees unpartitioned, so the summed
+    gradients equal the unpartitioned step's, while the attention of one part spans only its
+    chains instead of all of the row's (COD multiplies the axis by up to K).
+    `attention`: dense | flex | auto (training/cod.py `use_flex`). With an Accelerator, its
+    backward is used and gradient sync waits for the last part.
+
+    Returns (loss value (float), valid_count (int), depth_counts [4, K]).
     """
     core = draft.module if hasattr(draft, "module") else draft
-    a, dpt = elements.anchors.to(row.tokens.device), elements.depths.to(row.tokens.device)
-    tgt = a + dpt
-    tokens, feats = core.slot_inputs(row.tokens[a], row.features[a], dpt > 0)
-    pos = row.pos_ids[a] + dpt
-    mask = cod_attention_mask(a, dpt, row.doc_ids)
-    logits, _ = draft(tokens[None], feats[None], pos[None], mask[None])
-    logits, tl, valid = logits[0], row.target_logits[tgt], row.valid[tgt]
-    loss_sum = LOSSES[loss_name](logits, tl, valid)
-    with torch.no_grad():
-        counts = depth_counts(logits, tl, a, dpt, valid, num_depths)
-    return loss_sum, int(valid.sum()), counts
+    dev = row.tokens.device
+    a_all, d_all = elements.anchors.to(dev), elements.depths.to(dev)
+    valid_all = row.valid[a_all + d_all]
+    count = max(int(valid_all.sum()), 1)
+    flex = use_flex(attention, dev)
+    n = row.tokens.numel()
+    bounds = torch.linspace(0, n, partitions + 1).round().long().tolist()
+    total, counts = 0.0, torch.zeros(4, num_depths, dtype=torch.float64)
+    for p in range(partitions):
+        s, e = bounds[p], bounds[p + 1]
+        own = (a_all >= s) & (a_all < e)
+        sel = own | ((d_all == 0) & (a_all < s))
+        a, dpt = a_all[sel], d_all[sel]
+        tgt = a + dpt
+        tokens, feats = core.slot_inputs(row.tokens[a], row.features[a], dpt > 0)
+        mask = (cod_block_mask if flex else cod_attention_mask)(a, dpt, row.doc_ids)
+        logits, _ = draft(tokens[None], feats[None], (row.pos_ids[a] + dpt)[None], mask if flex else mask[None])
+        logits, tl = logits[0], row.target_logits[tgt]
+        lmask = row.valid[tgt] & own[sel]
+        loss = LOSSES[loss_name](logits, tl, lmask) / count
+        last = p == partitions - 1
+        if accelerator is None:
+            loss.backward()
+        elif last:
+            accelerator.backward(loss)
+        else:
+            with accelerator.no_sync(draft):
+                accelerator.backward(loss)
+        total += loss.item()
+        with torch.no_grad():
+            counts += depth_counts(logits, tl, a, dpt, lmask, num_depths).cpu()
+    return total, int(valid_all.sum()), counts
+
+
+def check_training_config(tcfg) -> None:
+    """Raise ValueError naming every training setting that is out of range (checked at start-up,
+    before any model is loaded)."""
+    problems = []
+    if tcfg.num_depths < 1:
+        problems.append(f"draft.num_depths={tcfg.num_depths} must be ≥ 1")
+    for key in ("down_sample_ratio", "down_sample_ratio_min"):
+        if not 0 < tcfg[key] <= 1:
+            problems.append(f"training.{key}={tcfg[key]} must be in (0, 1]")
+    if tcfg.loss not in LOSSES:
+        problems.append(f"training.loss={tcfg.loss!r} must be one of {sorted(LOSSES)}")
+    for key in ("partitions", "tokens_per_step", "epochs"):
+        if tcfg[key] < 1:
+            problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
+    if tcfg.max_anchors is not None and tcfg.max_anchors < 1:
+        problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
+    if tcfg.schedule not in ("cosine", "linear", "constant"):
+        problems.append(f"training.schedule={tcfg.schedule!r} must be cosine, linear or constant")
+    try:
+        use_flex(tcfg.attention, "cpu")
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise ValueError("Invalid training config: " + "; ".join(problems))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str):
@@ -107,7 +164,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
+    partitions, attention, seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
     a summary dict (steps, tokens, seconds, final metrics).
     """
     lengths = [len(x) for x in rows["input_ids"]]
@@ -139,9 +196,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         row = packed_row(target, docs, draft_ids)
         el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
                         tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
-        loss_sum, count, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths)
-        loss = loss_sum / max(count, 1)
-        accelerator.backward(loss)
+        loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
+                                           attention=tcfg.attention, accelerator=accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
         opt.step()
@@ -155,7 +211,6 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         window = window[-20:]
         m = metrics_from_counts(sum(window))
         elapsed = time.perf_counter() - t0
-        loss_value = loss.item()
         rec = {"step": step + 1, "loss": loss_value, "lr": sched.get_last_lr()[0], "tokens": tokens_seen,
                "tokens_per_second": tokens_seen / elapsed, "eal": m["eal"], "acc": m["acc"], "cond_acc": m["cond_acc"]}
         if logf:

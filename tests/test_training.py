@@ -1,0 +1,110 @@
+"""Training step: partitioned gradients equal the unpartitioned ones, FlexAttention equals the dense
+fallback, metrics are hand-checked, and a few steps really learn."""
+
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from peagle_train.training.cod import CODElements, cod_attention_mask, cod_block_mask, cod_sample
+from peagle_train.training.loop import PackedRow, draft_step, packed_row
+from peagle_train.training.loss import depth_counts, kl_loss_sum, metrics_from_counts
+
+from .test_cod import brute_force_mask
+from .test_decoding import make_draft
+
+
+def random_row(target_model, seed=0, lengths=(30, 25, 20)):
+    from peagle_train.target.features import FeatureTarget
+
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for L in lengths:
+        ids = torch.randint(0, 128, (L,), generator=g).tolist()
+        mask = (torch.rand(L, generator=g) < 0.75).long().tolist()
+        docs.append((ids, mask))
+    return packed_row(FeatureTarget(target_model), docs, torch.arange(0, 128, 2))
+
+
+def grads_of(draft, row, el, **kw):
+    draft.zero_grad()
+    loss, count, counts = draft_step(draft, row, el, "kl", 4, **kw)
+    return loss, counts, {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+
+def test_partitioned_gradients_equal_unpartitioned(target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    d.train()
+    row = random_row(target_model)
+    el = cod_sample(row.valid, row.doc_ids, 4, 0.8, 0.2, None, torch.Generator().manual_seed(1))
+    loss1, c1, g1 = grads_of(d, row, el, partitions=1)
+    for parts in (2, 5):
+        lossp, cp, gp = grads_of(d, row, el, partitions=parts)
+        assert abs(lossp - loss1) < 1e-5 * max(1.0, abs(loss1))
+        assert torch.equal(cp, c1)
+        assert g1.keys() == gp.keys() and "mask_hidden" in g1
+        for k in g1:
+            torch.testing.assert_close(gp[k], g1[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_flex_block_mask_equals_dense_and_brute_force(target_model):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(3):
+        n = 60
+        doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([25, 20, 15]))
+        valid = torch.rand(n, generator=g) < 0.7
+        el = cod_sample(valid, doc_ids, 6, 0.8, 0.2, None, g)
+        M = el.anchors.numel()
+        dense = cod_attention_mask(el.anchors, el.depths, doc_ids)
+        bm = cod_block_mask(el.anchors, el.depths, doc_ids)
+        flex_dense = create_mask(bm.mask_mod, None, None, M, M, device="cpu")[0, 0]
+        assert torch.equal(flex_dense, dense)
+        assert torch.equal(dense, brute_force_mask(el.anchors.tolist(), el.depths.tolist(), doc_ids.tolist()))
+
+
+def test_model_output_flex_equals_dense(target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    row = random_row(target_model, seed=3)
+    el = cod_sample(row.valid, row.doc_ids, 4, 0.8, 0.2, None, torch.Generator().manual_seed(2))
+    a, dp = el.anchors, el.depths
+    tok, f = d.slot_inputs(row.tokens[a], row.features[a], dp > 0)
+    pos = (row.pos_ids[a] + dp)[None]
+    with torch.no_grad():
+        dense, _ = d(tok[None], f[None], pos, cod_attention_mask(a, dp, row.doc_ids)[None])
+        flex, _ = d(tok[None], f[None], pos, cod_block_mask(a, dp, row.doc_ids))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_depth_counts_and_eal_hand_checked():
+    # anchors 0,1 at depth 0; chains (0,1),(0,2) and (1,1); draft vocab of 3
+    anchors = torch.tensor([0, 1, 0, 0, 1])
+    depths = torch.tensor([0, 0, 1, 2, 1])
+    target = torch.eye(3)[[0, 1, 2, 0, 1]] * 5
+    draft = torch.eye(3)[[0, 2, 2, 0, 1]] * 5  # (1,0) wrong, others right
+    valid = torch.tensor([True, True, True, True, True])
+    c = depth_counts(draft, target, anchors, depths, valid, 3)
+    assert c[0].tolist() == [2, 2, 1] and c[1].tolist() == [1, 2, 1]
+    # chain: (1,1) follows a wrong (1,0), so only (0,1) and (0,2) count as conditional
+    assert c[2].tolist() == [2, 1, 1] and c[3].tolist() == [1, 1, 1]
+    m = metrics_from_counts(c)
+    assert m["acc"] == [0.5, 1.0, 1.0] and m["cond_acc"] == [0.5, 1.0, 1.0]
+    assert m["eal"] == 1 + 0.5 + 0.5 + 0.5
+
+
+def test_kl_is_zero_iff_distributions_match():
+    t = torch.randn(4, 10)
+    assert kl_loss_sum(t, t, torch.ones(4, dtype=torch.bool)).abs() < 1e-6
+    assert kl_loss_sum(t.flip(-1), t, torch.ones(4, dtype=torch.bool)) > 0.1
+
+
+def test_a_few_steps_learn(target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=3, layers=1)
+    d.train()
+    row = random_row(target_model, seed=5)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for step in range(40):
+        el = cod_sample(row.valid, row.doc_ids, 3, 0.8, 0.2, None, torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        loss, _, _ = draft_step(d, row, el, "kl", 3)
+        opt.step()
+        losses.append(loss)
+    assert losses[-1] < 0.3 * losses[0]

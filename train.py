@@ -31,7 +31,8 @@ def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": cfg.seed})
+    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
+                             "seed": cfg.seed, "algorithm": cfg.algorithm})
     check_training_config(tcfg)  # fail at start-up, naming the setting
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
@@ -51,7 +52,8 @@ def main(cfg: DictConfig) -> dict:
     log("data summary:\n" + format_summary(data.summary))
 
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
-    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
+    #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
+    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
     result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .draft.peagle import DraftConfig, PEagleDraft
+from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 from .paths import REPO_ROOT
 from .target.features import FeatureTarget, default_aux_layer_ids
 from .target.load import load_target
@@ -32,16 +32,17 @@ def build_target(tcfg, device, log=print):
     return FeatureTarget(model, list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(n)), tok
 
 
-def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int) -> PEagleDraft:
-    """A P-EAGLE head sized from the target, initialised from its embeddings and lm_head rows."""
+def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> PEagleDraft:
+    """A P-EAGLE (or EAGLE-3) head sized from the target, initialised from its embeddings and
+    lm_head rows. Raises ValueError naming the setting when sizes disagree with the target."""
     cfg = DraftConfig.from_target(
         target.config, num_layers=dcfg.num_layers, draft_vocab_size=len(vocab.draft_ids),
         mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
         norm_before_fc=dcfg.norm_before_fc, norm_before_residual=dcfg.norm_before_residual,
-        gradient_checkpointing=dcfg.gradient_checkpointing,
+        gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
     )
     cfg.check_target(target.config)
-    draft = PEagleDraft(cfg)
+    draft = make_draft_head(cfg)
     draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
     return draft.to(target.model.device)
 

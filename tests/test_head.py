@@ -82,11 +82,13 @@ def test_bad_training_config_is_named():
     from peagle_train.paths import REPO_ROOT
 
     base = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training
-    good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0})
+    good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0, "algorithm": "peagle"})
     check_training_config(good)
     with pytest.raises(ValueError, match=r"down_sample_ratio=1.5 must be in \(0, 1\]"):
         check_training_config(OmegaConf.merge(good, {"down_sample_ratio": 1.5}))
     with pytest.raises(ValueError, match="num_depths=0"):
         check_training_config(OmegaConf.merge(good, {"num_depths": 0}))
+    with pytest.raises(ValueError, match="algorithm='medusa'"):
+        check_training_config(OmegaConf.merge(good, {"algorithm": "medusa"}))
     with pytest.raises(ValueError, match="training.attention='fast'"):
         check_training_config(OmegaConf.merge(good, {"attention": "fast"}))

@@ -1,4 +1,4 @@
-"""Reference speculative decoder for P-EAGLE heads (DESIGN.md §5), greedy.
+"""Reference speculative decoder for P-EAGLE heads (and EAGLE-3 heads, sequentially) (DESIGN.md §5), greedy.
 
 Per step: one draft forward over the new real pairs (x_{i+1}, g_i) (appended to the draft's KV
 cache) plus K-1 slots (mask token, `mask_hidden`); the last real position proposes the first draft
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..draft.peagle import PEagleDraft
+from ..draft.peagle import Eagle3Draft, PEagleDraft
 from ..target.features import FeatureTarget
 
 
@@ -59,17 +59,60 @@ def target_generate(target: FeatureTarget, prompt_ids: list[int], max_new_tokens
     return res
 
 
+def _causal_mask(n_new: int, cached: int, device) -> torch.Tensor:
+    """[1, n_new, cached + n_new] bool: every cached entry, causal among the new ones."""
+    mask = torch.ones(n_new, cached + n_new, dtype=torch.bool, device=device)
+    mask[:, cached:] = torch.ones(n_new, n_new, dtype=torch.bool, device=device).tril()
+    return mask[None]
+
+
+def propose_parallel(draft: PEagleDraft, pend_tok: list[int], pend_feat: torch.Tensor, cache, cached: int, K: int):
+    """P-EAGLE: one forward over the new real pairs plus K-1 (mask token, mask_hidden) slots.
+
+    Returns (K proposed target ids, cache of the real pairs only, draft forwards = 1).
+    """
+    dev, m = pend_feat.device, len(pend_tok)
+    toks = torch.tensor([pend_tok + [draft.config.mask_token_id] * (K - 1)], device=dev)
+    feats = torch.cat([pend_feat, draft.mask_hidden[0].to(pend_feat.dtype).expand(K - 1, -1)], dim=0)[None]
+    pos = torch.arange(cached, cached + m + K - 1, device=dev)[None]
+    logits, new_cache = draft(toks, feats, pos, _causal_mask(m + K - 1, cached, dev), cache)
+    keep = [(k[:, :, : cached + m], v[:, :, : cached + m]) for k, v in new_cache]  # drop the slots
+    return draft.draft_to_target(logits[0, m - 1 :].argmax(-1)).tolist(), keep, 1
+
+
+def propose_sequential(draft: PEagleDraft, pend_tok: list[int], pend_feat: torch.Tensor, cache, cached: int, K: int):
+    """EAGLE-3: the real pairs, then K-1 forwards, each reading the previous draft token and the
+    draft's own pre-norm hidden state. Returns (K proposed target ids, cache of the real pairs, K)."""
+    dev, m = pend_feat.device, len(pend_tok)
+    pos = torch.arange(cached, cached + m, device=dev)[None]
+    h, c = draft.hidden_states(torch.tensor([pend_tok], device=dev), pend_feat[None], pos, _causal_mask(m, cached, dev), cache)
+    keep = c
+    hid = h[:, -1:]
+    tok = draft.draft_to_target(draft.logits(hid[0, -1]).argmax(-1))
+    out = [int(tok)]
+    for j in range(1, K):
+        n_cached = cached + m + j - 1
+        h, c = draft.hidden_states(tok.view(1, 1), hid, torch.tensor([[n_cached]], device=dev),
+                                   _causal_mask(1, n_cached, dev), c, project=False)
+        hid = h
+        tok = draft.draft_to_target(draft.logits(hid[0, -1]).argmax(-1))
+        out.append(int(tok))
+    return out, keep, K
+
+
 @torch.no_grad()
 def speculative_generate(
     target: FeatureTarget, draft: PEagleDraft, prompt_ids: list[int], num_speculative_tokens: int,
     max_new_tokens: int, eos_ids: set[int],
 ) -> GenerationResult:
-    """Greedy speculative decoding with parallel drafting: K draft tokens from one draft forward.
+    """Greedy speculative decoding: K draft tokens per verify step, from one draft forward
+    (P-EAGLE parallel drafting) or K sequential ones (EAGLE-3 heads).
 
     Lossless: the output equals `target_generate` up to floating-point ties. Source: DESIGN.md §5,
     vLLM parallel drafting (one draft pass with K-1 mask slots).
     """
     K = num_speculative_tokens
+    propose = propose_sequential if isinstance(draft, Eagle3Draft) else propose_parallel
     t0 = time.perf_counter()
     dev = target.model.device
     tcache = DynamicCache()
@@ -79,22 +122,11 @@ def speculative_generate(
     pend_tok = list(prompt_ids[1:]) + tokens[-1:]  # x_{i+1} for the pending features g_i
     pend_feat = out.aux[0]  # [n, 3H]
     dcache, dlen = None, 0
-    mask_hidden = draft.mask_hidden[0].to(pend_feat.dtype)
     while not _finish(tokens, max_new_tokens, eos_ids)[1]:
-        m = len(pend_tok)
-        toks = torch.tensor([pend_tok + [draft.config.mask_token_id] * (K - 1)], device=dev)
-        feats = torch.cat([pend_feat, mask_hidden.expand(K - 1, -1)], dim=0)[None]
-        pos = torch.arange(dlen, dlen + m + K - 1, device=dev)[None]
-        N = m + K - 1
-        mask = torch.ones(N, dlen + N, dtype=torch.bool, device=dev)
-        mask[:, dlen:] = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
-        logits, new_cache = draft(toks, feats, pos, mask[None], dcache)
-        res.draft_forwards += 1
-        dlen += m
-        dcache = [(k[:, :, :dlen], v[:, :, :dlen]) for k, v in new_cache]  # drop the slots
-        proposal = draft.draft_to_target(logits[0, m - 1 :].argmax(-1)).tolist()  # K tokens
-        verify = torch.tensor([[tokens[-1]] + proposal], device=dev)
-        out = target(verify, cache=tcache)
+        proposal, dcache, nf = propose(draft, pend_tok, pend_feat, dcache, dlen, K)
+        res.draft_forwards += nf
+        dlen += len(pend_tok)
+        out = target(torch.tensor([[tokens[-1]] + proposal], device=dev), cache=tcache)
         res.target_forwards += 1
         greedy = out.logits[0].argmax(-1).tolist()  # K + 1
         j = 0

@@ -51,9 +51,12 @@ class DraftConfig:
     model_type: str = "llama"       # the target family of layers 1..L-1: llama | qwen3
     qk_norm: bool = False           # Qwen3-style per-head RMSNorm of q and k before RoPE
     gradient_checkpointing: bool = False
+    algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline)
 
     def __post_init__(self):
         problems = []
+        if self.algorithm not in ("peagle", "eagle3"):
+            problems.append(f"algorithm={self.algorithm!r} must be peagle or eagle3")
         if self.num_depths < 1:
             problems.append(f"draft.num_depths={self.num_depths} must be ≥ 1")
         if self.num_hidden_layers < 1:
@@ -258,18 +261,15 @@ class PEagleDraft(nn.Module):
         features = torch.where(is_slot[..., None], self.mask_hidden.reshape(-1).to(features.dtype), features)
         return tokens, features
 
-    def forward(self, tokens, features, position_ids, mask, cache=None):
-        """Draft logits over the draft vocabulary.
-
-        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted);
-        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
-        or a BlockMask (training/cod.py);
-        cache: None or a list of per-layer (k, v). Returns (logits [B, N, V_draft] fp32 of the
-        compute dtype, new cache list).
-        """
-        if self.config.norm_before_fc:
-            features = self.fc_norm(features)
-        h = self.fc(features)
+    def hidden_states(self, tokens, features, position_ids, mask, cache=None, project: bool = True):
+        """The last layer's output before the final norm. Shapes as in `forward`; with
+        project=False, `features` are [B, N, H] hidden states that bypass fc (EAGLE-3 feeds its own
+        output back this way). Returns (hidden [B, N, H], new cache list)."""
+        if project:
+            if self.config.norm_before_fc:
+                features = self.fc_norm(features)
+            features = self.fc(features)
+        h = features
         embeds = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(h, position_ids)
         new_cache = []
@@ -281,8 +281,39 @@ class PEagleDraft(nn.Module):
             else:
                 h, kv = layer(h, cos, sin, mask, c, embeds=embeds)
             new_cache.append(kv)
-        return self.lm_head(self.norm(h)), new_cache
+        return h, new_cache
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, tokens, features, position_ids, mask, cache=None):
+        """Draft logits over the draft vocabulary.
+
+        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted);
+        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
+        or a BlockMask (training/cod.py); cache: None or a list of per-layer (k, v).
+        Returns (logits [B, N, V_draft], new cache list).
+        """
+        h, cache = self.hidden_states(tokens, features, position_ids, mask, cache)
+        return self.logits(h), cache
 
     def draft_to_target(self, draft_token: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to target ids: j + d2t[j]."""
         return draft_token + self.d2t[draft_token]
+
+
+class Eagle3Draft(PEagleDraft):
+    """The EAGLE-3 head (arXiv 2503.01840), the baseline: the same layout without `mask_hidden`
+    and mask token. It drafts sequentially: step j ≥ 1 reads the token drafted at step j-1 and its
+    own pre-norm output hidden state (bypassing fc), so K tokens cost K draft forwards. Trained
+    with test-time training steps (training/eagle3.py)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        del self.mask_hidden
+
+
+def make_draft_head(cfg: DraftConfig) -> PEagleDraft:
+    """PEagleDraft or Eagle3Draft, by cfg.algorithm."""
+    return Eagle3Draft(cfg) if cfg.algorithm == "eagle3" else PEagleDraft(cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..draft.peagle import DraftConfig, PEagleDraft
+from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 
 SPECULATORS_VERSION = "0.9.0"
 _NON_WEIGHTS = ("rotary_emb.",)
@@ -37,17 +37,18 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
                        dtype: torch.dtype) -> dict:
     """config.json of a P-EAGLE export (keys as speculators 0.9.0 writes them)."""
     c = draft.config
+    eagle3 = c.algorithm == "eagle3"
     layer_cfg = c.layer_config_dict()
     keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
             "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
     layer_cfg = {k: layer_cfg[k] for k in keep if k in layer_cfg}
     layer_cfg["rope_theta"] = c.rope_parameters.get("rope_theta")
-    return {
-        "architectures": ["PEagleDraftModel"],
-        "speculators_model_type": "peagle",
+    cfg = {
+        "architectures": ["Eagle3Speculator" if eagle3 else "PEagleDraftModel"],
+        "speculators_model_type": c.algorithm,
         "speculators_config": {
-            "algorithm": "peagle",
+            "algorithm": c.algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -69,6 +70,9 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
         "speculators_version": SPECULATORS_VERSION,
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if eagle3:  # sequential drafting: no mask token, no mask_hidden
+        del cfg["mask_token_id"]
+    return cfg
 
 
 def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_path: str,
@@ -92,18 +96,19 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
     d = Path(export_dir)
     cfg = json.loads((d / "config.json").read_text())
     lc = cfg["transformer_layer_config"]
+    algorithm = cfg.get("speculators_model_type", "peagle")
     dc = DraftConfig(
         vocab_size=lc["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], hidden_size=lc["hidden_size"],
         intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
         num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
         head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
         rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
-        mask_token_id=cfg["mask_token_id"], num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        mask_token_id=cfg.get("mask_token_id", 0), algorithm=algorithm, num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
         aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg["norm_before_fc"],
         norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
         qk_norm=cfg.get("qk_norm", False),
     )
-    draft = PEagleDraft(dc)
+    draft = make_draft_head(dc)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
     missing, unexpected = draft.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
@@ -128,8 +133,10 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     except (OSError, json.JSONDecodeError) as e:
         raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
     required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
-                "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "mask_token_id",
-                "speculators_version"]
+                "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_version"]
+    peagle = cfg.get("speculators_model_type") != "eagle3"
+    if peagle:
+        required.append("mask_token_id")
     problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
     if problems:
         raise ExportError(f"{d}: " + "; ".join(problems))
@@ -137,7 +144,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
     hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
     expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, 3 * T), "norm.weight": (H,), "lm_head.weight": (Vd, H),
-              "d2t": (Vd,), "t2d": (V,), "mask_hidden": (1, 1, 3 * T)}
+              "d2t": (Vd,), "t2d": (V,)}
+    if peagle:
+        expect["mask_hidden"] = (1, 1, 3 * T)
     if cfg.get("norm_before_fc"):
         expect["fc_norm.weight"] = (3 * T,)
     for i in range(lc["num_hidden_layers"]):
@@ -165,8 +174,10 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
         ids = torch.arange(Vd) + sd["d2t"]
         if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
             problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")
-    mt = cfg["mask_token_id"]
-    if not (isinstance(mt, int) and 0 <= mt < V):
+    mt = cfg.get("mask_token_id")
+    if not peagle:
+        pass
+    elif not (isinstance(mt, int) and 0 <= mt < V):
         problems.append(f"mask_token_id {mt} outside the vocabulary [0, {V})")
     elif data_token_ids is not None and mt in data_token_ids:
         problems.append(f"mask_token_id {mt} is a token the training data uses")

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..target.features import FeatureTarget, align_for_draft
 from .cod import CODElements, cod_attention_mask, cod_block_mask, cod_sample, use_flex
+from .eagle3 import eagle3_step, ttt_anchors
 from .loss import LOSSES, depth_counts, metrics_from_counts
 
 
@@ -125,6 +126,10 @@ def check_training_config(tcfg) -> None:
     """Raise ValueError naming every training setting that is out of range (checked at start-up,
     before any model is loaded)."""
     problems = []
+    if tcfg.algorithm not in ("peagle", "eagle3"):
+        problems.append(f"algorithm={tcfg.algorithm!r} must be peagle or eagle3")
+    if not 0 < tcfg.ttt_decay <= 1:
+        problems.append(f"training.ttt_decay={tcfg.ttt_decay} must be in (0, 1]")
     if tcfg.num_depths < 1:
         problems.append(f"draft.num_depths={tcfg.num_depths} must be ≥ 1")
     for key in ("down_sample_ratio", "down_sample_ratio_min"):
@@ -164,7 +169,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    partitions, attention, seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
+    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
     a summary dict (steps, tokens, seconds, final metrics).
     """
     lengths = [len(x) for x in rows["input_ids"]]
@@ -194,10 +199,15 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     for step in bar:
         docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
         row = packed_row(target, docs, draft_ids)
-        el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
-                        tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
-        loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
-                                           attention=tcfg.attention, accelerator=accelerator)
+        if tcfg.algorithm == "eagle3":
+            anchors = ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)
+            loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss,
+                                                accelerator=accelerator)
+        else:
+            el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
+                            tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
+            loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
+                                               attention=tcfg.attention, accelerator=accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
         opt.step()
@@ -245,12 +255,12 @@ def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
 
 
 def load_checkpoint(ckpt_dir: Path):
-    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft (fp32)."""
+    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32)."""
     from safetensors.torch import load_file
 
-    from ..draft.peagle import DraftConfig, PEagleDraft
+    from ..draft.peagle import DraftConfig, make_draft_head
 
     meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
-    draft = PEagleDraft(DraftConfig(**meta["draft"]))
+    draft = make_draft_head(DraftConfig(**meta["draft"]))
     draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
     return draft, meta

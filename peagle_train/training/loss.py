@@ -32,8 +32,12 @@ def depth_counts(draft_logits, target_logits, anchors, depths, valid, num_depths
     argmax over the draft vocab), row 2 valid elements whose chain (same anchor, all shallower
     depths) was right, row 3 of those, the correct ones.
     """
+    return chain_counts(draft_logits.argmax(-1) == target_logits.argmax(-1), anchors, depths, valid, num_depths)
+
+
+def chain_counts(correct, anchors, depths, valid, num_depths: int) -> torch.Tensor:
+    """`depth_counts` from per-element correctness flags [M] bool (see there)."""
     K = num_depths
-    correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
     n = int(anchors.max()) + 1 if anchors.numel() else 1
     table = torch.zeros(n, K, dtype=torch.bool, device=anchors.device)
     table[anchors, depths] = correct

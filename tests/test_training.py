@@ -108,3 +108,27 @@ def test_a_few_steps_learn(target_model):
         opt.step()
         losses.append(loss)
     assert losses[-1] < 0.3 * losses[0]
+
+
+def test_part_mask_flex_equals_dense_with_kept_context(target_model):
+    """A part's queries (its chains) over keys = kept depth-0 context + those chains: the BlockMask
+    equals the dense slice, and the forward through the kept cache gives the same logits.
+    (FlexAttention has no backward on CPU; its gradients are exercised on CUDA.)"""
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    row = random_row(target_model, seed=6)
+    el = cod_sample(row.valid, row.doc_ids, 4, 0.8, 0.2, None, torch.Generator().manual_seed(4))
+    n = row.tokens.numel()
+    a, dp = el.anchors, el.depths  # depth 0 (all n positions) first, then the chains
+    M = a.numel()
+    bm = cod_block_mask(a, dp, row.doc_ids, q_start=n)
+    assert torch.equal(create_mask(bm.mask_mod, None, None, M - n, M, device="cpu")[0, 0],
+                       cod_attention_mask(a, dp, row.doc_ids)[n:])
+    with torch.no_grad():
+        tok, f = d.slot_inputs(row.tokens[a], row.features[a], dp > 0)
+        pos = (row.pos_ids[a] + dp)[None]
+        _, cache = d(tok[None, :n], f[None, :n], pos[:, :n], cod_attention_mask(a[:n], dp[:n], row.doc_ids)[None])
+        dense, _ = d(tok[None, n:], f[None, n:], pos[:, n:], cod_attention_mask(a, dp, row.doc_ids)[n:][None], cache)
+        flex, _ = d(tok[None, n:], f[None, n:], pos[:, n:], bm, cache)
+        full, _ = d(tok[None], f[None], pos, cod_attention_mask(a, dp, row.doc_ids)[None])
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense, full[:, n:], rtol=1e-5, atol=1e-5)

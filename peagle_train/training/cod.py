@@ -87,24 +87,36 @@ def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: tor
     return _cod_rule(anchors[:, None], depths[:, None], docs[:, None], anchors[None, :], depths[None, :], docs[None, :])
 
 
-def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor):
-    """The same mask as a FlexAttention BlockMask ([1, 1, M, M]); fully masked 128×128 blocks are
-    skipped by the kernel, so cost and memory follow the number of visible blocks, not M²."""
+def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0):
+    """The same mask as a FlexAttention BlockMask ([1, 1, M - q_start, M]: queries are the
+    elements from q_start on, keys all elements); fully masked 128×128 blocks are skipped by the
+    kernel, so cost and memory follow the number of visible blocks, not M²."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = doc_ids[anchors]
 
     def mask_mod(b, h, q, k):
-        return _cod_rule(anchors[q], depths[q], docs[q], anchors[k], depths[k], docs[k])
+        qi = q + q_start
+        return _cod_rule(anchors[qi], depths[qi], docs[qi], anchors[k], depths[k], docs[k])
 
     M = anchors.numel()
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M, KV_LEN=M, device=anchors.device)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device)
+
+
+def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, flex: bool, q_start: int = 0):
+    """Queries = elements[q_start:], keys = all elements: a dense [1, Mq, M] bool mask or a BlockMask."""
+    if flex:
+        return cod_block_mask(anchors, depths, doc_ids, q_start)
+    return cod_attention_mask(anchors, depths, doc_ids)[q_start:][None]
 
 
 def use_flex(attention: str, device: torch.device) -> bool:
     """Whether to use FlexAttention: `flex` always, `dense` never, `auto` on CUDA devices.
 
-    Raises ValueError for any other setting."""
+    Raises ValueError for any other setting, and for `flex` on a CPU device (FlexAttention has
+    no backward on CPU)."""
     if attention not in ("auto", "flex", "dense"):
         raise ValueError(f"training.attention={attention!r} must be one of auto, flex, dense")
+    if attention == "flex" and torch.device(device).type == "cpu":
+        raise ValueError("training.attention=flex: FlexAttention has no backward on CPU; use auto or dense here")
     return attention == "flex" or (attention == "auto" and torch.device(device).type == "cuda")

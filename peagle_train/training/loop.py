@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..target.features import FeatureTarget, align_for_draft
-from .cod import CODElements, cod_attention_mask, cod_block_mask, cod_sample, use_flex
+from .cod import CODElements, cod_mask, cod_sample, use_flex
 from .eagle3 import eagle3_step, ttt_anchors
-from .loss import LOSSES, depth_counts, metrics_from_counts
+from .loss import LOSSES, chain_counts, depth_counts, metrics_from_counts
 
 
 @dataclass
@@ -76,14 +76,15 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     """Forward the draft over the COD elements of one row, compute the loss and backpropagate.
 
     The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4).
-    Sequence partitioning (P-EAGLE Algorithm 1): the row's positions are cut into `partitions`
-    contiguous parts; part p forwards the depth-0 context before and inside it plus the chains
-    anchored inside it, and back-propagates only the loss of its own elements (scaled by the
-    whole row's count). Every element sees exactly what it sees unpartitioned, so the summed
-    gradients equal the unpartitioned step's, while the attention of one part spans only its
-    chains instead of all of the row's (COD multiplies the axis by up to K).
+    Sequence partitioning (P-EAGLE Algorithm 1, gradient accumulation within a sequence): with
+    partitions = P > 1, the depth-0 context is run once and its per-layer keys/values are kept;
+    the row's positions are cut into P contiguous parts, and each part runs only the chains
+    (depth ≥ 1) anchored in it, attending to the kept context, and back-propagates its own loss
+    at once; the depth-0 loss goes last. Every element sees what it sees unpartitioned, so the
+    gradients equal the unpartitioned step's, while attention over the chains never spans more
+    than one part: memory grows with the row, not with the row times the COD axis (≈ K×).
     `attention`: dense | flex | auto (training/cod.py `use_flex`). With an Accelerator, its
-    backward is used and gradient sync waits for the last part.
+    backward is used and gradient sync waits for the last backward.
 
     Returns (loss value (float), valid_count (int), depth_counts [4, K]).
     """
@@ -93,33 +94,59 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     valid_all = row.valid[a_all + d_all]
     count = max(int(valid_all.sum()), 1)
     flex = use_flex(attention, dev)
+
+    def run(a, d, q_start=0, cache=None):
+        """Forward elements (a, d)[q_start:] given the kept keys/values of (a, d)[:q_start]."""
+        tokens, feats = core.slot_inputs(row.tokens[a[q_start:]], row.features[a[q_start:]], d[q_start:] > 0)
+        mask = cod_mask(a, d, row.doc_ids, flex, q_start)
+        h, cache = core.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[q_start:][None], mask, cache)
+        return core.logits(h[0]), cache
+
+    def backward(loss, last, retain=False):
+        if accelerator is None:
+            loss.backward(retain_graph=retain)
+        elif last:
+            accelerator.backward(loss, retain_graph=retain)
+        else:
+            with accelerator.no_sync(draft):
+                accelerator.backward(loss, retain_graph=retain)
+
+    def loss_and_counts(logits, a, d, lmask):
+        tl = row.target_logits[a + d]
+        with torch.no_grad():
+            c = depth_counts(logits, tl, a, d, lmask, num_depths).cpu()
+        return LOSSES[loss_name](logits, tl, lmask) / count, c
+
+    if partitions == 1:
+        logits, _ = run(a_all, d_all)
+        loss, counts = loss_and_counts(logits, a_all, d_all, valid_all)
+        backward(loss, last=True)
+        return loss.item(), count, counts
     n = row.tokens.numel()
+    ctx = d_all == 0
+    a0, d0 = a_all[ctx], d_all[ctx]  # depth 0: every position, in order
+    logits0, cache0 = run(a0, d0)
+    correct0 = logits0.detach().argmax(-1) == row.target_logits[a0].argmax(-1)
     bounds = torch.linspace(0, n, partitions + 1).round().long().tolist()
     total, counts = 0.0, torch.zeros(4, num_depths, dtype=torch.float64)
     for p in range(partitions):
-        s, e = bounds[p], bounds[p + 1]
-        own = (a_all >= s) & (a_all < e)
-        sel = own | ((d_all == 0) & (a_all < s))
-        a, dpt = a_all[sel], d_all[sel]
-        tgt = a + dpt
-        tokens, feats = core.slot_inputs(row.tokens[a], row.features[a], dpt > 0)
-        mask = (cod_block_mask if flex else cod_attention_mask)(a, dpt, row.doc_ids)
-        logits, _ = draft(tokens[None], feats[None], (row.pos_ids[a] + dpt)[None], mask if flex else mask[None])
-        logits, tl = logits[0], row.target_logits[tgt]
-        lmask = row.valid[tgt] & own[sel]
+        own = ~ctx & (a_all >= bounds[p]) & (a_all < bounds[p + 1])
+        if not own.any():
+            continue
+        a, d = torch.cat([a0, a_all[own]]), torch.cat([d0, d_all[own]])
+        logits, _ = run(a, d, q_start=n, cache=cache0)
+        tl = row.target_logits[a[n:] + d[n:]]
+        lmask = row.valid[a[n:] + d[n:]]
         loss = LOSSES[loss_name](logits, tl, lmask) / count
-        last = p == partitions - 1
-        if accelerator is None:
-            loss.backward()
-        elif last:
-            accelerator.backward(loss)
-        else:
-            with accelerator.no_sync(draft):
-                accelerator.backward(loss)
+        backward(loss, last=False, retain=True)
         total += loss.item()
-        with torch.no_grad():
-            counts += depth_counts(logits, tl, a, dpt, lmask, num_depths).cpu()
-    return total, int(valid_all.sum()), counts
+        with torch.no_grad():  # chain metrics need the depth-0 correctness of the same anchors
+            corr = torch.cat([correct0, logits.argmax(-1) == tl.argmax(-1)])
+            only_chain = torch.cat([torch.zeros(n, dtype=torch.bool, device=dev), lmask])
+            counts += chain_counts(corr, a, d, only_chain, num_depths).cpu()
+    loss0, c0 = loss_and_counts(logits0, a0, d0, valid_all[ctx])
+    backward(loss0, last=True)
+    return total + loss0.item(), count, counts + c0
 
 
 def check_training_config(tcfg) -> None:
@@ -144,10 +171,8 @@ def check_training_config(tcfg) -> None:
         problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
     if tcfg.schedule not in ("cosine", "linear", "constant"):
         problems.append(f"training.schedule={tcfg.schedule!r} must be cosine, linear or constant")
-    try:
-        use_flex(tcfg.attention, "cpu")
-    except ValueError as e:
-        problems.append(str(e))
+    if tcfg.attention not in ("auto", "flex", "dense"):
+        problems.append(f"training.attention={tcfg.attention!r} must be one of auto, flex, dense")
     if problems:
         raise ValueError("Invalid training config: " + "; ".join(problems))
 
@@ -185,6 +210,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
                             weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
+    use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
     draft, opt, sched = accelerator.prepare(draft, opt, sched)
     draft.train()
     draft_ids = draft_ids.to(accelerator.device)

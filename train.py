@@ -76,7 +76,8 @@ def main(cfg: DictConfig) -> dict:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,
                          verifier_architectures=list(target.config.architectures or []),
-                         dtype=dtype_of(cfg.export.dtype), data_token_ids=used)
+                         dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
+                         card={"data": data.summary, "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}})
             log(f"export written and validated: {out / 'export'}")
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)

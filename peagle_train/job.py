@@ -38,7 +38,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     cfg = DraftConfig.from_target(
         target.config, num_layers=dcfg.num_layers, draft_vocab_size=len(vocab.draft_ids),
         mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
-        norm_before_fc=dcfg.norm_before_fc, norm_before_residual=dcfg.norm_before_residual,
+        norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
         gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
     )
     cfg.check_target(target.config)

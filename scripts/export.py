@@ -1,6 +1,6 @@
 """Export a training checkpoint in the speculators P-EAGLE format, or validate an export.
 
-    python scripts/export.py checkpoint=runs/demo/checkpoint output=runs/demo/export2 [export.dtype=bfloat16]
+    python scripts/export.py checkpoint=runs/demo/checkpoint output=runs/demo/export2 [dtype=bfloat16] [overwrite=true]
     python scripts/export.py validate=runs/demo/export
 """
 
@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from peagle_train.export.speculators import ExportError, validate_export, write_export
 from peagle_train.job import dtype_of
+from peagle_train.target.load import load_target_config
 from peagle_train.training.loop import load_checkpoint
 
 
@@ -30,11 +31,31 @@ def main(cfg: DictConfig) -> None:
         return
     if not cfg.get("checkpoint"):
         raise SystemExit("Give checkpoint=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")
-    draft, meta = load_checkpoint(Path(cfg.checkpoint))
+    ckpt = Path(cfg.checkpoint)
+    if not (ckpt / "draft_config.json").is_file():
+        raise SystemExit(f"checkpoint={ckpt}: no draft_config.json there. Fix: point it at runs/<run>/checkpoint.")
+    try:
+        draft, meta = load_checkpoint(ckpt)
+    except ValueError as e:
+        raise SystemExit(f"export refused: {e}")
+    if cfg.check_target:  # the head must read the target it will be served with
+        try:
+            draft.config.check_target(load_target_config(cfg.target.path))
+        except ValueError as e:
+            raise SystemExit(f"export refused: {e}. Fix: target.path=<the target this head was trained for>.")
     out = cfg.get("output") or str(Path(cfg.output_dir) / "export")
-    arch = json.loads((Path(cfg.checkpoint) / "draft_config.json").read_text()).get("verifier_architectures", ["LlamaForCausalLM"])
-    write_export(draft, out, verifier_name_or_path=cfg.target.name_or_path, verifier_architectures=arch,
-                 dtype=dtype_of(cfg.export.dtype))
+    run = ckpt.parent  # the run directory: its last evaluation and data summary go into the model card
+    card = {"acceptance": {}}
+    if (run / "eval" / "acceptance.json").is_file():
+        card["acceptance"]["mt_bench"] = json.loads((run / "eval" / "acceptance.json").read_text())
+    if (run / "data" / "summary.json").is_file():
+        card["data"] = json.loads((run / "data" / "summary.json").read_text())
+    try:
+        write_export(draft, out, verifier_name_or_path=meta.get("verifier_name_or_path", cfg.target.name_or_path),
+                     verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
+                     dtype=dtype_of(cfg.dtype or cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
+    except ExportError as e:
+        raise SystemExit(f"export refused: {e}")
     print(f"export written and validated: {out}")
 
 

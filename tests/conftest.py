@@ -12,7 +12,7 @@ CHATML = (
 )
 
 
-def tiny_llama(vocab_size: int = 128, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(vocab_size: int = 128, layers: int = 8, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -8,7 +8,14 @@ from peagle_train.training.loop import packed_row
 
 def test_default_aux_layers():
     assert default_aux_layer_ids(30) == [2, 15, 27]
-    assert default_aux_layer_ids(6) == [2, 3, 3]
+    assert default_aux_layer_ids(8) == [2, 4, 5]
+
+
+def test_repeated_aux_layers_are_refused(target_model):
+    import pytest
+
+    with pytest.raises(ValueError, match="3 distinct layer indices"):
+        FeatureTarget(target_model, [2, 3, 3])
 
 
 def test_capture_equals_output_hidden_states(target_model):

@@ -21,7 +21,7 @@ def test_export_roundtrip_and_config(tmp_path, target_model):
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert cfg["transformer_layer_config"]["max_position_embeddings"] == target_model.config.max_position_embeddings
     assert cfg["mask_token_id"] == 127 and cfg["draft_vocab_size"] == 64
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     sd = load_file(str(out / "model.safetensors"))
     assert sd["embed_tokens.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64
     assert sd["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # 2H inputs
@@ -59,3 +59,62 @@ def test_validator_catches_broken_exports(tmp_path, target_model):
     save_file(sd, str(out / "model.safetensors"))
     with pytest.raises(ExportError, match="training data uses"):
         validate_export(out, data_token_ids={127})
+
+
+def test_export_refuses_overwrite_and_never_leaves_half_an_export(tmp_path, target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="x", verifier_architectures=["LlamaForCausalLM"])
+    with pytest.raises(ExportError, match="already holds files.*overwrite=true"):
+        write_export(d, out, verifier_name_or_path="x", verifier_architectures=["LlamaForCausalLM"])
+    write_export(d, out, verifier_name_or_path="y", verifier_architectures=["LlamaForCausalLM"], overwrite=True)
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "y"
+    # a failing validation (mask token used by the data) leaves nothing behind
+    with pytest.raises(ExportError, match="training data uses"):
+        write_export(d, tmp_path / "bad", verifier_name_or_path="x", verifier_architectures=["LlamaForCausalLM"],
+                     data_token_ids={127})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    del d.mask_hidden
+    with pytest.raises(ExportError, match="no mask_hidden"):
+        write_export(d, tmp_path / "nomask", verifier_name_or_path="x", verifier_architectures=["LlamaForCausalLM"])
+
+
+def test_model_card_has_tau_and_the_vllm_command(tmp_path, target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
+    acc = {"acceptance_length": 2.5, "per_position_acceptance": [0.8, 0.5, 0.2, 0.0, 0.0], "num_prompts": 80,
+           "num_speculative_tokens": 5, "lossless": True}
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="org/target", verifier_architectures=["LlamaForCausalLM"],
+                       card={"acceptance": {"mt_bench": acc}, "data": {"conversations_kept": 7, "file": "/x/sg.json",
+                                                                          "tokens": 100, "supervised_tokens": 60}})
+    text = (out / "README.md").read_text()
+    assert "| mt_bench | 80 | 5 | 2.500 | 0.800, 0.500, 0.200, 0.000, 0.000 | True |" in text
+    assert ('vllm serve org/target --speculative-config \'{"method": "eagle3", "model": "<this directory>", '
+            '"num_speculative_tokens": 5, "parallel_drafting": true}\'') in text
+    assert "7 conversations from `sg.json`" in text
+
+
+def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
+    """bf16 export → fp32 reload: the same greedy proposals and acceptance on the tiny target
+    (logits agree to bf16 precision, ~1e-2 relative, far below the argmax margins here)."""
+    from peagle_train.decoding.decoder import speculative_generate, target_generate
+    from peagle_train.training.loop import load_checkpoint, save_checkpoint
+
+    t, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    ckpt, _ = load_checkpoint(save_checkpoint(d, tmp_path / "ckpt"))
+    back = load_export(write_export(ckpt, tmp_path / "exp", verifier_name_or_path="x", verifier_architectures=["L"]))
+    for prompt in ([1, 2, 3, 4, 5], [90, 80, 70]):
+        a = speculative_generate(t, ckpt, prompt, 4, 30, set())
+        b = speculative_generate(t, back, prompt, 4, 30, set())
+        assert a.tokens == b.tokens == target_generate(t, prompt, 30, set()).tokens
+        assert a.accepted == b.accepted
+
+
+def test_checkpoint_without_mask_hidden_is_refused(tmp_path, target_model):
+    from peagle_train.training.loop import load_checkpoint, save_checkpoint
+
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=1)
+    ckpt = save_checkpoint(d, tmp_path / "ckpt")
+    sd = load_file(str(ckpt / "model.safetensors"))
+    del sd["mask_hidden"]
+    save_file(sd, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['mask_hidden'\]"):
+        load_checkpoint(ckpt)

@@ -19,7 +19,7 @@ from .test_training import grads_of, random_row
 
 def tiny_qwen3():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       tie_word_embeddings=False)
     m = Qwen3ForCausalLM(cfg).eval()
@@ -57,7 +57,7 @@ def base_cfg(**kw):
     return dict(vocab_size=128, draft_vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                 max_position_embeddings=512, target_hidden_size=64, mask_token_id=127, num_depths=4,
-                aux_layer_ids=[2, 3, 3]) | kw
+                aux_layer_ids=[2, 4, 5]) | kw
 
 
 @pytest.mark.parametrize("kw, msg", [

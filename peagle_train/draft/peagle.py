@@ -1,7 +1,8 @@
 """The P-EAGLE draft head (DESIGN.md §3; P-EAGLE arXiv 2602.01469 §3, EAGLE-3 arXiv 2503.01840).
 
 Layout (module names follow transformers' Llama so exports load in vLLM / speculators):
-    fc            Linear(3H → H, no bias) over the concatenated aux hidden states
+    fc            Linear(3H → H, no bias) over the concatenated aux hidden states (options:
+                  `input_norm` over all 3H, `fc_norm` per aux chunk, as speculators names them)
     layers[0]     input = cat(input_layernorm(embed(token)), hidden_norm(fc(feature))) : 2H,
                   q/k/v take 2H, o_proj gives H; residual = fc(feature)
     layers[1..]   ordinary Llama decoder layers
@@ -46,7 +47,8 @@ class DraftConfig:
     mask_token_id: int = 0
     num_depths: int = 8
     aux_layer_ids: list = field(default_factory=list)
-    norm_before_fc: bool = False
+    norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)
+    fc_norm: bool = False           # one RMSNorm per aux layer's H chunk before fc (`fc_norm.{0,1,2}`)
     norm_before_residual: bool = False
     model_type: str = "llama"       # the target family of layers 1..L-1: llama | qwen3
     qk_norm: bool = False           # Qwen3-style per-head RMSNorm of q and k before RoPE
@@ -234,7 +236,9 @@ class PEagleDraft(nn.Module):
         T = cfg.target_hidden_size or H
         self.embed_tokens = nn.Embedding(V, H)
         if cfg.norm_before_fc:
-            self.fc_norm = LlamaRMSNorm(3 * T, eps=cfg.rms_norm_eps)
+            self.input_norm = LlamaRMSNorm(3 * T, eps=cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(T, eps=cfg.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * T, H, bias=False)
         self.layers = nn.ModuleList(DraftLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
@@ -267,7 +271,9 @@ class PEagleDraft(nn.Module):
         output back this way). Returns (hidden [B, N, H], new cache list)."""
         if project:
             if self.config.norm_before_fc:
-                features = self.fc_norm(features)
+                features = self.input_norm(features)
+            if self.config.fc_norm:
+                features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
             features = self.fc(features)
         h = features
         embeds = self.embed_tokens(tokens)

@@ -8,6 +8,8 @@ Served by: vllm serve <target> --speculative-config
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,8 +60,8 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
         "norm_before_fc": c.norm_before_fc,
-        "fc_norm": c.norm_before_fc,
-        "norm_output": True,
+        "fc_norm": c.fc_norm,
+        "norm_output": False,  # the fed-back hidden state is the pre-norm one (EAGLE-3)
         "embed_requires_grad": True,
         "target_hidden_size": c.target_hidden_size,
         "tie_word_embeddings": False,
@@ -77,18 +79,73 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
 
 def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_path: str,
                  verifier_architectures: list[str], dtype: torch.dtype = torch.bfloat16,
-                 data_token_ids: set[int] | None = None) -> Path:
-    """Write config.json + model.safetensors, then validate the directory against `draft`.
+                 data_token_ids: set[int] | None = None, card: dict | None = None, overwrite: bool = False) -> Path:
+    """Write config.json + model.safetensors + README.md (model card), validated, atomically.
 
-    Raises ExportError when the written directory fails validation.
+    Everything is written to a temporary sibling directory, validated against `draft`, and only
+    then renamed to `out_dir`: an interrupted or failed export never leaves a half-written one.
+    `card`: optional {"data": data summary, "acceptance": {benchmark: acceptance dict}} for the
+    model card.
+
+    Raises:
+        ExportError: the head lacks what the format needs (e.g. `mask_hidden`), the written
+            directory fails validation, or `out_dir` holds another export and overwrite is False.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
-    save_file(export_state_dict(draft, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    validate_export(out, reference=draft, data_token_ids=data_token_ids)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} already holds files (another export?). Fix: choose another output or pass overwrite=true.")
+    if draft.config.algorithm == "peagle" and not hasattr(draft, "mask_hidden"):
+        raise ExportError("the head has no mask_hidden: it cannot be served as a P-EAGLE head")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
+        save_file(export_state_dict(draft, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "README.md").write_text(model_card(cfg, card or {}))
+        validate_export(tmp, reference=draft, data_token_ids=data_token_ids)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     return out
+
+
+def model_card(cfg: dict, card: dict) -> str:
+    """README.md of an export: target, data, K_train, measured τ per benchmark, the vLLM command."""
+    sc = cfg["speculators_config"]
+    verifier = sc["verifier"]["name_or_path"]
+    K = sc["proposal_methods"][0]["speculative_tokens"]
+    peagle = cfg["speculators_model_type"] == "peagle"
+    spec = {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": K}
+    if peagle:
+        spec["parallel_drafting"] = True
+    lines = [f"# {'P-EAGLE' if peagle else 'EAGLE-3'} draft head for {verifier}", "",
+             f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
+             f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
+             f"{cfg['eagle_aux_hidden_state_layer_ids']}" + (f", mask token {cfg['mask_token_id']}." if peagle else "."), ""]
+    data = card.get("data")
+    if data:
+        lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from `{Path(str(data.get('file'))).name}`, "
+                  f"{data.get('tokens')} tokens ({data.get('supervised_tokens')} supervised), chat template of the target, "
+                  "assistant-only loss.", ""]
+    acc = card.get("acceptance") or {}
+    lines += ["## Measured acceptance (reference decoder, greedy)", ""]
+    if acc:
+        lines += ["| benchmark | prompts | K | τ | per-position acceptance | lossless |", "|---|---|---|---|---|---|"]
+        for name, r in acc.items():
+            pos = ", ".join(f"{x:.3f}" for x in r["per_position_acceptance"])
+            lines.append(f"| {name} | {r['num_prompts']} | {r['num_speculative_tokens']} | {r['acceptance_length']:.3f} | "
+                         f"{pos} | {r['lossless']} |")
+    else:
+        lines.append("Not measured yet: run `python scripts/evaluate.py head=<this directory>`.")
+    lines += ["", "## Serve with vLLM", "", "```bash", f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
+              "```", ""]
+    return "\n".join(lines)
 
 
 def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
@@ -104,7 +161,8 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
         head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
         rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
         mask_token_id=cfg.get("mask_token_id", 0), algorithm=algorithm, num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg["norm_before_fc"],
+        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg.get("norm_before_fc", False),
+        fc_norm=cfg.get("fc_norm", False),
         norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
         qk_norm=cfg.get("qk_norm", False),
     )
@@ -130,7 +188,7 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     try:
         cfg = json.loads((d / "config.json").read_text())
         sd = load_file(str(d / "model.safetensors"))
-    except (OSError, json.JSONDecodeError) as e:
+    except Exception as e:  # missing files, bad JSON, a corrupt safetensors header
         raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
     required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
                 "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_version"]
@@ -148,7 +206,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     if peagle:
         expect["mask_hidden"] = (1, 1, 3 * T)
     if cfg.get("norm_before_fc"):
-        expect["fc_norm.weight"] = (3 * T,)
+        expect["input_norm.weight"] = (3 * T,)
+    if cfg.get("fc_norm"):
+        expect.update({f"fc_norm.{i}.weight": (T,) for i in range(3)})
     for i in range(lc["num_hidden_layers"]):
         w = 2 * H if i == 0 else H
         p = f"layers.{i}."

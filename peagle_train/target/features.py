@@ -15,7 +15,8 @@ import torch
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default)."""
+    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default); distinct for
+    N ≥ 8."""
     return [2, num_layers // 2, num_layers - 3]
 
 
@@ -45,8 +46,10 @@ class FeatureTarget:
         self.layers = self.decoder.layers
         n = len(self.layers)
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n)
-        if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids={self.aux_layer_ids} must be 3 layer indices in [0, {n}) (vLLM assumes 3H features)")
+        ids = self.aux_layer_ids
+        if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
+            raise ValueError(f"aux_layer_ids={ids} must be 3 distinct layer indices in [0, {n}) (vLLM assumes 3H "
+                             "features; speculators rejects repeated layers). Fix: set target.aux_layer_ids.")
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
         self._captured: dict[int, torch.Tensor] = {}

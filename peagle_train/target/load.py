@@ -66,3 +66,22 @@ def _dequantised_gguf_dir(gguf: Path, log) -> Path:
     tok.save_pretrained(str(tmp))
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def load_target_config(path: str):
+    """The target's HF config without loading its weights (GGUF: from the dequantised cache if
+    present, else from the GGUF metadata). Raises FileNotFoundError like `load_target`."""
+    from transformers import AutoConfig
+
+    p = resolve_path(path)
+    try:
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {p}")
+            cached = sorted(CACHE_DIR.glob(f"{p.stem}-*/config.json"))
+            if cached:
+                return AutoConfig.from_pretrained(str(cached[-1].parent))
+            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoConfig.from_pretrained(str(p) if p.exists() else path, local_files_only=True)
+    except OSError as e:
+        raise FileNotFoundError(f"Cannot read the config of target '{path}': {e}") from e

@@ -107,7 +107,9 @@ def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor,
     """Queries = elements[q_start:], keys = all elements: a dense [1, Mq, M] bool mask or a BlockMask."""
     if flex:
         return cod_block_mask(anchors, depths, doc_ids, q_start)
-    return cod_attention_mask(anchors, depths, doc_ids)[q_start:][None]
+    docs = doc_ids[anchors]
+    q = slice(q_start, None)
+    return _cod_rule(anchors[q, None], depths[q, None], docs[q, None], anchors[None], depths[None], docs[None])[None]
 
 
 def use_flex(attention: str, device: torch.device) -> bool:

@@ -59,21 +59,17 @@ def eagle3_forward(core, row, anchors: torch.Tensor, ttt_steps: int) -> list[tup
     return steps
 
 
-def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float, loss_name: str, accelerator=None):
+def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float, loss_name: str):
     """One EAGLE-3 TTT step over a packed row (training/loop.PackedRow) and its backward.
 
     loss = Σ_j decay^j · (Σ loss of step j's valid elements / their count).
     Returns (loss value, valid count, depth_counts [4, ttt_steps]) like `draft_step`.
     """
-    core = draft.module if hasattr(draft, "module") else draft
     loss, rec = 0.0, []
-    for j, (a, d, logits) in enumerate(eagle3_forward(core, row, anchors, ttt_steps)):
+    for j, (a, d, logits) in enumerate(eagle3_forward(draft, row, anchors, ttt_steps)):
         tl, lm = row.target_logits[a + j], row.valid[a + j]
         loss = loss + decay**j * LOSSES[loss_name](logits, tl, lm) / max(int(lm.sum()), 1)
         rec.append((logits.detach().argmax(-1) == tl.argmax(-1), a, d, lm))
-    if accelerator is None:
-        loss.backward()
-    else:
-        accelerator.backward(loss)
+    loss.backward()  # local gradients; the loop averages them over processes
     correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
     return loss.item(), int(vv.sum()), chain_counts(correct, aa, dd, vv, ttt_steps).cpu()

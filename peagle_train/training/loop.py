@@ -72,44 +72,39 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
 
 
 def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int, *,
-               partitions: int = 1, attention: str = "dense", accelerator=None):
+               partitions: int = 1, attention: str = "dense", loss_norm: float | None = None):
     """Forward the draft over the COD elements of one row, compute the loss and backpropagate.
 
     The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4).
     Sequence partitioning (P-EAGLE Algorithm 1, gradient accumulation within a sequence): with
-    partitions = P > 1, the depth-0 context is run once and its per-layer keys/values are kept;
-    the row's positions are cut into P contiguous parts, and each part runs only the chains
-    (depth ≥ 1) anchored in it, attending to the kept context, and back-propagates its own loss
-    at once; the depth-0 loss goes last. Every element sees what it sees unpartitioned, so the
-    gradients equal the unpartitioned step's, while attention over the chains never spans more
-    than one part: memory grows with the row, not with the row times the COD axis (≈ K×).
-    `attention`: dense | flex | auto (training/cod.py `use_flex`). With an Accelerator, its
-    backward is used and gradient sync waits for the last backward.
+    partitions = P > 1, the depth-0 context is run once and its per-layer keys/values are kept as
+    detached leaves; the row's positions are cut into P contiguous parts, and each part runs only
+    the chains (depth ≥ 1) anchored in it, attending to the kept context, and back-propagates its
+    own loss at once, accumulating gradients into the weights and into the kept keys/values; one
+    final backward takes the depth-0 loss and those key/value gradients through the context.
+    Every element sees what it sees unpartitioned, so the gradients equal the unpartitioned
+    step's (chain rule), while attention over the chains never spans more than one part: memory
+    grows with the row, not with the row times the COD axis (≈ K×).
+    `attention`: dense | flex | auto (training/cod.py `use_flex`). Gradients are local: with
+    several processes, average them afterwards (`average_gradients`).
+    `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
+    (valid count of all processes) / W so that DDP's gradient mean equals one process's step
+    over all rows (see `global_loss_norm`).
 
     Returns (loss value (float), valid_count (int), depth_counts [4, K]).
     """
-    core = draft.module if hasattr(draft, "module") else draft
     dev = row.tokens.device
     a_all, d_all = elements.anchors.to(dev), elements.depths.to(dev)
     valid_all = row.valid[a_all + d_all]
-    count = max(int(valid_all.sum()), 1)
+    count = loss_norm if loss_norm is not None else max(int(valid_all.sum()), 1)
     flex = use_flex(attention, dev)
 
     def run(a, d, q_start=0, cache=None):
         """Forward elements (a, d)[q_start:] given the kept keys/values of (a, d)[:q_start]."""
-        tokens, feats = core.slot_inputs(row.tokens[a[q_start:]], row.features[a[q_start:]], d[q_start:] > 0)
+        tokens, feats = draft.slot_inputs(row.tokens[a[q_start:]], row.features[a[q_start:]], d[q_start:] > 0)
         mask = cod_mask(a, d, row.doc_ids, flex, q_start)
-        h, cache = core.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[q_start:][None], mask, cache)
-        return core.logits(h[0]), cache
-
-    def backward(loss, last, retain=False):
-        if accelerator is None:
-            loss.backward(retain_graph=retain)
-        elif last:
-            accelerator.backward(loss, retain_graph=retain)
-        else:
-            with accelerator.no_sync(draft):
-                accelerator.backward(loss, retain_graph=retain)
+        h, cache = draft.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[q_start:][None], mask, cache)
+        return draft.logits(h[0]), cache
 
     def loss_and_counts(logits, a, d, lmask):
         tl = row.target_logits[a + d]
@@ -120,12 +115,15 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     if partitions == 1:
         logits, _ = run(a_all, d_all)
         loss, counts = loss_and_counts(logits, a_all, d_all, valid_all)
-        backward(loss, last=True)
-        return loss.item(), count, counts
+        loss.backward()
+        return loss.item(), int(valid_all.sum()), counts
     n = row.tokens.numel()
     ctx = d_all == 0
-    a0, d0 = a_all[ctx], d_all[ctx]  # depth 0: every position, in order
+    a0, d0 = a_all[ctx], d_all[ctx]  # depth 0: every position, in order (cod_sample's layout)
+    if not torch.equal(a0, torch.arange(n, device=dev)):
+        raise ValueError("partitioned step: depth 0 must hold every row position in order (as cod_sample gives)")
     logits0, cache0 = run(a0, d0)
+    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cache0]
     correct0 = logits0.detach().argmax(-1) == row.target_logits[a0].argmax(-1)
     bounds = torch.linspace(0, n, partitions + 1).round().long().tolist()
     total, counts = 0.0, torch.zeros(4, num_depths, dtype=torch.float64)
@@ -134,19 +132,43 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
         if not own.any():
             continue
         a, d = torch.cat([a0, a_all[own]]), torch.cat([d0, d_all[own]])
-        logits, _ = run(a, d, q_start=n, cache=cache0)
+        logits, _ = run(a, d, q_start=n, cache=leaves)
         tl = row.target_logits[a[n:] + d[n:]]
         lmask = row.valid[a[n:] + d[n:]]
         loss = LOSSES[loss_name](logits, tl, lmask) / count
-        backward(loss, last=False, retain=True)
+        loss.backward()  # into the weights and the kept keys/values, not yet through the context
         total += loss.item()
         with torch.no_grad():  # chain metrics need the depth-0 correctness of the same anchors
             corr = torch.cat([correct0, logits.argmax(-1) == tl.argmax(-1)])
             only_chain = torch.cat([torch.zeros(n, dtype=torch.bool, device=dev), lmask])
             counts += chain_counts(corr, a, d, only_chain, num_depths).cpu()
     loss0, c0 = loss_and_counts(logits0, a0, d0, valid_all[ctx])
-    backward(loss0, last=True)
-    return total + loss0.item(), count, counts + c0
+    kv = [t for pair in cache0 for t in pair]
+    kv_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for pair in leaves for leaf in pair]
+    torch.autograd.backward([loss0, *kv], [torch.ones_like(loss0), *kv_grads])  # one pass through the context
+    return total + loss0.item(), int(valid_all.sum()), counts + c0
+
+
+def average_gradients(model, accelerator) -> None:
+    """Mean of the gradients over processes, in one flat all-reduce (no-op for one process).
+
+    Done by hand rather than by a DDP wrapper because a step runs several forwards per backward
+    (sequence partitioning, EAGLE-3 TTT steps), which DDP's hooks do not follow."""
+    if accelerator.num_processes == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = accelerator.reduce(torch.cat([g.flatten() for g in grads]), "mean")
+    i = 0
+    for g in grads:
+        g.copy_(flat[i:i + g.numel()].view_as(g))
+        i += g.numel()
+
+
+def global_loss_norm(accelerator, valid_count: int) -> float:
+    """(Σ over processes of valid_count) / W: the per-process loss divisor for which DDP's
+    gradient mean equals the gradient of Σ loss / Σ count over all processes' rows (DESIGN §4)."""
+    total = accelerator.reduce(torch.tensor(float(valid_count), device=accelerator.device), "sum")
+    return max(float(total), 1.0) / accelerator.num_processes
 
 
 def check_training_config(tcfg) -> None:
@@ -211,7 +233,16 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
                             weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
     use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
-    draft, opt, sched = accelerator.prepare(draft, opt, sched)
+    if accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"):
+        raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported yet "
+                                  "(DeepSpeed/FSDP engines come with issue 6); launch with plain multi-process DDP")
+    draft = draft.to(accelerator.device)
+    if W > 1:  # every process starts from rank 0's weights
+        import torch.distributed as dist
+
+        for t in draft.state_dict().values():
+            dist.broadcast(t, 0)
+    opt, sched = accelerator.prepare(opt, sched)
     draft.train()
     draft_ids = draft_ids.to(accelerator.device)
     gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
@@ -227,13 +258,14 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         row = packed_row(target, docs, draft_ids)
         if tcfg.algorithm == "eagle3":
             anchors = ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)
-            loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss,
-                                                accelerator=accelerator)
+            loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)
         else:
             el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
                             tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
+            norm = global_loss_norm(accelerator, int(row.valid[el.targets.to(row.valid.device)].sum()))
             loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
-                                               attention=tcfg.attention, accelerator=accelerator)
+                                               attention=tcfg.attention, loss_norm=norm)
+        average_gradients(draft, accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
         opt.step()
@@ -262,7 +294,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     final = metrics_from_counts(sum(window))
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
-            "all_metrics": metrics_from_counts(total_counts), "draft": accelerator.unwrap_model(draft)}
+            "all_metrics": metrics_from_counts(total_counts), "draft": draft}
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
@@ -281,12 +313,18 @@ def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
 
 
 def load_checkpoint(ckpt_dir: Path):
-    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32)."""
+    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32).
+
+    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones."""
     from safetensors.torch import load_file
 
     from ..draft.peagle import DraftConfig, make_draft_head
 
     meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
     draft = make_draft_head(DraftConfig(**meta["draft"]))
-    draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    missing, unexpected = draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "
+                         f"unexpected {unexpected}. Fix: re-save it with this version of peagle-train.")
     return draft, meta

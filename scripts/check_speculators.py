@@ -1,0 +1,57 @@
+"""The real client test: load an export with the `speculators` library's own loader.
+
+Usage: check_speculators.py EXPORT_DIR [VERIFIER_DIR]. speculators loads the verifier's lm_head
+when it loads a head; with no hub access, give a local HF directory of the target (for the GGUF
+default: the dequantised copy under ~/.cache/peagle_train/).
+
+Runs in its own environment (speculators 0.9 needs torch ≤ 2.14.1 with torchvision/torchaudio,
+unlike the CPU build used for the tests); `scripts/check_speculators.sh EXPORT_DIR` builds it.
+Checks that the model class is the one the config names, that no exported tensor is missing from
+or unknown to the loaded model, that every tensor loads bit-identical, and that mask_token_id and
+the aux layer ids survive. Exit status 1 on any problem.
+"""
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from speculators import SpeculatorModel
+
+
+def main(export_dir: str, verifier: str | None = None) -> int:
+    d = Path(export_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    if verifier:  # speculators reads the verifier's lm_head at load time: point it at a local copy
+        tmp = Path(tempfile.mkdtemp()) / d.name
+        shutil.copytree(d, tmp)
+        local = json.loads((tmp / "config.json").read_text())
+        local["speculators_config"]["verifier"]["name_or_path"] = verifier
+        (tmp / "config.json").write_text(json.dumps(local, indent=2))
+        d = tmp
+    model = SpeculatorModel.from_pretrained(str(d))
+    sd = load_file(str(d / "model.safetensors"))
+    msd = model.state_dict()
+    problems = [f"tensor {k} unknown to {type(model).__name__}" for k in sd if k not in msd]
+    problems += [f"tensor {k} changed on load" for k in sd if k in msd and not torch.equal(msd[k].to(sd[k].dtype).cpu(), sd[k])]
+    ignored = {"verifier_lm_head.weight", "verifier_norm.weight"}
+    problems += [f"model tensor {k} not in the export (random after load)" for k in msd
+                 if k not in sd and k not in ignored and not k.startswith("rotary_emb")]
+    mc = model.config
+    if cfg.get("mask_token_id") is not None and getattr(mc, "mask_token_id", None) != cfg["mask_token_id"]:
+        problems.append(f"mask_token_id {getattr(mc, 'mask_token_id', None)} != {cfg['mask_token_id']}")
+    if list(getattr(mc, "eagle_aux_hidden_state_layer_ids", []) or []) != cfg["eagle_aux_hidden_state_layer_ids"]:
+        problems.append("eagle_aux_hidden_state_layer_ids changed on load")
+    print(f"speculators loaded {type(model).__name__} ({cfg['speculators_model_type']}) from {d}: "
+          f"{len(sd)} tensors, {len(msd)} model tensors")
+    for p in problems:
+        print("PROBLEM:", p)
+    print("OK" if not problems else f"{len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Load exports with the speculators library (its own test job: it needs its own torch).
+#   bash scripts/check_speculators.sh runs/demo/export [LOCAL_TARGET_HF_DIR]
+#   bash scripts/check_speculators.sh --matrix     # 12 small exports: P-EAGLE/EAGLE-3 × Llama/Qwen3 × fc options
+# Builds .venv-speculators once (torch 2.9.1 + torchvision + torchaudio + speculators 0.9.0,
+# several GB; set SPECULATORS_VENV to reuse one), then runs scripts/check_speculators.py in it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${SPECULATORS_VENV:-.venv-speculators}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch==2.9.1 torchvision==0.24.1
+  "$VENV/bin/pip" install -q torch==2.9.1 'torchaudio==2.9.*' speculators==0.9.0 'transformers<=5.19.0'
+fi
+export HF_HUB_OFFLINE=1
+if [ "${1:-}" = "--matrix" ]; then
+  out=$(mktemp -d)
+  python scripts/compat_exports.py "$out" > /dev/null
+  fail=0
+  while read -r exp verifier; do
+    if log=$("$VENV/bin/python" scripts/check_speculators.py "$exp" "$verifier" 2>&1); then rc=0; else rc=$?; fail=1; fi
+    echo "$log" | grep -E "^(speculators loaded|PROBLEM|OK|[0-9]+ problems)" || echo "$log" | tail -3
+    [ $rc -eq 0 ] || echo "FAILED: $exp"
+  done < "$out/exports.txt"
+  rm -rf "$out"
+  exit $fail
+fi
+"$VENV/bin/python" scripts/check_speculators.py "$@"

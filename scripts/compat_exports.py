@@ -1,0 +1,42 @@
+"""Write a matrix of small exports (P-EAGLE / EAGLE-3, Llama / Qwen3 layers, fc options) with tiny
+random targets saved beside them, for `scripts/check_speculators.sh --matrix` to load with the
+speculators library. Usage: python scripts/compat_exports.py OUT_DIR (writes OUT_DIR/exports.txt, one line per
+export: EXPORT_DIR VERIFIER_DIR)."""
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peagle_train.draft.peagle import DraftConfig, make_draft_head  # noqa: E402
+from peagle_train.export.speculators import write_export  # noqa: E402
+from peagle_train.target.features import default_aux_layer_ids  # noqa: E402
+
+
+def main(out: Path):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+    targets = {"llama": (LlamaForCausalLM(LlamaConfig(**kw)), "LlamaForCausalLM"),
+               "qwen3": (Qwen3ForCausalLM(Qwen3Config(**kw)), "Qwen3ForCausalLM")}
+    for fam, (model, arch) in targets.items():
+        vdir = out / f"verifier-{fam}"
+        model.save_pretrained(str(vdir))
+        for algorithm in ("peagle", "eagle3"):
+            for opts in ({}, {"norm_before_fc": True}, {"fc_norm": True, "norm_before_residual": True}):
+                cfg = DraftConfig.from_target(model.config, num_layers=2, draft_vocab_size=64, mask_token_id=255,
+                                              num_depths=4, aux_layer_ids=default_aux_layer_ids(8), algorithm=algorithm, **opts)
+                head = make_draft_head(cfg)
+                ids = torch.arange(0, 256, 4)
+                head.init_from_target(model, ids, ids - torch.arange(64), torch.zeros(256, dtype=torch.bool).index_fill_(0, ids, True))
+                name = f"{algorithm}-{fam}-" + ("-".join(opts) or "plain")
+                write_export(head, out / name, verifier_name_or_path=str(vdir), verifier_architectures=[arch], overwrite=True)
+                with open(out / "exports.txt", "a") as f:
+                    f.write(f"{out / name} {vdir}\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

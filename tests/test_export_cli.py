@@ -1,0 +1,41 @@
+"""scripts/export.py as a user runs it: export a checkpoint, refuse a wrong target, validate."""
+
+import subprocess
+import sys
+
+import torch
+
+from peagle_train.paths import REPO_ROOT
+from peagle_train.training.loop import save_checkpoint
+
+from .conftest import tiny_llama
+from .test_decoding import make_draft
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "scripts/export.py", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_export_cli(tmp_path, target_model):
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
+    ckpt = save_checkpoint(d, tmp_path / "run" / "checkpoint", {"verifier_name_or_path": "tiny/llama",
+                                                                 "verifier_architectures": ["LlamaForCausalLM"]})
+    target_model.save_pretrained(str(tmp_path / "target"))
+    other = tiny_llama(vocab_size=256)
+    other.save_pretrained(str(tmp_path / "other"))
+    out = tmp_path / "export"
+    ok = run(f"checkpoint={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (out / "config.json").is_file() and (out / "README.md").is_file()
+    again = run(f"checkpoint={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
+    assert again.returncode != 0 and "overwrite=true" in again.stderr
+    wrong = run(f"checkpoint={ckpt}", f"output={tmp_path / 'e2'}", f"target.path={tmp_path / 'other'}",
+                f"output_dir={tmp_path / 'o'}")
+    assert wrong.returncode != 0 and "the head's vocabulary is 128, the target's is 256" in wrong.stderr
+    assert not (tmp_path / "e2").exists()
+    val = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
+    assert val.returncode == 0 and "valid P-EAGLE export" in val.stdout
+    (out / "model.safetensors").write_bytes(b"not a safetensors file")
+    bad = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
+    assert bad.returncode == 1 and "INVALID" in bad.stderr

@@ -6,11 +6,10 @@ from omegaconf import OmegaConf
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from peagle_train.decoding.decoder import speculative_generate, target_generate
-from peagle_train.draft.peagle import DraftConfig, PEagleDraft
+from peagle_train.draft.peagle import DraftConfig
 from peagle_train.export.speculators import load_export, write_export
-from peagle_train.target.features import FeatureTarget
 from peagle_train.training.cod import cod_sample
-from peagle_train.training.loop import check_training_config, draft_step
+from peagle_train.training.loop import check_training_config
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

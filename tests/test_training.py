@@ -4,8 +4,8 @@ fallback, metrics are hand-checked, and a few steps really learn."""
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from peagle_train.training.cod import CODElements, cod_attention_mask, cod_block_mask, cod_sample
-from peagle_train.training.loop import PackedRow, draft_step, packed_row
+from peagle_train.training.cod import cod_attention_mask, cod_block_mask, cod_sample
+from peagle_train.training.loop import draft_step, packed_row
 from peagle_train.training.loss import depth_counts, kl_loss_sum, metrics_from_counts
 
 from .test_cod import brute_force_mask

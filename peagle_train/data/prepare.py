@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 

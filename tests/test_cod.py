@@ -4,7 +4,9 @@ import math
 
 import torch
 
-from peagle_train.training.cod import cod_attention_mask, cod_sample
+from torch.nn.attention.flex_attention import create_mask
+
+from peagle_train.training.cod import cod_attention_mask, cod_block_mask, cod_sample
 
 
 def brute_force_mask(anchors, depths, doc_of_anchor):
@@ -37,15 +39,17 @@ def test_mask_hand_computed():
     assert torch.equal(cod_attention_mask(anchors, depths, doc_ids), expected)
 
 
-def test_mask_matches_brute_force_on_random_rows():
+def test_dense_and_flex_masks_match_brute_force_on_random_rows():
     g = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        n = 40
-        doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 18, 12]))
-        valid = torch.rand(n, generator=g) < 0.7
-        el = cod_sample(valid, doc_ids, 5, 0.8, 0.2, None, g)
-        got = cod_attention_mask(el.anchors, el.depths, doc_ids)
-        assert torch.equal(got, brute_force_mask(el.anchors.tolist(), el.depths.tolist(), doc_ids.tolist()))
+    for lengths in ([10, 18, 12], [25, 20, 15], [7, 50, 3]):
+        doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+        valid = torch.rand(doc_ids.numel(), generator=g) < 0.7
+        el = cod_sample(valid, doc_ids, 6, 0.8, 0.2, None, g)
+        M = el.anchors.numel()
+        dense = cod_attention_mask(el.anchors, el.depths, doc_ids)
+        assert torch.equal(dense, brute_force_mask(el.anchors.tolist(), el.depths.tolist(), doc_ids.tolist()))
+        bm = cod_block_mask(el.anchors, el.depths, doc_ids)
+        assert torch.equal(create_mask(bm.mask_mod, None, None, M, M, device="cpu")[0, 0], dense)
 
 
 def test_cod_sample_hand_checked_two_documents():

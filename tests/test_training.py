@@ -8,7 +8,6 @@ from peagle_train.training.cod import cod_attention_mask, cod_block_mask, cod_sa
 from peagle_train.training.loop import draft_step, packed_row
 from peagle_train.training.loss import depth_counts, kl_loss_sum, metrics_from_counts
 
-from .test_cod import brute_force_mask
 from .test_decoding import make_draft
 
 
@@ -43,21 +42,6 @@ def test_partitioned_gradients_equal_unpartitioned(target_model):
         assert g1.keys() == gp.keys() and "mask_hidden" in g1
         for k in g1:
             torch.testing.assert_close(gp[k], g1[k], rtol=1e-4, atol=1e-6, msg=k)
-
-
-def test_flex_block_mask_equals_dense_and_brute_force(target_model):
-    g = torch.Generator().manual_seed(0)
-    for trial in range(3):
-        n = 60
-        doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([25, 20, 15]))
-        valid = torch.rand(n, generator=g) < 0.7
-        el = cod_sample(valid, doc_ids, 6, 0.8, 0.2, None, g)
-        M = el.anchors.numel()
-        dense = cod_attention_mask(el.anchors, el.depths, doc_ids)
-        bm = cod_block_mask(el.anchors, el.depths, doc_ids)
-        flex_dense = create_mask(bm.mask_mod, None, None, M, M, device="cpu")[0, 0]
-        assert torch.equal(flex_dense, dense)
-        assert torch.equal(dense, brute_force_mask(el.anchors.tolist(), el.depths.tolist(), doc_ids.tolist()))
 
 
 def test_model_output_flex_equals_dense(target_model):

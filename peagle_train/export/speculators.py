@@ -235,11 +235,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
         if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
             problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")
     mt = cfg.get("mask_token_id")
-    if not peagle:
-        pass
-    elif not (isinstance(mt, int) and 0 <= mt < V):
+    if peagle and not (isinstance(mt, int) and 0 <= mt < V):
         problems.append(f"mask_token_id {mt} outside the vocabulary [0, {V})")
-    elif data_token_ids is not None and mt in data_token_ids:
+    elif peagle and data_token_ids is not None and mt in data_token_ids:
         problems.append(f"mask_token_id {mt} is a token the training data uses")
     if reference is not None and not problems:
         ref = export_state_dict(reference, torch.float32)

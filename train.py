@@ -22,6 +22,7 @@ from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
+from peagle_train.target.offline import open_features
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
@@ -54,7 +55,8 @@ def main(cfg: DictConfig) -> dict:
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
-    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log)
+    features = open_features(cfg.features, target, tok, data.rows, log=log)  # None = online
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}
     log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "

@@ -71,18 +71,30 @@ class FeatureTarget:
         if cache is not None:
             kw[self._cache_kw] = cache
         out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
-        normed = out.last_hidden_state  # after the final norm
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        final = self._captured[len(self.layers) - 1]
+        return TargetOutput(self._head(out.last_hidden_state, draft_ids), aux, final)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def logits_from_final(self, final: torch.Tensor, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits from stored pre-norm final hidden states: `lm_head(norm(final))`
+        (with Gemma's final soft-capping), restricted to `draft_ids` if given (DESIGN.md §2).
+
+        final: [..., H] (any float dtype; cast to the target's). Returns fp32 [..., V] or
+        [..., V_draft], equal to what `forward` gives for the same states (offline features)."""
+        w = self.model.get_output_embeddings().weight
+        return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
+
+    def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
         head = self.model.get_output_embeddings().weight
         w = head if draft_ids is None else head[draft_ids]
         logits = normed @ w.T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
-        final = self._captured[len(self.layers) - 1]
-        return TargetOutput(logits.float(), aux, final)
-
-    __call__ = forward
+        return logits.float()
 
 
 def align_for_draft(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, target_logits: torch.Tensor):

@@ -211,13 +211,16 @@ def lr_lambda(warmup: int, total: int, schedule: str):
     return f
 
 
-def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print) -> dict:
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print,
+          features=None) -> dict:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with online features.
 
     tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
     partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
     a summary dict (steps, tokens, seconds, final metrics).
+    `features`: None = online (the step runs the target), or an offline reader with
+    `packed_row(doc_indices, docs, draft_ids)` (target/offline.py) giving the same rows from shards.
     """
     lengths = [len(x) for x in rows["input_ids"]]
     batches = []
@@ -255,7 +258,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     step = 0
     for step in bar:
         docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
-        row = packed_row(target, docs, draft_ids)
+        row = (packed_row(target, docs, draft_ids) if features is None
+               else features.packed_row(batches[step * W + r], docs, draft_ids))
         if tcfg.algorithm == "eagle3":
             anchors = ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)
             loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)

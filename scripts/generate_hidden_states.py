@@ -1,0 +1,50 @@
+"""Write offline target features (aux + pre-norm final hidden states) for a recipe's data.
+
+    python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats
+    python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats8 features.storage=int8
+    python train.py recipe=smollm2-135m-demo features.source=offline features.dir=/tmp/feats
+
+Uses conf/config.yaml's target, data and features groups (same recipe = same rows as training).
+Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/target/offline.py). Killed
+and rerun with the same config, it resumes: finished shards are checked and skipped, only the
+others are computed. A directory made for another target/tokenizer/template/layer set/data is
+refused with the differing fields named.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from peagle_train.data.prepare import prepare_data
+from peagle_train.job import build_target
+from peagle_train.paths import resolve_path
+from peagle_train.target.offline import write_features
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not cfg.features.dir:
+        raise SystemExit("Give the output directory: features.dir=/path/to/features (kept out of git).")
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, tok = build_target(cfg.target, device)
+    data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
+                        num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
+                        min_supervised_tokens=cfg.data.min_supervised_tokens,
+                        draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
+                        seed=cfg.seed, log=print)
+    summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
+                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard)
+    Path(cfg.features.dir, "generation_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

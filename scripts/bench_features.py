@@ -1,0 +1,156 @@
+"""Benchmark target feature capture and offline shards (issue 4); prints a table and writes the
+"Target features (issue 4)" section of docs/BENCHMARKS.md.
+
+    python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--no-write]
+
+Measures, on the target of conf/config.yaml (SmolLM2-135M-Instruct by default; bf16 on a GPU):
+1. capture overhead: FeatureTarget forward (hooks on 4 layers, full logits) vs the plain HF
+   forward of the same [1, tokens] batch, median of `repeats` (target ≤ 1.05×);
+2. bytes per token on disk for bfloat16 and int8 shards (total and features only) and the
+   generation throughput (target tokens/s, shard writing included);
+3. training step time (features + COD + draft forward/backward + optimizer) online vs offline
+   (bfloat16 and int8 shards), same packed rows, median over `steps` steps (target: offline ≤ 1.05×
+   online).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from peagle_train.data.prepare import prepare_data
+from peagle_train.job import build_draft, build_target
+from peagle_train.paths import REPO_ROOT, resolve_path
+from peagle_train.target.offline import OfflineFeatures, write_features
+from peagle_train.training.cod import cod_sample
+from peagle_train.training.loop import draft_step, pack_documents, packed_row
+
+HEADING = "## Target features (issue 4)"
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, repeats, dev):
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--docs", type=int, default=32, help="ShareGPT rows written as shards")
+    ap.add_argument("--steps", type=int, default=6, help="training steps timed per mode")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-write", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        cfg.target.dtype = "bfloat16"
+    target, tok = build_target(cfg.target, dev)
+    rows = []
+
+    # 1. capture overhead
+    ids = torch.randint(0, target.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        target(ids), target.model(ids)  # warm-up
+        plain, capture = [], []
+        for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+            plain.append(median_time(lambda: target.model(ids), 1, dev))
+            capture.append(median_time(lambda: target(ids), 1, dev))
+    t_plain, t_cap = statistics.median(plain), statistics.median(capture)
+    rows.append(("capture overhead: plain HF forward", f"{t_plain * 1000:.0f} ms", f"[1, {args.tokens}], median of {args.repeats}"))
+    rows.append(("capture overhead: forward with capture", f"{t_cap * 1000:.0f} ms", f"ratio {t_cap / t_plain:.3f}× (target ≤ 1.05×)"))
+
+    # 2. shards: bytes per token, generation throughput
+    data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size, num_conversations=args.docs,
+                        max_length=cfg.data.max_length, min_supervised_tokens=cfg.data.min_supervised_tokens,
+                        draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=None, seed=0, log=lambda *_: None)
+    n_tok = sum(len(x) for x in data.rows["input_ids"])
+    H = target.config.hidden_size
+    tmp = Path(tempfile.mkdtemp(prefix="bench_features_"))
+    readers, summaries = {}, {}
+    for storage, scale in (("bfloat16", "channel"), ("int8", "channel"), ("int8", "token")):
+        name = storage if storage != "int8" else f"int8-{scale}"
+        s = write_features(target, tok, data.rows, tmp / name, storage=storage, int8_scale=scale,
+                           docs_per_shard=16, log=lambda *_: None)
+        summaries[name] = s
+        readers[name] = OfflineFeatures(tmp / name, target, tok, data.rows, int8_scale=scale, log=lambda *_: None)
+    for name, s in summaries.items():
+        feat = (s["bytes"] - 4 * n_tok) / n_tok
+        rows.append((f"bytes/token on disk, {name}", f"{s['bytes_per_token']:.0f}",
+                     f"features only {feat:.1f} (= {feat / (8 * H):.4f} × bf16's 8H = {8 * H})"))
+    rows.append(("generation throughput (bf16 shards)", f"{summaries['bfloat16']['tokens_per_second']:.0f} tok/s",
+                 f"{len(data.rows)} docs, {n_tok} tokens, one document per forward"))
+
+    # 3. step time online vs offline, same rows
+    dcfg = OmegaConf.merge(cfg.draft, {"num_depths": 8})
+    draft_ids = data.vocab.draft_ids.to(dev)
+    batches = pack_documents([len(x) for x in data.rows["input_ids"]], 1024, 0)[:args.steps + 1]
+    step_times = {}
+    for mode in ("online", "bfloat16", "int8-channel"):
+        torch.manual_seed(0)
+        draft = build_draft(target, dcfg, data.vocab, data.mask_token_id).to(dev).train()
+        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        times = []
+        for b in batches:
+            docs = [(data.rows[i]["input_ids"], data.rows[i]["loss_mask"]) for i in b]
+            sync(dev)
+            t0 = time.perf_counter()
+            row = packed_row(target, docs, draft_ids) if mode == "online" else readers[mode].packed_row(b, docs, draft_ids)
+            el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), 8, 0.7, 0.2, 256, gen)
+            draft_step(draft, row, el, "kl", 8)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        step_times[mode] = statistics.median(times[1:])  # the first step warms up
+    for mode, t in step_times.items():
+        rows.append((f"training step, {mode} features", f"{t * 1000:.0f} ms",
+                     f"{t / step_times['online']:.2f}× online; 1,024-token rows, K=8, median of {len(batches) - 1}"))
+
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    header = (f"`python scripts/bench_features.py` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
+              f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+              f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype}, H = {H}.")
+    table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    text = "\n".join([HEADING, "", header, "", *table, ""])
+    print(text)
+    if not args.no_write:
+        path = REPO_ROOT / "docs" / "BENCHMARKS.md"
+        old = path.read_text() if path.exists() else "# Benchmarks\n"
+        if HEADING in old:  # replace our section (up to the next "## " heading), leave the others alone
+            new = re.sub(re.escape(HEADING) + r"\n.*?(?=\n## |\Z)", text.rstrip("\n"), old, count=1, flags=re.S)
+        else:
+            new = old.rstrip("\n") + "\n\n" + text
+        path.write_text(new if new.endswith("\n") else new + "\n")
+        print(f"written: {path}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -132,7 +133,8 @@ def main():
                      f"{t / step_times['online']:.2f}× online; 1,024-token rows, K=8, median of {len(batches) - 1}"))
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    header = (f"`python scripts/bench_features.py` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
+    argv = " ".join(sys.argv[1:])
+    header = (f"`python scripts/bench_features.py{' ' + argv if argv else ''}` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
               f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype}, H = {H}.")
     table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]

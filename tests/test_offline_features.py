@@ -137,6 +137,11 @@ def test_resume_after_interruption_recomputes_only_missing_shards(tmp_path, setu
     assert forwards == [len(data[i]["input_ids"]) for i in range(3, 7)]  # docs 0-2 (shard 0) not recomputed
     assert not list((tmp_path / "r").glob("*.tmp*"))
     OfflineFeatures(tmp_path / "r", t, tok, data, **QUIET)  # complete and verified
+    shard1 = tmp_path / "r" / "shard-00001.safetensors"
+    good = shard1.read_bytes()
+    shard1.write_bytes(good[:100])  # damaged after writing: a rerun recomputes just that shard
+    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+    assert (s["shards_written"], s["shards_skipped"]) == (1, 2) and shard1.read_bytes() == good
 
 
 def test_truncated_or_altered_shard_is_named(setup):

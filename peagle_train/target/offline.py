@@ -214,6 +214,10 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     done = {k for k in range(num_shards) if _shard_is_complete(out_dir, manifest, k)}
     if done:
         log(f"resuming {out_dir}: {len(done)}/{num_shards} shards already written and checked, skipped")
+    damaged = sorted(int(k) for k in manifest["shards"] if int(k) not in done)
+    if damaged:
+        log(f"{len(damaged)} recorded shard(s) missing or failing size/sha256, recomputed: "
+            + ", ".join(shard_name(k) for k in damaged))
     dev = target.model.device
     t0, tokens_run, written = time.perf_counter(), 0, 0
     bar = tqdm(total=n, desc="target features", unit="doc", initial=len(done) and sum(

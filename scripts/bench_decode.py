@@ -48,10 +48,11 @@ def main() -> None:
     ap.add_argument("--head", default="/tmp/demo3/checkpoint")
     ap.add_argument("--baseline-head", default=None)
     ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the decoder (1 is steadiest on a shared CPU)")
     ap.add_argument("--out", default="/tmp/bench_decode")
     ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
     args = ap.parse_args()
-    cmd = [sys.executable, str(ROOT / "scripts/evaluate.py"), f"head={args.head}", f"output_dir={args.out}",
+    cmd = [sys.executable, str(ROOT / "scripts/evaluate.py"), f"head={args.head}", f"output_dir={args.out}", f"threads={args.threads}",
            f"eval.num_prompts={args.num_prompts}", "eval.num_speculative_tokens=5", "eval.max_new_tokens=128",
            "eval.temperature=0.0", "eval.benchmark=spec_bench"]
     if args.baseline_head:
@@ -60,7 +61,7 @@ def main() -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
     load_after = os.getloadavg()
     r = json.loads((Path(args.out) / "eval" / "acceptance.json").read_text())
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, {args.threads} torch thread(s))"
     md = "\n".join([
         HEADING, "",
         f"SmolLM2-135M-Instruct target, head `{args.head}`, greedy, K = {r['num_speculative_tokens']}, "

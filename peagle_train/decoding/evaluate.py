@@ -259,13 +259,13 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     for b0 in range(0, len(prompts), batch_size):
         idx = list(range(b0, min(b0 + batch_size, len(prompts))))
         for turn in range(max(len(prompts[i].get("turns", [None])) for i in idx)):
-            jobs = []
+            jobs, seen = [], 0
             for i in idx:
                 q = prompts[i]
                 turns = q.get("turns", [None])
                 if turn >= len(turns):
                     continue
-                bar.update(1)
+                seen += 1
                 if not alive[i]:  # an earlier turn was skipped: the later ones have no history
                     continue
                 user = turns[turn] if "turns" in q else q["messages"][-1]["content"]
@@ -279,6 +279,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                     continue
                 jobs.append((i, ids))
             if not jobs:
+                bar.update(seen)
                 continue
             base = [target_generate(target, ids, max_new_tokens, eos, temperature=temperature, generator=gen) for _, ids in jobs]
             spec = {}
@@ -307,6 +308,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                     row.update({f"{pre}_ttft_s": round(r.first_token_seconds, 5),
                                 f"{pre}_tpot_s": round(r.time_per_output_token, 5), f"{pre}_latency_s": round(r.seconds, 4)})
                 rows.append(row)
+            bar.update(seen)
     bar.close()
     if not rows:
         raise BenchmarkError(f"no prompt could be decoded: skipped {skipped} of {len(prompts)}. Fix: shorter prompts or "

@@ -36,7 +36,7 @@ def table(r: dict, args) -> str:
     out = ["| decoder | τ | tokens/s | speedup | drafting | verifying | bookkeeping | TTFT median (ms) | TPOT median (ms) | total median / p90 (s) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, tau, tps, sp, ts, la in rows:
-        shares = " | ".join(f"{100 * ts[k]:.1f}%" for k in ("drafting", "verifying", "bookkeeping")) if ts else "– | 100% | –"
+        shares = " | ".join(f"{100 * ts[k]:.1f}%" for k in ("drafting", "verifying", "bookkeeping")) if ts else "– | – | –"
         out.append(f"| {name} | {'–' if tau is None else f'{tau:.3f}'} | {tps:.2f} | {sp:.2f}× | {shares} | "
                    f"{1000 * la['ttft_median_s']:.0f} | {1000 * la['tpot_median_s']:.0f} | "
                    f"{la['latency_median_s']:.2f} / {la['latency_p90_s']:.2f} |")

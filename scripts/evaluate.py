@@ -1,34 +1,58 @@
-"""Measure acceptance length τ of a trained head with the reference decoder.
+"""Measure acceptance length τ, speed and latency of a trained head with the reference decoder.
 
     python scripts/evaluate.py head=runs/demo/checkpoint output_dir=runs/demo-eval [eval.num_prompts=80]
+    python scripts/evaluate.py head=runs/p/checkpoint baseline_head=runs/e3/checkpoint eval.benchmark=mt_bench
+    python scripts/evaluate.py head=... eval.benchmark=humaneval eval.temperature=0.7 eval.batch_size=4
 
-`head` is a training checkpoint (draft_config.json) or an export directory (config.json).
-Writes output_dir/eval/acceptance.json and per_prompt.csv.
+`head` (and `baseline_head`) is a training checkpoint (draft_config.json) or an export directory
+(config.json). The target alone, the head and the baseline head decode every prompt in the same run.
+Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. On CUDA the target and
+heads run in target.dtype (bfloat16 recommended there).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
-from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
 from peagle_train.export.speculators import load_export
 from peagle_train.job import build_target
+from peagle_train.target.features import FeatureTarget
 from peagle_train.training.loop import load_checkpoint
 
 
 def load_head(path: str):
     """A PEagleDraft from a training checkpoint or an export directory; FileNotFoundError otherwise."""
+    return load_head_and_metrics(path)[0]
+
+
+def load_head_and_metrics(path: str):
+    """(head, training metrics or None). Metrics: the checkpoint's `train.last20_metrics`, or the mean
+    `cond_acc` of the last 20 records of a train_log.jsonl next to the checkpoint/export."""
     p = Path(path)
     if (p / "draft_config.json").is_file():
-        return load_checkpoint(p)[0]
-    if (p / "config.json").is_file():
-        return load_export(p)
-    raise FileNotFoundError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
-                            "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")
+        draft, meta = load_checkpoint(p)
+        m = (meta.get("train") or {}).get("last20_metrics")
+        if m and m.get("cond_acc"):
+            return draft, {**m, "source": f"{p}/draft_config.json train.last20_metrics"}
+    elif (p / "config.json").is_file():
+        draft = load_export(p)
+    else:
+        raise FileNotFoundError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
+                                "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")
+    log = p.parent / "train_log.jsonl"
+    if log.is_file():
+        recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+        recs = [r for r in recs if r.get("cond_acc")][-20:]
+        if recs:
+            cond = [sum(r["cond_acc"][d] for r in recs) / len(recs) for d in range(len(recs[0]["cond_acc"]))]
+            return draft, {"cond_acc": cond, "source": f"{log} (mean of the last {len(recs)} steps)"}
+    return draft, None
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
@@ -38,15 +62,40 @@ def main(cfg: DictConfig) -> dict:
     head = cfg.get("head")
     if not head:
         raise SystemExit("Give the head to evaluate: head=runs/<run>/checkpoint (or an export directory).")
-    draft = load_head(head).eval()
+    draft, train_metrics = load_head_and_metrics(head)
+    draft.eval()
+    ids = list(draft.config.aux_layer_ids)
     with open_dict(cfg.target):
-        cfg.target.aux_layer_ids = list(draft.config.aux_layer_ids)
-    target, tok = build_target(cfg.target, "cpu" if not torch.cuda.is_available() else "cuda")
-    draft.to(target.model.device)
-    prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
-                              cfg.eval.num_prompts)
-    return evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                               max_new_tokens=cfg.eval.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval")
+        if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
+            raise SystemExit(f"head={head} was trained on aux layers {ids}, but target.aux_layer_ids="
+                             f"{list(cfg.target.aux_layer_ids)}. Fix: drop target.aux_layer_ids.")
+        cfg.target.aux_layer_ids = ids
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_layers = None
+    try:
+        target, tok = build_target(cfg.target, device)
+    except ValueError as e:  # aux layer ids outside the target
+        raise SystemExit(f"head={head} does not fit target {cfg.target.path}: {e}") from e
+    n_layers = target.config.num_hidden_layers
+    check_head_target(draft, target, tok, f"head={head}")
+    dtype = target.model.dtype
+    draft.to(device=target.model.device, dtype=dtype)
+    baseline, btarget = None, None
+    if cfg.get("baseline_head"):
+        baseline = load_head(cfg.baseline_head).eval()
+        bids = list(baseline.config.aux_layer_ids)
+        if not all(0 <= i < n_layers for i in bids):
+            raise SystemExit(f"baseline_head={cfg.baseline_head}: aux layers {bids} outside the target's {n_layers} layers.")
+        btarget = target if bids == ids else FeatureTarget(target.model, bids)
+        check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
+        baseline.to(device=target.model.device, dtype=dtype)
+    e = cfg.eval
+    prompts = load_benchmark(e.benchmark, e.prompts, tuple(e.categories) if e.categories else None, e.num_prompts)
+    return evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=e.num_speculative_tokens,
+                               max_new_tokens=e.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval",
+                               temperature=e.temperature, seed=e.seed, batch_size=e.batch_size,
+                               baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
+                               plot=e.plot)
 
 
 if __name__ == "__main__":

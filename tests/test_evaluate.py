@@ -1,0 +1,182 @@
+"""Issue 7: speculative sampling follows the target's distribution, batches equal batch 1, and the
+evaluator writes τ, latency, calibration and skip counts; bad heads and bad files are refused."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from peagle_train.decoding.decoder import (
+    accept_drafts, speculative_generate, speculative_generate_batch, target_generate,
+)
+from peagle_train.decoding.evaluate import (
+    BenchmarkError, HeadMismatchError, check_head_target, evaluate_acceptance, load_humaneval, load_jsonl_prompts,
+    load_mt_bench, training_eal,
+)
+from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.paths import SPEC_BENCH
+from peagle_train.target.features import FeatureTarget
+
+from .conftest import tiny_llama
+
+AUX = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Hundreds of tiny forwards: one thread avoids oversubscription on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_pair(vocab=128, algorithm="peagle", K=3, seed=0, draft_every=2, mask=None):
+    """A 4-layer tiny target and a random 1-layer head over every `draft_every`-th id."""
+    model = tiny_llama(vocab_size=vocab, layers=4)
+    t = FeatureTarget(model, AUX)
+    torch.manual_seed(seed)
+    ids = torch.arange(0, vocab, draft_every)
+    cfg = DraftConfig.from_target(model.config, num_layers=1, draft_vocab_size=len(ids),
+                                  mask_token_id=vocab - 1 if mask is None else mask, num_depths=K,
+                                  aux_layer_ids=AUX, algorithm=algorithm)
+    d = make_draft_head(cfg).eval()
+    d.init_from_target(model, ids, ids - torch.arange(len(ids)), torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True))
+    return t, d
+
+
+def test_accept_drafts_greedy_and_certain_cases():
+    logits = torch.full((3, 4), -1e4)
+    logits[0, 2] = logits[1, 1] = logits[2, 3] = 0.0  # target argmax 2, 1, 3
+    assert accept_drafts([2, 0], None, logits, 0.0, None) == (1, 1)
+    assert accept_drafts([2, 1], None, logits, 0.0, None) == (2, 3)
+    # sampling with a one-hot target: a draft on the target's token is always kept, another never
+    q = torch.full((2, 4), 0.25)
+    g = torch.Generator().manual_seed(0)
+    assert accept_drafts([2, 1], q, logits, 1.0, g) == (2, 3)
+    assert accept_drafts([0, 1], q, logits, 1.0, g) == (0, 2)  # residual max(0, p - q) is one-hot on 2
+
+
+def _exact_marginals(t, prompt, T):
+    """Exact distributions of generated tokens 1 and 2 under the target's own sampling at temperature T."""
+    V = t.config.vocab_size
+    p0 = torch.softmax(t(torch.tensor([prompt])).logits[0, -1] / T, -1)  # [V]
+    seq1 = torch.cat([torch.tensor(prompt).expand(V, -1), torch.arange(V)[:, None]], 1)
+    p1 = torch.softmax(t(seq1).logits[:, -1] / T, -1)  # [V(t0), V(t1)]
+    m1 = p0 @ p1
+    seq2 = torch.cat([seq1.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
+    p2 = torch.softmax(t(seq2).logits[:, -1] / T, -1).view(V, V, V)
+    m2 = torch.einsum("a,ab,abc->c", p0, p1, p2)
+    return m1, m2
+
+
+def test_speculative_sampling_matches_the_target_distribution():
+    """Tokens 2 and 3 come from rejection sampling against a random (mismatched) draft over half the
+    vocabulary. Their empirical distribution over 400 runs is within total-variation 0.1 of the
+    exact target marginals; always accepting the drafts (the classic bug) is far off."""
+    T, N, V = 1.0, 400, 32
+    t, d = small_pair(vocab=V, K=2)
+    prompt = [5, 17, 3, 2, 9]
+    m1, m2 = _exact_marginals(t, prompt, T)
+    g = torch.Generator().manual_seed(0)
+    c1, c2 = torch.zeros(V), torch.zeros(V)
+    for _ in range(N):
+        out = speculative_generate(t, d, prompt, 2, 3, set(), temperature=T, generator=g).tokens
+        c1[out[1]] += 1
+        c2[out[2]] += 1
+    tv1 = 0.5 * (c1 / N - m1).abs().sum().item()
+    tv2 = 0.5 * (c2 / N - m2).abs().sum().item()
+    assert tv1 < 0.1 and tv2 < 0.1, (tv1, tv2)
+    # the draft's own distribution for token 2 (what an always-accept decoder would emit) is far off
+    from peagle_train.decoding.decoder import draft_parallel
+    out = t(torch.tensor([prompt]))
+    naive = torch.zeros(V)
+    for _ in range(300):
+        tok0 = int(torch.multinomial(torch.softmax(out.logits[0, -1], -1), 1, generator=g))
+        toks, _, _, _ = draft_parallel(d, prompt[1:] + [tok0], out.aux[0], None, 0, 2, T, g)
+        naive[toks[0]] += 1
+    assert 0.5 * (naive / 300 - m1).abs().sum().item() > 0.3
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_batch_of_two_equals_batch_of_one(algorithm):
+    t, d = small_pair(algorithm=algorithm, K=3)
+    prompts = [[5, 17, 33, 2, 90], [1, 2, 3]]
+    batch = speculative_generate_batch(t, d, prompts, 3, 24, set())
+    for p, b in zip(prompts, batch):
+        one = speculative_generate(t, d, p, 3, 24, set())
+        assert b.tokens == one.tokens == target_generate(t, p, 24, set()).tokens
+        assert b.accepted == one.accepted
+        assert b.first_token_seconds <= b.seconds and b.draft_seconds + b.target_seconds <= b.seconds
+
+
+def test_training_eal_by_hand():
+    assert training_eal([0.5, 0.4, 0.1], 2) == pytest.approx(1 + 0.5 + 0.2)
+    assert training_eal([0.5, 0.4, 0.1], 5) == pytest.approx(1 + 0.5 + 0.2 + 0.02)  # capped at K_train
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_evaluate_writes_tau_latency_calibration_and_skips(tmp_path, chatml_tokenizer, batch_size):
+    tok = chatml_tokenizer
+    t, d = small_pair(vocab=len(tok), K=3, mask=len(tok) - 1)
+    _, e3 = small_pair(vocab=len(tok), algorithm="eagle3", K=3, seed=1)
+    prompts = [{"id": 1, "category": "writing", "turns": ["hello there, how are you?", "What is two plus two?"]},
+               {"id": 2, "category": "math", "turns": ["What is two plus two?"]},
+               {"id": 3, "category": "math", "turns": ["  "]},                      # empty: skipped
+               {"id": 4, "category": "math", "turns": ["hello " * 400, "again"]}]  # > 512 context: skipped
+    r = evaluate_acceptance(t, d, tok, prompts, num_speculative_tokens=3, max_new_tokens=12, out_dir=tmp_path,
+                            batch_size=batch_size, baseline_draft=e3, train_metrics={"cond_acc": [0.5, 0.2, 0.0, 0.0]}, log=lambda s: None)
+    saved = json.loads((tmp_path / "acceptance.json").read_text())
+    assert saved["lossless"] is True and saved["baseline"]["lossless"] is True
+    assert saved["skipped"] == {"empty_prompt": 1, "too_long": 1}
+    assert saved["num_turns"] == 3 and saved["num_prompts"] == 2
+    assert set(saved["latency"]) == {"target", "head", "baseline_head"}
+    assert saved["latency"]["head"]["ttft_median_s"] <= saved["latency"]["head"]["latency_p90_s"]
+    assert saved["calibration"]["training_eal"] == pytest.approx(1.6)
+    assert saved["calibration"]["measured_tau"] == pytest.approx(r["acceptance_length"])
+    assert set(saved["per_category"]) == {"writing", "math"}
+    assert saved["baseline"]["draft_forwards"] == 3 * saved["baseline"]["verify_steps"]  # sequential: K per step
+    assert saved["draft_forwards"] == saved["verify_steps"]  # parallel: one per step
+    assert sum(saved["time_shares"].values()) == pytest.approx(1.0, abs=1e-6)
+    rows = list(csv.DictReader(open(tmp_path / "per_prompt.csv")))
+    order = [("1", "1"), ("1", "2"), ("2", "1")] if batch_size == 1 else [("1", "1"), ("2", "1"), ("1", "2")]
+    assert [(r_["id"], r_["turn"]) for r_ in rows] == order
+    assert {"target_ttft_s", "head_tpot_s", "baseline_latency_s"} <= set(rows[0])
+    steps = sum(int(x["verify_steps"]) for x in rows)
+    assert saved["acceptance_length"] == pytest.approx(sum(float(x["tau"]) * int(x["verify_steps"]) for x in rows) / steps)
+    assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+def test_head_for_another_target_is_refused(chatml_tokenizer):
+    t, _ = small_pair(vocab=len(chatml_tokenizer))
+    other = tiny_llama(vocab_size=128, layers=4)
+    other.config.hidden_size = 32  # pretend: another target family
+    _, d = small_pair(vocab=128, mask=2)  # mask token 2 = <|im_end|> in the ChatML tokenizer
+    d.config.aux_layer_ids = [0, 1, 3]
+    with pytest.raises(HeadMismatchError) as e:
+        check_head_target(d, t, chatml_tokenizer)
+    msg = str(e.value)
+    assert "vocabulary: the head has 128 ids" in msg and "layer ids" in msg and "mask token" in msg
+    d.config.target_hidden_size = 32
+    with pytest.raises(HeadMismatchError, match="hidden size"):
+        check_head_target(d, t, chatml_tokenizer)
+
+
+def test_benchmark_loaders(tmp_path):
+    mt = load_mt_bench(str(SPEC_BENCH))
+    assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)
+    assert len({q["category"] for q in mt}) == 8
+    he = load_humaneval(3)
+    assert [q["id"] for q in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"] and "def " in he[0]["turns"][0]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},'
+                 ' {"role": "user", "content": "c"}]}\n{"turns": ["x", "y"], "category": "c"}\n')
+    items = load_jsonl_prompts(str(f))
+    assert [q.get("turns") for q in items] == [["hi"], None, ["x", "y"]] and items[1]["prompt"] == "c"
+    f.write_text('{"prompt": "hi"}\n\n{"prompt": "broken\n')
+    with pytest.raises(BenchmarkError, match=r"p.jsonl:3: not valid JSON"):
+        load_jsonl_prompts(str(f))
+    f.write_text('{"text": "hi"}\n')
+    with pytest.raises(BenchmarkError, match=r"p.jsonl:1: a record needs"):
+        load_jsonl_prompts(str(f))

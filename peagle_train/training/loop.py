@@ -211,48 +211,149 @@ def lr_lambda(warmup: int, total: int, schedule: str):
     return f
 
 
+def data_fingerprint(lengths: list[int]) -> dict:
+    """What a resumed run's data must match: row count and a hash of the row lengths."""
+    import hashlib
+
+    return {"num_rows": len(lengths), "lengths_sha1": hashlib.sha1(json.dumps(lengths).encode()).hexdigest()[:16]}
+
+
+def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
+    if not 0 <= n_val < n:
+        raise ValueError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
+    order = list(range(n))
+    random.Random(seed + 7919).shuffle(order)
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+@torch.no_grad()
+def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg) -> dict:
+    """Validation loss (same objective and normalisation as training) and EAL on held-out packed
+    rows, with a fixed COD sample per row (seed-stable, so values compare across steps).
+
+    Process r of W takes rows r, r+W, ...; sums are reduced over processes. P-EAGLE only.
+    Returns {"val_loss", "val_eal", "val_acc" [K]}.
+    """
+    was_training = draft.training
+    draft.eval()
+    W, r = accelerator.num_processes, accelerator.process_index
+    K = tcfg.num_depths
+    loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, K, dtype=torch.float64)
+    flex = use_flex(tcfg.attention, accelerator.device)
+    for i in range(r, len(val_batches), W):
+        row = packed_row(target, [(rows[j]["input_ids"], rows[j]["loss_mask"]) for j in val_batches[i]], draft_ids)
+        gen = torch.Generator().manual_seed(tcfg.seed * 1000 + 99991 + i)
+        el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), K, tcfg.down_sample_ratio, tcfg.down_sample_ratio_min,
+                        tcfg.max_anchors, gen)
+        dev = row.tokens.device
+        a, d = el.anchors.to(dev), el.depths.to(dev)
+        valid = row.valid[a + d]
+        tokens, feats = draft.slot_inputs(row.tokens[a], row.features[a], d > 0)
+        h, _ = draft.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[None],
+                                   cod_mask(a, d, row.doc_ids, flex, 0), None)
+        logits, tl = draft.logits(h[0]), row.target_logits[a + d]
+        loss_sum += float(LOSSES[tcfg.loss](logits, tl, valid))
+        count += float(valid.sum())
+        counts += depth_counts(logits, tl, a, d, valid, K).cpu()
+    sums = accelerator.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=accelerator.device), "sum").cpu()
+    counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
+    draft.train(was_training)
+    m = metrics_from_counts(counts)
+    return {"val_loss": float(sums[0] / sums[1].clamp(min=1)), "val_eal": m["eal"], "val_acc": m["acc"]}
+
+
 def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print) -> dict:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with online features.
 
     tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
-    a summary dict (steps, tokens, seconds, final metrics).
+    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
+    optional (issue 6): save_every (steps between resumable checkpoints, null = none),
+    keep_last (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
+    out_dir/checkpoints; without it a folder holding checkpoints is refused),
+    val_conversations (documents held out for validation loss/EAL at each checkpoint, which
+    choose the best one). Process r of W takes packed rows r, r+W, ... Writes
+    out_dir/train_log.jsonl (and out_dir/checkpoints/) and returns a summary dict (steps, tokens,
+    seconds, final metrics, best checkpoint).
+    Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
+    mismatching checkpoint folder, OSError when a checkpoint save fails (previous one intact).
     """
-    lengths = [len(x) for x in rows["input_ids"]]
+    from .checkpoint import (check_output_dir, checkpoints_root, flat_fingerprint, list_checkpoints,
+                             load_training_checkpoint, save_training_checkpoint)
+
+    save_every, keep_last = tcfg.get("save_every"), tcfg.get("keep_last", 3)
+    n_val = tcfg.get("val_conversations") or 0
+    train_idx, val_idx = split_validation(len(rows), n_val, tcfg.seed)
+    all_lengths = [len(x) for x in rows["input_ids"]]
+    lengths = [all_lengths[i] for i in train_idx]
     batches = []
     for ep in range(tcfg.epochs):
-        batches += pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)
+        batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)]
+    val_batches = [[val_idx[j] for j in b] for b in pack_documents([all_lengths[i] for i in val_idx],
+                                                                    tcfg.tokens_per_step, tcfg.seed)] if n_val else []
+    if val_batches and tcfg.algorithm != "peagle":
+        raise ValueError("training.val_conversations: validation is implemented for algorithm=peagle only. Fix: set 0.")
     W, r = accelerator.num_processes, accelerator.process_index
     steps = len(batches) // W
     if tcfg.max_steps:
         steps = min(steps, tcfg.max_steps)
     if steps == 0:
         raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes. Fix: more data.num_conversations.")
+    fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
+    ckpt_root = checkpoints_root(out_dir)
+    resume_from = check_output_dir(ckpt_root, bool(tcfg.get("resume")), fingerprint)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
                             weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
     use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
     if accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"):
         raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported yet "
                                   "(DeepSpeed/FSDP engines come with issue 6); launch with plain multi-process DDP")
     draft = draft.to(accelerator.device)
+    gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
+    total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
+    window = []
+    tokens_seen, start_step, t0 = 0, 0, time.perf_counter()
+    log_path = out_dir / "train_log.jsonl"
+    old_log = []
+    if resume_from is not None:
+        st = load_training_checkpoint(accelerator, resume_from, draft, opt, sched, gen)
+        start_step, tokens_seen = st["step"], st["tokens"]
+        total_counts, window = st["total_counts"], list(st["window"])
+        if log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
+            old_log = [x for x in log_path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+        log(f"resuming from {resume_from} (step {start_step} of {steps})")
     if W > 1:  # every process starts from rank 0's weights
         import torch.distributed as dist
 
         for t in draft.state_dict().values():
             dist.broadcast(t, 0)
-    opt, sched = accelerator.prepare(opt, sched)
+    opt = accelerator.prepare(opt)
     draft.train()
     draft_ids = draft_ids.to(accelerator.device)
-    gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
-    total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
-    window = []
-    tokens_seen, t0 = 0, time.perf_counter()
-    log_path = out_dir / "train_log.jsonl"
-    logf = open(log_path, "w") if accelerator.is_main_process else None
-    bar = tqdm(range(steps), desc="training", unit="step", disable=not accelerator.is_main_process)
-    step = 0
+    logf = None
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(log_path, "w")
+        logf.write("".join(x + "\n" for x in old_log))
+    bar = tqdm(range(start_step, steps), desc="training", unit="step", disable=not accelerator.is_main_process,
+               initial=start_step, total=steps)
+    step, val, saved = start_step - 1, None, None
+
+    def checkpoint(done: int) -> None:
+        nonlocal val, saved
+        val = validate(accelerator, draft, target, rows, val_batches, draft_ids, tcfg) if val_batches else None
+        state = {"step": done, "tokens": tokens_seen, "total_counts": total_counts, "window": window}
+        saved = save_training_checkpoint(accelerator, ckpt_root, done, draft, opt, sched, state, gen, fingerprint,
+                                         keep_last, val["val_eal"] if val else None)
+        if val and logf:
+            logf.write(json.dumps({"step": done, **val}) + "\n")
+            logf.flush()
+        if val:
+            log(f"step {done}: validation loss {val['val_loss']:.4f}, EAL {val['val_eal']:.3f}")
+
     for step in bar:
         docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
         row = packed_row(target, docs, draft_ids)
@@ -286,15 +387,24 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
             logf.flush()
         bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
                         tok_s=f"{rec['tokens_per_second']:.0f}")
+        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            checkpoint(step + 1)
         if tcfg.max_minutes and elapsed > 60 * tcfg.max_minutes:
             log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")
             break
+    if save_every and not (ckpt_root / f"step_{step + 1:06d}").is_dir():
+        checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
     if logf:
         logf.close()
-    final = metrics_from_counts(sum(window))
+    from .checkpoint import best_checkpoint
+
+    final = metrics_from_counts(sum(window)) if window else metrics_from_counts(total_counts)
+    ckpts = list_checkpoints(ckpt_root)
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
-            "all_metrics": metrics_from_counts(total_counts), "draft": draft}
+            "all_metrics": metrics_from_counts(total_counts), "validation": val,
+            "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
+            "last_checkpoint": str(ckpts[-1]) if ckpts else None, "draft": draft}
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:

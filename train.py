@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
+from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
@@ -25,7 +26,7 @@ from peagle_train.paths import resolve_path
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     if cfg.threads:
@@ -38,6 +39,8 @@ def main(cfg: DictConfig) -> dict:
     log = acc.print
     out = Path(cfg.output_dir)
     write_json(out / "run.json", {**run_metadata(), "config": OmegaConf.to_container(cfg, resolve=True)})
+    if acc.is_main_process:
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, log=log)
@@ -86,5 +89,8 @@ def main(cfg: DictConfig) -> dict:
     return summary
 
 
+register()  # the typed schema conf/train.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit()  # misspelled keys and unknown recipes, with near matches, before Hydra starts
     main()

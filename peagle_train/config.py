@@ -71,6 +71,9 @@ class TrainingConfig:
     keep_last: Optional[int] = 3
     resume: bool = False
     val_conversations: int = 0
+    grad_accum: int = 1
+    mixed_precision: str = "no"
+    tracker: str = "none"
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """A real training process for tests/test_resume.py: tiny in-process target, checkpoints every 3
 steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL it mid-epoch.
 
-    python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP
+    python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
+
+Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
 """
 
 import sys
@@ -40,6 +42,7 @@ def main(out: Path, resume: bool):
                            {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
                             "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
                             "val_conversations": 2, "resume": resume})
+    tcfg = OmegaConf.merge(tcfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
     train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, tcfg, out, log=print)
 
 

@@ -22,6 +22,22 @@ from ..target.features import FeatureTarget, align_for_draft
 from .cod import CODElements, cod_mask, cod_sample, use_flex
 from .eagle3 import eagle3_step, ttt_anchors
 from .loss import LOSSES, chain_counts, depth_counts, metrics_from_counts
+from .tracking import make_tracker, step_scalars
+
+
+def autocast_context(mixed_precision: str, device: torch.device):
+    """torch.autocast for `training.mixed_precision` (no | bf16) on `device`; bf16 runs matmuls in
+    bfloat16 on CUDA and on CPU (weights, optimizer and losses stay fp32). Raises ValueError for
+    another value, or bf16 on a CUDA device without bf16 support."""
+    import contextlib
+
+    if mixed_precision == "no":
+        return contextlib.nullcontext()
+    if mixed_precision != "bf16":
+        raise ValueError(f"training.mixed_precision={mixed_precision!r} must be no or bf16")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("training.mixed_precision=bf16: this GPU has no bf16. Fix: training.mixed_precision=no")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @dataclass
@@ -189,6 +205,15 @@ def check_training_config(tcfg) -> None:
     for key in ("partitions", "tokens_per_step", "epochs"):
         if tcfg[key] < 1:
             problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
+    if (tcfg.get("grad_accum") or 1) < 1:
+        problems.append(f"training.grad_accum={tcfg.grad_accum} must be ≥ 1")
+    if (tcfg.get("mixed_precision") or "no") not in ("no", "bf16"):
+        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be no or bf16")
+    if (tcfg.get("tracker") or "none") not in ("none", "tensorboard", "wandb"):
+        problems.append(f"training.tracker={tcfg.tracker!r} must be none, tensorboard or wandb")
+    for key in ("save_every", "keep_last"):
+        if tcfg.get(key) is not None and tcfg.get(key) < 1:
+            problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
     if tcfg.max_anchors is not None and tcfg.max_anchors < 1:
         problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
     if tcfg.schedule not in ("cosine", "linear", "constant"):
@@ -295,11 +320,14 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     if val_batches and tcfg.algorithm != "peagle":
         raise ValueError("training.val_conversations: validation is implemented for algorithm=peagle only. Fix: set 0.")
     W, r = accelerator.num_processes, accelerator.process_index
-    steps = len(batches) // W
+    A = tcfg.get("grad_accum") or 1
+    steps = len(batches) // (W * A)
     if tcfg.max_steps:
         steps = min(steps, tcfg.max_steps)
     if steps == 0:
-        raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes. Fix: more data.num_conversations.")
+        raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes × grad_accum {A}. "
+                         "Fix: more data.num_conversations.")
+    amp = autocast_context(tcfg.get("mixed_precision") or "no", accelerator.device)
     fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
     ckpt_root = checkpoints_root(out_dir)
     resume_from = check_output_dir(ckpt_root, bool(tcfg.get("resume")), fingerprint)
@@ -312,7 +340,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported yet "
                                   "(DeepSpeed/FSDP engines come with issue 6); launch with plain multi-process DDP")
     draft = draft.to(accelerator.device)
-    gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
+    gen = torch.Generator()  # re-seeded per packed row: the COD sample depends on the row, not on W or A
     total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
     window = []
     tokens_seen, start_step, t0 = 0, 0, time.perf_counter()
@@ -334,6 +362,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     draft.train()
     draft_ids = draft_ids.to(accelerator.device)
     logf = None
+    tracker = make_tracker(tcfg.get("tracker") or "none", out_dir, accelerator.is_main_process,
+                           {k: v for k, v in fingerprint.items() if isinstance(v, (int, float, str, bool))}, log)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         logf = open(log_path, "w")
@@ -351,21 +381,45 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         if val and logf:
             logf.write(json.dumps({"step": done, **val}) + "\n")
             logf.flush()
+        if val and tracker:
+            tracker.log(step_scalars(val), step=done)
         if val:
             log(f"step {done}: validation loss {val['val_loss']:.4f}, EAL {val['val_eal']:.3f}")
 
     for step in bar:
-        docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
-        row = packed_row(target, docs, draft_ids)
+        # A micro-rows per process; global row g = (step·A + m)·W + r, so W·A rows per step whatever W is
+        micro, n_docs, n_tok = [], 0, 0
+        for m in range(A):
+            g = (step * A + m) * W + r
+            docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[g]]
+            row = packed_row(target, docs, draft_ids)
+            gen.manual_seed(tcfg.seed * 1_000_003 + g)
+            n_docs, n_tok = n_docs + len(docs), n_tok + row.tokens.numel()
+            if tcfg.algorithm == "eagle3":
+                micro.append((row, ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)))
+            else:
+                micro.append((row, cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths,
+                                              tcfg.down_sample_ratio, tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)))
+        loss_value, counts = 0.0, 0
         if tcfg.algorithm == "eagle3":
-            anchors = ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)
-            loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)
+            for row, anchors in micro:  # eagle3_step normalises per row: mean over the micro-rows
+                with amp:
+                    lv, _, c = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)
+                loss_value, counts = loss_value + lv / A, counts + c
+            if A > 1:
+                for p in draft.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(A)
         else:
-            el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
-                            tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
-            norm = global_loss_norm(accelerator, int(row.valid[el.targets.to(row.valid.device)].sum()))
-            loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
-                                               attention=tcfg.attention, loss_norm=norm)
+            norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())
+                                                     for row, el in micro))
+            for row, el in micro:
+                with amp:
+                    lv, _, c = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
+                                          attention=tcfg.attention, loss_norm=norm)
+                loss_value, counts = loss_value + lv, counts + c
+        # the step's loss over all processes (each process's share is already divided by the global count / W)
+        loss_value = float(accelerator.reduce(torch.tensor(loss_value, device=accelerator.device), "mean"))
         average_gradients(draft, accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
@@ -373,7 +427,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         sched.step()
         opt.zero_grad(set_to_none=True)
         counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
-        ntok = accelerator.reduce(torch.tensor(float(row.tokens.numel() + len(docs)), device=accelerator.device), "sum")
+        ntok = accelerator.reduce(torch.tensor(float(n_tok + n_docs), device=accelerator.device), "sum")
         tokens_seen += int(ntok)
         total_counts += counts
         window.append(counts)
@@ -385,6 +439,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
+        if tracker:
+            tracker.log(step_scalars(rec), step=step + 1)
         bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
                         tok_s=f"{rec['tokens_per_second']:.0f}")
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
@@ -396,6 +452,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
     if logf:
         logf.close()
+    if tracker:
+        tracker.finish()
     from .checkpoint import best_checkpoint
 
     final = metrics_from_counts(sum(window)) if window else metrics_from_counts(total_counts)

@@ -35,6 +35,10 @@ def main(cfg: DictConfig) -> dict:
     tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
                              "seed": cfg.seed, "algorithm": cfg.algorithm})
     check_training_config(tcfg)  # fail at start-up, naming the setting
+    if cfg.dry_run:
+        from peagle_train.dryrun import dry_run
+
+        return dry_run(cfg, Path(cfg.output_dir))
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
     out = Path(cfg.output_dir)

@@ -26,6 +26,13 @@ from peagle_train.paths import resolve_path
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
+def run_dir(cfg) -> Path:
+    """output_dir, or in a -m sweep the job's own folder (output_dir/<job number>)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
+
+
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
@@ -38,10 +45,12 @@ def main(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         from peagle_train.dryrun import dry_run
 
-        return dry_run(cfg, Path(cfg.output_dir))
+        res = dry_run(cfg, run_dir(cfg))
+        write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
+        return res
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
-    out = Path(cfg.output_dir)
+    out = run_dir(cfg)
     write_json(out / "run.json", {**run_metadata(), "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable

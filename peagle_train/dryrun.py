@@ -69,8 +69,9 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
                "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
                "mixed_precision": tcfg.get("mixed_precision")}
+    train_summary = {k: v for k, v in res.items() if k != "draft"}
     log(f"dry run of a {family} recipe: {summary}")
-    return summary
+    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}}
 
 
 def _last_loss(out: Path) -> float:

@@ -370,7 +370,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         logf.write("".join(x + "\n" for x in old_log))
     bar = tqdm(range(start_step, steps), desc="training", unit="step", disable=not accelerator.is_main_process,
                initial=start_step, total=steps)
-    step, val, saved = start_step - 1, None, None
+    step, val, saved, last_loss = start_step - 1, None, None, None
 
     def checkpoint(done: int) -> None:
         nonlocal val, saved
@@ -419,7 +419,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
                                           attention=tcfg.attention, loss_norm=norm)
                 loss_value, counts = loss_value + lv, counts + c
         # the step's loss over all processes (each process's share is already divided by the global count / W)
-        loss_value = float(accelerator.reduce(torch.tensor(loss_value, device=accelerator.device), "mean"))
+        loss_value = last_loss = float(accelerator.reduce(torch.tensor(loss_value, device=accelerator.device), "mean"))
         average_gradients(draft, accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
@@ -460,7 +460,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     ckpts = list_checkpoints(ckpt_root)
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
-            "all_metrics": metrics_from_counts(total_counts), "validation": val,
+            "all_metrics": metrics_from_counts(total_counts), "validation": val, "final_loss": last_loss,
             "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
             "last_checkpoint": str(ckpts[-1]) if ckpts else None, "draft": draft}
 

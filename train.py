@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
+from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
@@ -26,7 +27,14 @@ from peagle_train.target.offline import open_features
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def run_dir(cfg) -> Path:
+    """output_dir, or in a -m sweep the job's own folder (output_dir/<job number>)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     if cfg.threads:
@@ -35,10 +43,18 @@ def main(cfg: DictConfig) -> dict:
     tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
                              "seed": cfg.seed, "algorithm": cfg.algorithm})
     check_training_config(tcfg)  # fail at start-up, naming the setting
+    if cfg.dry_run:
+        from peagle_train.dryrun import dry_run
+
+        res = dry_run(cfg, run_dir(cfg))
+        write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
+        return res
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
-    out = Path(cfg.output_dir)
+    out = run_dir(cfg)
     write_json(out / "run.json", {**run_metadata(), "config": OmegaConf.to_container(cfg, resolve=True)})
+    if acc.is_main_process:
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, log=log)
@@ -73,7 +89,8 @@ def main(cfg: DictConfig) -> dict:
                                       cfg.eval.num_prompts)
             summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
                                                   num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log)
+                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
+                                                  train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,
@@ -88,5 +105,8 @@ def main(cfg: DictConfig) -> dict:
     return summary
 
 
+register()  # the typed schema conf/train.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit()  # misspelled keys and unknown recipes, with near matches, before Hydra starts
     main()

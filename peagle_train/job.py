@@ -55,7 +55,8 @@ def run_metadata() -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     pkgs = {}
-    for p in ("peagle-train", "torch", "transformers", "accelerate", "datasets", "hydra-core", "safetensors", "gguf"):
+    for p in ("peagle-train", "torch", "transformers", "accelerate", "datasets", "hydra-core", "safetensors", "gguf",
+              "deepspeed", "wandb", "tensorboard"):
         try:
             pkgs[p] = version(p)
         except PackageNotFoundError:

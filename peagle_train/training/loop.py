@@ -22,6 +22,22 @@ from ..target.features import FeatureTarget, align_for_draft
 from .cod import CODElements, cod_mask, cod_sample, use_flex
 from .eagle3 import eagle3_step, ttt_anchors
 from .loss import LOSSES, chain_counts, depth_counts, metrics_from_counts
+from .tracking import make_tracker, step_scalars
+
+
+def autocast_context(mixed_precision: str, device: torch.device):
+    """torch.autocast for `training.mixed_precision` (no | bf16) on `device`; bf16 runs matmuls in
+    bfloat16 on CUDA and on CPU (weights, optimizer and losses stay fp32). Raises ValueError for
+    another value, or bf16 on a CUDA device without bf16 support."""
+    import contextlib
+
+    if mixed_precision == "no":
+        return contextlib.nullcontext()
+    if mixed_precision != "bf16":
+        raise ValueError(f"training.mixed_precision={mixed_precision!r} must be no or bf16")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("training.mixed_precision=bf16: this GPU has no bf16. Fix: training.mixed_precision=no")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @dataclass
@@ -189,6 +205,15 @@ def check_training_config(tcfg) -> None:
     for key in ("partitions", "tokens_per_step", "epochs"):
         if tcfg[key] < 1:
             problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
+    if (tcfg.get("grad_accum") or 1) < 1:
+        problems.append(f"training.grad_accum={tcfg.grad_accum} must be ≥ 1")
+    if (tcfg.get("mixed_precision") or "no") not in ("no", "bf16"):
+        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be no or bf16")
+    if (tcfg.get("tracker") or "none") not in ("none", "tensorboard", "wandb"):
+        problems.append(f"training.tracker={tcfg.tracker!r} must be none, tensorboard or wandb")
+    for key in ("save_every", "keep_last"):
+        if tcfg.get(key) is not None and tcfg.get(key) < 1:
+            problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
     if tcfg.max_anchors is not None and tcfg.max_anchors < 1:
         problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
     if tcfg.schedule not in ("cosine", "linear", "constant"):
@@ -211,64 +236,194 @@ def lr_lambda(warmup: int, total: int, schedule: str):
     return f
 
 
+def data_fingerprint(lengths: list[int]) -> dict:
+    """What a resumed run's data must match: row count and a hash of the row lengths."""
+    import hashlib
+
+    return {"num_rows": len(lengths), "lengths_sha1": hashlib.sha1(json.dumps(lengths).encode()).hexdigest()[:16]}
+
+
+def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
+    if not 0 <= n_val < n:
+        raise ValueError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
+    order = list(range(n))
+    random.Random(seed + 7919).shuffle(order)
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+@torch.no_grad()
+def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg) -> dict:
+    """Validation loss (same objective and normalisation as training) and EAL on held-out packed
+    rows, with a fixed COD sample per row (seed-stable, so values compare across steps).
+
+    Process r of W takes rows r, r+W, ...; sums are reduced over processes. P-EAGLE only.
+    Returns {"val_loss", "val_eal", "val_acc" [K]}.
+    """
+    was_training = draft.training
+    draft.eval()
+    W, r = accelerator.num_processes, accelerator.process_index
+    K = tcfg.num_depths
+    loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, K, dtype=torch.float64)
+    flex = use_flex(tcfg.attention, accelerator.device)
+    for i in range(r, len(val_batches), W):
+        row = packed_row(target, [(rows[j]["input_ids"], rows[j]["loss_mask"]) for j in val_batches[i]], draft_ids)
+        gen = torch.Generator().manual_seed(tcfg.seed * 1000 + 99991 + i)
+        el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), K, tcfg.down_sample_ratio, tcfg.down_sample_ratio_min,
+                        tcfg.max_anchors, gen)
+        dev = row.tokens.device
+        a, d = el.anchors.to(dev), el.depths.to(dev)
+        valid = row.valid[a + d]
+        tokens, feats = draft.slot_inputs(row.tokens[a], row.features[a], d > 0)
+        h, _ = draft.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[None],
+                                   cod_mask(a, d, row.doc_ids, flex, 0), None)
+        logits, tl = draft.logits(h[0]), row.target_logits[a + d]
+        loss_sum += float(LOSSES[tcfg.loss](logits, tl, valid))
+        count += float(valid.sum())
+        counts += depth_counts(logits, tl, a, d, valid, K).cpu()
+    sums = accelerator.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=accelerator.device), "sum").cpu()
+    counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
+    draft.train(was_training)
+    m = metrics_from_counts(counts)
+    return {"val_loss": float(sums[0] / sums[1].clamp(min=1)), "val_eal": m["eal"], "val_acc": m["acc"]}
+
+
 def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print,
           features=None) -> dict:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with online features.
 
     tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed. Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl and returns
-    a summary dict (steps, tokens, seconds, final metrics).
+    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
+    optional (issue 6): save_every (steps between resumable checkpoints, null = none),
+    keep_last (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
+    out_dir/checkpoints; without it a folder holding checkpoints is refused),
+    val_conversations (documents held out for validation loss/EAL at each checkpoint, which
+    choose the best one). Process r of W takes packed rows r, r+W, ... Writes
+    out_dir/train_log.jsonl (and out_dir/checkpoints/) and returns a summary dict (steps, tokens,
+    seconds, final metrics, best checkpoint).
+    Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
+    mismatching checkpoint folder, OSError when a checkpoint save fails (previous one intact).
     `features`: None = online (the step runs the target), or an offline reader with
     `packed_row(doc_indices, docs, draft_ids)` (target/offline.py) giving the same rows from shards.
     """
-    lengths = [len(x) for x in rows["input_ids"]]
+    from .checkpoint import (check_output_dir, checkpoints_root, flat_fingerprint, list_checkpoints,
+                             load_training_checkpoint, save_training_checkpoint)
+
+    save_every, keep_last = tcfg.get("save_every"), tcfg.get("keep_last", 3)
+    n_val = tcfg.get("val_conversations") or 0
+    train_idx, val_idx = split_validation(len(rows), n_val, tcfg.seed)
+    all_lengths = [len(x) for x in rows["input_ids"]]
+    lengths = [all_lengths[i] for i in train_idx]
     batches = []
     for ep in range(tcfg.epochs):
-        batches += pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)
+        batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)]
+    val_batches = [[val_idx[j] for j in b] for b in pack_documents([all_lengths[i] for i in val_idx],
+                                                                    tcfg.tokens_per_step, tcfg.seed)] if n_val else []
+    if val_batches and tcfg.algorithm != "peagle":
+        raise ValueError("training.val_conversations: validation is implemented for algorithm=peagle only. Fix: set 0.")
     W, r = accelerator.num_processes, accelerator.process_index
-    steps = len(batches) // W
+    A = tcfg.get("grad_accum") or 1
+    steps = len(batches) // (W * A)
     if tcfg.max_steps:
         steps = min(steps, tcfg.max_steps)
     if steps == 0:
-        raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes. Fix: more data.num_conversations.")
+        raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes × grad_accum {A}. "
+                         "Fix: more data.num_conversations.")
+    amp = autocast_context(tcfg.get("mixed_precision") or "no", accelerator.device)
+    fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
+    ckpt_root = checkpoints_root(out_dir)
+    resume_from = check_output_dir(ckpt_root, bool(tcfg.get("resume")), fingerprint)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
                             weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
     use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
     if accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"):
         raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported yet "
                                   "(DeepSpeed/FSDP engines come with issue 6); launch with plain multi-process DDP")
     draft = draft.to(accelerator.device)
+    gen = torch.Generator()  # re-seeded per packed row: the COD sample depends on the row, not on W or A
+    total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
+    window = []
+    tokens_seen, start_step, t0 = 0, 0, time.perf_counter()
+    log_path = out_dir / "train_log.jsonl"
+    old_log = []
+    if resume_from is not None:
+        st = load_training_checkpoint(accelerator, resume_from, draft, opt, sched, gen)
+        start_step, tokens_seen = st["step"], st["tokens"]
+        total_counts, window = st["total_counts"], list(st["window"])
+        if log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
+            old_log = [x for x in log_path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+        log(f"resuming from {resume_from} (step {start_step} of {steps})")
     if W > 1:  # every process starts from rank 0's weights
         import torch.distributed as dist
 
         for t in draft.state_dict().values():
             dist.broadcast(t, 0)
-    opt, sched = accelerator.prepare(opt, sched)
+    opt = accelerator.prepare(opt)
     draft.train()
     draft_ids = draft_ids.to(accelerator.device)
-    gen = torch.Generator().manual_seed(tcfg.seed * 1000 + r)
-    total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
-    window = []
-    tokens_seen, t0 = 0, time.perf_counter()
-    log_path = out_dir / "train_log.jsonl"
-    logf = open(log_path, "w") if accelerator.is_main_process else None
-    bar = tqdm(range(steps), desc="training", unit="step", disable=not accelerator.is_main_process)
-    step = 0
+    logf = None
+    tracker = make_tracker(tcfg.get("tracker") or "none", out_dir, accelerator.is_main_process,
+                           {k: v for k, v in fingerprint.items() if isinstance(v, (int, float, str, bool))}, log)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(log_path, "w")
+        logf.write("".join(x + "\n" for x in old_log))
+    bar = tqdm(range(start_step, steps), desc="training", unit="step", disable=not accelerator.is_main_process,
+               initial=start_step, total=steps)
+    step, val, saved, last_loss = start_step - 1, None, None, None
+
+    def checkpoint(done: int) -> None:
+        nonlocal val, saved
+        val = validate(accelerator, draft, target, rows, val_batches, draft_ids, tcfg) if val_batches else None
+        state = {"step": done, "tokens": tokens_seen, "total_counts": total_counts, "window": window}
+        saved = save_training_checkpoint(accelerator, ckpt_root, done, draft, opt, sched, state, gen, fingerprint,
+                                         keep_last, val["val_eal"] if val else None)
+        if val and logf:
+            logf.write(json.dumps({"step": done, **val}) + "\n")
+            logf.flush()
+        if val and tracker:
+            tracker.log(step_scalars(val), step=done)
+        if val:
+            log(f"step {done}: validation loss {val['val_loss']:.4f}, EAL {val['val_eal']:.3f}")
+
     for step in bar:
-        docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[step * W + r]]
-        row = (packed_row(target, docs, draft_ids) if features is None
-               else features.packed_row(batches[step * W + r], docs, draft_ids))
+        # A micro-rows per process; global row g = (step·A + m)·W + r, so W·A rows per step whatever W is
+        micro, n_docs, n_tok = [], 0, 0
+        for m in range(A):
+            g = (step * A + m) * W + r
+            docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[g]]
+            row = (packed_row(target, docs, draft_ids) if features is None
+                   else features.packed_row(batches[g], docs, draft_ids))
+            gen.manual_seed(tcfg.seed * 1_000_003 + g)
+            n_docs, n_tok = n_docs + len(docs), n_tok + row.tokens.numel()
+            if tcfg.algorithm == "eagle3":
+                micro.append((row, ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)))
+            else:
+                micro.append((row, cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths,
+                                              tcfg.down_sample_ratio, tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)))
+        loss_value, counts = 0.0, 0
         if tcfg.algorithm == "eagle3":
-            anchors = ttt_anchors(row.valid, row.doc_ids, tcfg.max_anchors, gen)
-            loss_value, _, counts = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)
+            for row, anchors in micro:  # eagle3_step normalises per row: mean over the micro-rows
+                with amp:
+                    lv, _, c = eagle3_step(draft, row, anchors, tcfg.num_depths, tcfg.ttt_decay, tcfg.loss)
+                loss_value, counts = loss_value + lv / A, counts + c
+            if A > 1:
+                for p in draft.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(A)
         else:
-            el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), tcfg.num_depths, tcfg.down_sample_ratio,
-                            tcfg.down_sample_ratio_min, tcfg.max_anchors, gen)
-            norm = global_loss_norm(accelerator, int(row.valid[el.targets.to(row.valid.device)].sum()))
-            loss_value, _, counts = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
-                                               attention=tcfg.attention, loss_norm=norm)
+            norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())
+                                                     for row, el in micro))
+            for row, el in micro:
+                with amp:
+                    lv, _, c = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
+                                          attention=tcfg.attention, loss_norm=norm)
+                loss_value, counts = loss_value + lv, counts + c
+        # the step's loss over all processes (each process's share is already divided by the global count / W)
+        loss_value = last_loss = float(accelerator.reduce(torch.tensor(loss_value, device=accelerator.device), "mean"))
         average_gradients(draft, accelerator)
         if tcfg.grad_clip:
             accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
@@ -276,7 +431,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         sched.step()
         opt.zero_grad(set_to_none=True)
         counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
-        ntok = accelerator.reduce(torch.tensor(float(row.tokens.numel() + len(docs)), device=accelerator.device), "sum")
+        ntok = accelerator.reduce(torch.tensor(float(n_tok + n_docs), device=accelerator.device), "sum")
         tokens_seen += int(ntok)
         total_counts += counts
         window.append(counts)
@@ -288,17 +443,30 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
+        if tracker:
+            tracker.log(step_scalars(rec), step=step + 1)
         bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{m['acc'][0]:.2f}", EAL=f"{m['eal']:.2f}",
                         tok_s=f"{rec['tokens_per_second']:.0f}")
+        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            checkpoint(step + 1)
         if tcfg.max_minutes and elapsed > 60 * tcfg.max_minutes:
             log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")
             break
+    if save_every and not (ckpt_root / f"step_{step + 1:06d}").is_dir():
+        checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
     if logf:
         logf.close()
-    final = metrics_from_counts(sum(window))
+    if tracker:
+        tracker.finish()
+    from .checkpoint import best_checkpoint
+
+    final = metrics_from_counts(sum(window)) if window else metrics_from_counts(total_counts)
+    ckpts = list_checkpoints(ckpt_root)
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
-            "all_metrics": metrics_from_counts(total_counts), "draft": draft}
+            "all_metrics": metrics_from_counts(total_counts), "validation": val, "final_loss": last_loss,
+            "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
+            "last_checkpoint": str(ckpts[-1]) if ckpts else None, "draft": draft}
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:

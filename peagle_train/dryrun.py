@@ -1,0 +1,80 @@
+"""`dry_run=true`: check a recipe without its target. Builds the recipe's draft head and training
+settings on a tiny random target of the same family (Llama, Qwen3, gpt-oss, Gemma-3), with random
+token rows, and runs two training steps and a checkpoint round trip. Used by tests/test_recipes.py
+to check the GPU recipes on a CPU machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import torch
+from omegaconf import OmegaConf
+
+FAMILIES = {"gpt-oss": "gpt_oss", "gpt_oss": "gpt_oss", "qwen3": "qwen3", "gemma-3": "gemma3_text",
+            "gemma3": "gemma3_text", "llama": "llama", "smollm": "llama"}
+
+
+def family_of(name_or_path: str) -> str:
+    """HF model_type of a target from its name (target.name_or_path). Raises ValueError listing the
+    known families."""
+    low = name_or_path.lower()
+    for key, family in FAMILIES.items():
+        if key in low:
+            return family
+    raise ValueError(f"dry_run: no tiny stand-in for target '{name_or_path}'. Known families: "
+                     f"{', '.join(sorted(set(FAMILIES.values())))}")
+
+
+def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int = 0):
+    """A random HF causal LM of `family` with hidden size 64 (frozen, eval)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
+             "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)} if family == "gpt_oss" else {}
+    if family == "gemma3_text":
+        extra = {"sliding_window": 64, "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"]}
+    cfg = AutoConfig.for_model(family, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=4096, tie_word_embeddings=False, **extra)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+
+
+def dry_run(cfg, out_dir: Path, log=print) -> dict:
+    """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family.
+    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "mixed_precision"}."""
+    from accelerate import Accelerator
+
+    from .data.vocab import DraftVocab
+    from .job import build_draft
+    from .target.features import FeatureTarget
+    from .training.loop import check_training_config, load_checkpoint, save_checkpoint, train
+
+    family = family_of(cfg.target.name_or_path)
+    V = 256
+    target = FeatureTarget(tiny_target(family, V))
+    vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)
+    draft = build_draft(target, cfg.draft, vocab, V - 1, cfg.algorithm)
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = [torch.randint(0, V - 1, (48,), generator=g).tolist() for _ in range(8)]
+    rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
+    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training, resolve=True), "num_depths": cfg.draft.num_depths,
+                             "seed": cfg.seed, "algorithm": cfg.algorithm, "tokens_per_step": 96, "max_steps": 2,
+                             "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
+                             "grad_accum": 1, "tracker": "none", "max_anchors": 32, "attention": "dense"})
+    check_training_config(tcfg)
+    res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, tcfg, Path(out_dir), log=log)
+    back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))
+    summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
+               "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
+               "mixed_precision": tcfg.get("mixed_precision")}
+    train_summary = {k: v for k, v in res.items() if k != "draft"}
+    log(f"dry run of a {family} recipe: {summary}")
+    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}}
+
+
+def _last_loss(out: Path) -> float:
+    import json
+
+    return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()][-1]["loss"]

@@ -1,0 +1,214 @@
+"""Resumable training checkpoints: atomic, keep-last-N plus best, exact resume.
+
+Layout under `<output_dir>/checkpoints/`:
+
+    step_000012/   model.safetensors (fp32 draft weights), draft_config.json, state.pt (optimizer,
+                   scheduler, step = data cursor, running metrics), rng_rank{r}.pt (one per process:
+                   torch / python / numpy / COD-generator RNG), fingerprint.json (config it was made with)
+    best.json      {"step", "val_eal", "dir"}: the checkpoint with the highest validation EAL
+
+A checkpoint is written to `.tmp-step_N/`, flushed to disk (fsync) and renamed: a kill during a
+save leaves a `.tmp-*` folder that is ignored and removed by the next save, never a half
+checkpoint that loads. Pruning keeps the last `keep_last` checkpoints plus the best one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CKPT_PREFIX = "step_"
+# settings that may change between a run and its resumption (they do not change the trajectory)
+RESUME_FREE_KEYS = {"training.resume", "training.max_minutes", "training.save_every", "training.keep_last",
+                    "training.tracker", "training.progress"}
+
+
+def checkpoints_root(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (a `.tmp-*` folder is never complete)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX) and (p / "state.pt").is_file()]
+    return sorted(done, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
+
+
+def flat_fingerprint(tcfg, draft_config: dict, data_fingerprint: dict) -> dict:
+    """{"training.lr": ..., "draft.hidden_size": ..., "data.num_rows": ...}: what a checkpoint must
+    agree with to be resumed (flat dotted keys, JSON values)."""
+    from omegaconf import OmegaConf
+
+    t = OmegaConf.to_container(tcfg, resolve=True) if not isinstance(tcfg, dict) else dict(tcfg)
+    flat = {f"training.{k}": v for k, v in t.items()}
+    flat.update({f"draft.{k}": v for k, v in draft_config.items()})
+    flat.update({f"data.{k}": v for k, v in data_fingerprint.items()})
+    return json.loads(json.dumps(flat, default=str))
+
+
+def differing_keys(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ (or exist on one side only), ignoring RESUME_FREE_KEYS."""
+    keys = (set(saved) | set(current)) - RESUME_FREE_KEYS
+    return sorted(k for k in keys if saved.get(k, "<absent>") != current.get(k, "<absent>"))
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state(gen: torch.Generator) -> dict:
+    """This process's RNG: torch (CPU and CUDA), python `random`, numpy, and the COD generator."""
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+          "cod": gen.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict, gen: torch.Generator) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    gen.set_state(st["cod"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sched, state: dict, gen: torch.Generator,
+                             fingerprint: dict, keep_last: int | None, val_eal: float | None = None) -> Path:
+    """Write checkpoint `root/step_{step:06d}` atomically (all processes call this).
+
+    state: JSON-able/tensor loop state (step, tokens, running metric counts) stored in state.pt.
+    Every process writes its own RNG file into the shared temp folder; rank 0 writes the rest,
+    fsyncs and renames, then prunes to the last `keep_last` (+ the best by `val_eal`, if given).
+    Raises OSError (rank 0) naming the folder when the save fails (e.g. disk full): the temp folder
+    is removed and the previous checkpoints are untouched.
+    """
+    root = Path(root)
+    final = root / f"{CKPT_PREFIX}{step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    main = accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a kill during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    try:
+        rng_file = tmp / f"rng_rank{accelerator.process_index}.pt"
+        torch.save(rng_state(gen), rng_file)
+        _fsync_file(rng_file)
+        accelerator.wait_for_everyone()
+        if main:
+            sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
+            save_file(sd, str(tmp / "model.safetensors"))
+            (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict()}, indent=2))
+            (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
+            torch.save({**state, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "num_processes": accelerator.num_processes}, tmp / "state.pt")
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            _fsync_dir(tmp)
+            tmp.rename(final)
+            _fsync_dir(root)
+    except OSError as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = list_checkpoints(root)
+        raise OSError(f"saving checkpoint {final} failed ({e}); the previous checkpoint "
+                      f"{prev[-1] if prev else '(none)'} is intact. Fix: free disk space in {root} (or lower "
+                      "training.keep_last) and resume with training.resume=true.") from e
+    if main:
+        best = _update_best(root, final, step, val_eal)
+        if keep_last:
+            keep = set(list_checkpoints(root)[-keep_last:]) | ({root / best["dir"]} if best else set())
+            for p in list_checkpoints(root):
+                if p not in keep:
+                    shutil.rmtree(p, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _update_best(root: Path, final: Path, step: int, val_eal: float | None) -> dict | None:
+    path = root / "best.json"
+    best = json.loads(path.read_text()) if path.is_file() else None
+    if best and not (root / best["dir"]).is_dir():
+        best = None
+    if val_eal is not None and (best is None or val_eal > best["val_eal"]):
+        best = {"step": step, "val_eal": val_eal, "dir": final.name}
+        tmp = root / ".best.json.tmp"
+        tmp.write_text(json.dumps(best, indent=2))
+        tmp.replace(path)
+    return best
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint with the highest validation EAL (None when no validation ran)."""
+    path = Path(root) / "best.json"
+    if not path.is_file():
+        return None
+    d = Path(root) / json.loads(path.read_text())["dir"]
+    return d if d.is_dir() else None
+
+
+def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run.
+
+    Raises FileExistsError when `root` holds checkpoints and resume is false (they belong to
+    another run: refuse to overwrite), and ValueError naming the differing keys when the latest
+    checkpoint was made with a different config (DESIGN: resume only what is the same run).
+    """
+    ckpts = list_checkpoints(root)
+    if not ckpts:
+        return None
+    if not resume:
+        raise FileExistsError(f"{root} holds checkpoints of another run (latest {ckpts[-1].name}). Fix: resume it "
+                              "with training.resume=true, or choose a new output_dir.")
+    latest = ckpts[-1]
+    saved = json.loads((latest / "fingerprint.json").read_text())
+    diff = differing_keys(saved, fingerprint)
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k, '<absent>')!r} → {fingerprint.get(k, '<absent>')!r}" for k in diff)
+        raise ValueError(f"checkpoint {latest} was made with a different config ({detail}). Fix: resume with the "
+                         "run's original settings, or start a new output_dir.")
+    return latest
+
+
+def load_training_checkpoint(accelerator, ckpt: Path, draft, opt, sched, gen: torch.Generator) -> dict:
+    """Restore weights, optimizer, scheduler and this process's RNG from `ckpt`; return the loop
+    state saved with it. Raises ValueError when the process count differs (the data cursor and
+    RNG streams are per process)."""
+    ckpt = Path(ckpt)
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    if state["num_processes"] != accelerator.num_processes:
+        raise ValueError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "
+                         f"{accelerator.num_processes}. Fix: relaunch with --num_processes {state['num_processes']}.")
+    missing, unexpected = draft.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights")
+    opt.load_state_dict(state.pop("optimizer"))
+    sched.load_state_dict(state.pop("scheduler"))
+    set_rng_state(torch.load(ckpt / f"rng_rank{accelerator.process_index}.pt", weights_only=False), gen)
+    return state

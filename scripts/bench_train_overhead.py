@@ -1,0 +1,115 @@
+"""Benchmark: share of the training step spent outside target and draft compute (online features).
+
+    python scripts/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024]
+
+Runs `training.loop.train` on SmolLM2-135M-Instruct (pkg:smollm2) and ShareGPT with the demo
+recipe's head (1 layer, K = 8), timing every target forward (FeatureTarget.__call__), every draft
+forward+backward (`draft_step`) and the optimizer step; "other" = step − those three (row packing,
+EAGLE alignment, COD sampling, metric reduction, logging, checkpoint-free). The first step is a
+warm-up and excluded. Prints a table and writes it into docs/BENCHMARKS.md under its own heading.
+Goal (issue 6): other < 5% of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accelerate import Accelerator  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from peagle_train.data.prepare import prepare_data  # noqa: E402
+from peagle_train.job import build_draft, build_target  # noqa: E402
+from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
+from peagle_train.target.features import FeatureTarget  # noqa: E402
+from peagle_train.training import loop  # noqa: E402
+
+HEADING = "## Training-step overhead with online features (issue 6)"
+
+
+def timed(fn, bucket: list):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        bucket.append((time.perf_counter(), time.perf_counter() - t))  # (end time, duration)
+        return out
+    return wrapper
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--conversations", type=int, default=80)
+    ap.add_argument("--tokens-per-step", type=int, default=1024)
+    args = ap.parse_args()
+    cfg = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml")
+    recipe = OmegaConf.load(REPO_ROOT / "recipes" / "smollm2-135m-demo.yaml")
+    cfg = OmegaConf.merge(cfg, recipe)
+    target, tok = build_target(cfg.target, "cpu", log=lambda *_: None)
+    data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
+                        num_conversations=args.conversations, max_length=cfg.data.max_length,
+                        min_supervised_tokens=cfg.data.min_supervised_tokens, draft_vocab_size=cfg.data.draft_vocab_size,
+                        seed=0, log=lambda *_: None)
+    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
+    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
+                             "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
+                             "max_minutes": None})
+    t_target, t_draft, t_opt = [], [], []
+    FeatureTarget.__call__ = timed(FeatureTarget.__call__, t_target)
+    loop.draft_step = timed(loop.draft_step, t_draft)
+    torch.optim.AdamW.step = timed(torch.optim.AdamW.step, t_opt)
+    marks = []
+    real_metrics = loop.metrics_from_counts
+    loop.metrics_from_counts = lambda c: (marks.append(time.perf_counter()), real_metrics(c))[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        res = loop.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, tcfg, Path(tmp),
+                         log=lambda *_: None)
+    n = res["steps"]
+    # step boundaries: the per-step metrics call; steps 2..n (step 1 is the warm-up)
+    step_marks = [t0] + marks[:n]
+    calls_per_step = len(t_target) / n
+    after_warmup = step_marks[1]  # everything that ended after step 1 belongs to the timed steps 2..n
+    step_total = step_marks[n] - after_warmup
+    target_total, draft_total, opt_total = (sum(d for end_t, d in b if end_t > after_warmup)
+                                            for b in (t_target, t_draft, t_opt))
+    other = step_total - target_total - draft_total - opt_total
+    rows = [("target forward (features + logits)", target_total), ("draft forward + backward", draft_total),
+            ("optimizer step", opt_total), ("other (packing, alignment, COD, metrics, logging)", other)]
+    load = os.getloadavg()
+    table = [f"SmolLM2-135M-Instruct target (fp32, online), demo head (1 layer, K = 8), {n - 1} timed steps of "
+             f"~{args.tokens_per_step} tokens after 1 warm-up, {res['tokens']} tokens in all; "
+             f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; load average "
+             f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (`uptime`, machine shared by other jobs). "
+             f"{calls_per_step:.1f} target forwards (documents) per step.", "",
+             "| part | seconds per step | share of step |", "|---|---|---|"]
+    table += [f"| {name} | {t / (n - 1):.3f} | {100 * t / step_total:.1f}% |" for name, t in rows]
+    table += [f"| step | {step_total / (n - 1):.3f} | 100% |", "",
+              f"Outside target and draft compute (optimizer included): "
+              f"{100 * (other + opt_total) / step_total:.1f}%; excluding the optimizer: {100 * other / step_total:.1f}% "
+              f"(goal < 5%). Run: `python scripts/bench_train_overhead.py --steps {args.steps} --conversations "
+              f"{args.conversations} --tokens-per-step {args.tokens_per_step}`."]
+    text = "\n".join(table)
+    print(text)
+    path = REPO_ROOT / "docs" / "BENCHMARKS.md"
+    doc = path.read_text()
+    section = f"{HEADING}\n\n{text}\n"
+    if HEADING in doc:
+        doc = re.sub(re.escape(HEADING) + r"\n.*?(?=\n## |\Z)", section.rstrip("\n"), doc, flags=re.S)
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + section
+    path.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()

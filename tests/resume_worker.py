@@ -1,0 +1,50 @@
+"""A real training process for tests/test_resume.py: tiny in-process target, checkpoints every 3
+steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL it mid-epoch.
+
+    python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
+
+Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.conftest import tiny_llama  # noqa: E402
+from tests.test_loop import tiny_rows  # noqa: E402
+from peagle_train.data.vocab import DraftVocab  # noqa: E402
+from peagle_train.job import build_draft  # noqa: E402
+from peagle_train.paths import REPO_ROOT  # noqa: E402
+from peagle_train.target.features import FeatureTarget  # noqa: E402
+from peagle_train.training.loop import train  # noqa: E402
+
+
+class SlowTarget(FeatureTarget):
+    def __call__(self, *a, **k):
+        time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+        return super().__call__(*a, **k)
+
+
+def main(out: Path, resume: bool):
+    torch.set_num_threads(1)
+    t = SlowTarget(tiny_llama())
+    vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False})
+    draft = build_draft(t, dcfg, vocab, 127)
+    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
+                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
+                            "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
+                            "val_conversations": 2, "resume": resume})
+    tcfg = OmegaConf.merge(tcfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
+    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, tcfg, out, log=print)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), len(sys.argv) > 2 and sys.argv[2] == "resume")

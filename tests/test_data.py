@@ -292,3 +292,18 @@ def test_pack_rows_hand_checked():
     assert p["loss_mask"] == [[0, 1, 1, 0, 1], [0, 0, 1, 1, 1]]
     with pytest.raises(ValueError, match="pack_length"):
         pack_rows(rows, 4, max_length=8)
+
+
+def test_no_chat_template_error_only_when_conversations_need_one(tmp_path, chatml_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    from peagle_train.data.template import MissingChatTemplateError
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=chatml_tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    f = tmp_path / "sg.json"
+    write_array(f, [conv(("human", "hello"), ("gpt", "I am fine."))])
+    with pytest.raises(MissingChatTemplateError, match="data.chat_template"):
+        prep(f, bare)
+    t = tmp_path / "tok.jsonl"
+    write_jsonl(t, [{"id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
+    assert prep(t, bare).rows["input_ids"] == [[5, 6, 7]]  # pre-tokenised rows need no template

@@ -75,7 +75,8 @@ def prepare_data(
         ValueError: no row survives (the summary names the reasons), or an invalid mask token
             (how often the data uses it).
     """
-    set_chat_template(tokenizer, chat_template)
+    if chat_template or getattr(tokenizer, "chat_template", None):
+        set_chat_template(tokenizer, chat_template)
     template_kwargs = dict(template_kwargs or {})
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     specs = _source_specs(path, mix)
@@ -95,6 +96,8 @@ def prepare_data(
         dropped.update(d for d in drops["drop"] if d)
         changed.update(c for cs in drops["changes"] for c in cs)
         valid = ds.filter(_is_kept, input_columns="drop", desc="keeping normalised conversations")
+        if not getattr(tokenizer, "chat_template", None) and any(len(x) == 0 for x in valid["input_ids"]):
+            set_chat_template(tokenizer, None)  # conversations to render and no template: the error names the fix
         valid = valid.shuffle(seed=seed)
         kept, n_tok = _tokenise_until(valid, share, kwargs, tok_key, num_proc, dropped, changed)
         tokenised += n_tok

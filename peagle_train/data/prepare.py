@@ -26,7 +26,7 @@ from .sources import default_cache_dir, load_source, source_info_dict
 from .template import TemplateError, chat_template_hash, set_chat_template, tokenize_conversation
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
 
-TOKENIZE_VERSION = "2"  # bump when tokenisation/masking changes: invalidates cached token rows
+TOKENIZE_VERSION = "3"  # bump when tokenisation/masking changes: invalidates cached token rows
 
 
 @dataclass

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+FIRST_CUT_CHARS_PER_TOKEN = 6  # first prefix tokenised: this many characters per wanted token (English: ~4.3)
+
 
 class TemplateError(ValueError):
     """The chat template cannot place the assistant-only loss mask for a conversation."""
@@ -141,20 +143,24 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | Non
 
     A token belongs to the loss mask when its first character lies inside an assistant span.
     Rows longer than `max_length` tokens are cut at max_length (TokenRow.cut). Only a prefix of the
-    text is tokenised: 4 characters per wanted token first, doubled until the prefix gives more than
-    max_length + 16 tokens (the tokens before a cut do not depend on the text after it, beyond the last
-    pre-tokenised word), and messages that start past 16 * max_length characters are not rendered.
+    text is tokenised: 6 characters per wanted token first, doubled until the first max_length tokens end
+    before the prefix's last whitespace (so they do not depend on the text after the cut), and messages that start past 16 * max_length characters are not rendered.
     Returns a TokenRow with input_ids and loss_mask of equal length T.
     """
     if max_length is not None:
         messages = _messages_within(messages, chars=16 * max_length)
     text, spans, rewritten = assistant_char_spans(tokenizer, messages, template_kwargs)
-    cut_chars = len(text) if max_length is None else 4 * max_length
+    cut_chars = len(text) if max_length is None else FIRST_CUT_CHARS_PER_TOKEN * max_length
     while True:
         part = text[:cut_chars]
         enc = tokenizer(part, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
-        if max_length is None or len(part) == len(text) or len(ids) > max_length + 16:
+        if max_length is None or len(part) == len(text):
+            break
+        # the kept tokens must end before the last whitespace of the prefix: the word cut by the prefix
+        # then lies wholly after them, so they equal the tokens of the full text (pre-tokens never cross
+        # a whitespace boundary)
+        if len(ids) > max_length and enc["offset_mapping"][max_length - 1][1] <= max(part.rfind(" "), part.rfind("\n")):
             break
         cut_chars *= 2
     starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=len(ids))

@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import psutil
 

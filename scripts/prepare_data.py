@@ -13,7 +13,6 @@ data.cache_dir: a second run with the same inputs is a cache hit.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf

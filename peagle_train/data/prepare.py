@@ -242,9 +242,12 @@ def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
         if share is not None and n < share:
             log(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
         part = kept.select(range(n))
-        prefix = f"{Path(spec['path']).stem}:" if len(kept_sets) > 1 else ""
-        part = part.map(lambda b: {"source": [prefix + i for i in b["id"]]}, batched=True,
-                        new_fingerprint=_digest(part._fingerprint, "source", prefix), desc="naming rows")
+        if len(kept_sets) > 1:  # a mix: the source column names the file too
+            prefix = f"{Path(spec['path']).stem}:"
+            part = part.map(lambda b: {"source": [prefix + i for i in b["id"]]}, batched=True,
+                            new_fingerprint=_digest(part._fingerprint, "source", prefix), desc="naming rows")
+        else:
+            part = part.rename_column("id", "source")
         parts.append(part.select_columns(["input_ids", "loss_mask", "source"]))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     return rows.shuffle(seed=seed) if len(parts) > 1 else rows

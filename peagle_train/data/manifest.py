@@ -26,10 +26,16 @@ def tokenizer_hash(tokenizer) -> str:
     without the call-time truncation/padding state; the sorted vocabulary for slow tokenizers."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
-        d = json.loads(backend.to_str())
-        d.pop("truncation", None)
-        d.pop("padding", None)
-        blob = json.dumps(d, sort_keys=True)
+        trunc, pad = backend.truncation, backend.padding
+        backend.no_truncation()
+        backend.no_padding()
+        try:
+            blob = backend.to_str()
+        finally:
+            if trunc:
+                backend.enable_truncation(**trunc)
+            if pad:
+                backend.enable_padding(**{k: v for k, v in pad.items() if k != "length" or v is not None})
     else:
         blob = json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -37,13 +43,13 @@ def tokenizer_hash(tokenizer) -> str:
 
 def build_manifest(*, sources: list[dict], tokenizer, template_kwargs: dict | None, target_vocab_size: int,
                    max_length: int, min_supervised_tokens: int, draft_ids, coverage: float, mask_token_id: int,
-                   mask_token_source: str, counts: dict) -> dict:
-    """The manifest dict (see the module docstring)."""
+                   mask_token_source: str, counts: dict, tokenizer_sha256: str | None = None) -> dict:
+    """The manifest dict (see the module docstring); tokenizer_sha256: `tokenizer_hash` if known."""
     ids = [int(x) for x in draft_ids]
     return {
         "manifest_version": MANIFEST_VERSION,
         "sources": sources,
-        "tokenizer": {"name_or_path": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_hash(tokenizer),
+        "tokenizer": {"name_or_path": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_sha256 or tokenizer_hash(tokenizer),
                       "len": len(tokenizer)},
         "chat_template": {"sha256": chat_template_hash(tokenizer, template_kwargs),
                           "template_kwargs": dict(template_kwargs or {})},

@@ -80,7 +80,8 @@ def prepare_data(
     template_kwargs = dict(template_kwargs or {})
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     specs = _source_specs(path, mix)
-    tok_key = _digest(tokenizer_hash(tokenizer), chat_template_hash(tokenizer, template_kwargs), max_length,
+    tok_sha = tokenizer_hash(tokenizer)
+    tok_key = _digest(tok_sha, chat_template_hash(tokenizer, template_kwargs), max_length,
                       min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)
     kwargs = {"tokenizer": tokenizer, "max_length": max_length, "min_supervised_tokens": min_supervised_tokens,
               "vocab_size": target_vocab_size, "template_kwargs": template_kwargs}
@@ -108,7 +109,8 @@ def prepare_data(
                          f"drops by reason: {dict(dropped)}")
     sup, allc = token_counts(rows, target_vocab_size)
     vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
-    used = {int(i): int(allc[i]) for i in torch.nonzero(allc).flatten()}
+    nz = torch.nonzero(allc).flatten()
+    used = dict(zip(nz.tolist(), allc[nz].tolist()))  # id -> occurrences
     if mask_token_id is None:
         mask_token_id = choose_mask_token(tokenizer, used, target_vocab_size)
     validate_mask_token(mask_token_id, target_vocab_size, used, set(tokenizer.all_special_ids))
@@ -134,7 +136,8 @@ def prepare_data(
         max_length=max_length, min_supervised_tokens=min_supervised_tokens, draft_ids=vocab.draft_ids.tolist(),
         coverage=vocab.coverage, mask_token_id=mask_token_id,
         mask_token_source=mask_token_source(tokenizer, mask_token_id),
-        counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")})
+        counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
+        tokenizer_sha256=tok_sha)
     return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
 
 

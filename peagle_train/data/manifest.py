@@ -1,0 +1,107 @@
+"""The manifest of a prepared dataset, and the check that training's target matches it (issue 3 §7).
+
+manifest.json records what the rows depend on: the source files and their sha256, the tokenizer
+(sha256 of its serialised vocabulary/merges/specials), the chat template and its arguments, the
+target vocabulary size, max_length, min_supervised_tokens, the draft vocabulary (size, sha256 of the
+chosen ids, coverage), the mask token, and the counts of the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .template import chat_template_hash
+
+MANIFEST_VERSION = 1
+
+
+class ManifestMismatchError(ValueError):
+    """Prepared data that was made for another target/tokenizer/template/settings than the one given."""
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's serialised model (vocabulary, merges, normaliser, added tokens),
+    without the call-time truncation/padding state; the sorted vocabulary for slow tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        trunc, pad = backend.truncation, backend.padding
+        backend.no_truncation()
+        backend.no_padding()
+        try:
+            blob = backend.to_str()
+        finally:
+            if trunc:
+                backend.enable_truncation(**trunc)
+            if pad:
+                backend.enable_padding(**{k: v for k, v in pad.items() if k != "length" or v is not None})
+    else:
+        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def build_manifest(*, sources: list[dict], tokenizer, template_kwargs: dict | None, target_vocab_size: int,
+                   max_length: int, min_supervised_tokens: int, draft_ids, coverage: float, mask_token_id: int,
+                   mask_token_source: str, counts: dict, tokenizer_sha256: str | None = None) -> dict:
+    """The manifest dict (see the module docstring); tokenizer_sha256: `tokenizer_hash` if known."""
+    ids = [int(x) for x in draft_ids]
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "sources": sources,
+        "tokenizer": {"name_or_path": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_sha256 or tokenizer_hash(tokenizer),
+                      "len": len(tokenizer)},
+        "chat_template": {"sha256": chat_template_hash(tokenizer, template_kwargs),
+                          "template_kwargs": dict(template_kwargs or {})},
+        "target_vocab_size": int(target_vocab_size),
+        "max_length": int(max_length),
+        "min_supervised_tokens": int(min_supervised_tokens),
+        "draft_vocab": {"size": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+                        "coverage": coverage},
+        "mask_token_id": int(mask_token_id),
+        "mask_token_source": mask_token_source,
+        "counts": counts,
+    }
+
+
+def check_manifest(manifest: dict, tokenizer, target_vocab_size: int, *, template_kwargs: dict | None = None,
+                   max_length: int | None = None, draft_vocab_size: int | None = None,
+                   mask_token_id: int | None = None, where: str = "the prepared data") -> None:
+    """Refuse prepared data whose manifest does not match the target and settings given to training.
+
+    Compared: tokenizer sha256, chat template (+ arguments) sha256, target vocabulary size, and, when
+    given, max_length, draft_vocab_size and mask_token_id.
+
+    Raises:
+        ManifestMismatchError: one line per mismatch (manifest value vs. the given one) and the fix.
+    """
+    problems = []
+
+    def differ(name, have, want):
+        if have != want:
+            problems.append(f"  {name}: prepared with {have!r}, training gives {want!r}")
+
+    differ("tokenizer sha256", manifest.get("tokenizer", {}).get("sha256"), tokenizer_hash(tokenizer))
+    differ("chat template sha256 (template + template_kwargs)", manifest.get("chat_template", {}).get("sha256"),
+           chat_template_hash(tokenizer, template_kwargs))
+    differ("target vocabulary size", manifest.get("target_vocab_size"), int(target_vocab_size))
+    if max_length is not None:
+        differ("max_length", manifest.get("max_length"), int(max_length))
+    if draft_vocab_size is not None:
+        differ("draft_vocab_size", manifest.get("draft_vocab", {}).get("size"), int(draft_vocab_size))
+    if mask_token_id is not None:
+        differ("mask_token_id", manifest.get("mask_token_id"), int(mask_token_id))
+    if problems:
+        raise ManifestMismatchError(
+            f"{where} does not match the target given to training:\n" + "\n".join(problems) +
+            "\nFix: prepare the data again for this target (python scripts/prepare_data.py with the same target.* "
+            "and data.* settings), or point data.prepared_dir at data prepared for it.")
+
+
+def read_manifest(prepared_dir: str | Path) -> dict:
+    """manifest.json of a prepared directory; FileNotFoundError naming the directory if absent."""
+    p = Path(prepared_dir) / "manifest.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: {prepared_dir} is not a prepared dataset directory. "
+                                "Fix: run python scripts/prepare_data.py output_dir=<dir> first.")
+    return json.loads(p.read_text())

@@ -1,0 +1,218 @@
+"""Response regeneration (self-distillation): rewrite assistant turns with the target itself.
+
+Each conversation is replayed turn by turn: the target answers user turn 1 from the (system and) user
+prompt, its own answer becomes the history of user turn 2, and so on, so every answer is written
+with the target's own history, as serving would. Conversations are processed in batches; within a
+batch, turn t of every conversation that has one is generated in one backend call.
+
+Resumable: finished conversations are appended to an OpenAI-style `messages` JSONL (one line per
+conversation, keyed by `id`, flushed and fsynced per batch). A rerun reads the ids already written
+(dropping a torn last line left by a kill) and skips them. The output is a valid `data.path`.
+
+Backends: `HFBackend` (an in-process transformers model; CPU works) and `EndpointBackend` (any
+OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Generation:
+    """One generated answer: text, and whether it stopped at the token limit."""
+
+    text: str
+    cut: bool = False
+
+
+class HFBackend:
+    """Greedy (temperature 0) or sampled generation with an in-process HF causal LM, batched with
+    left padding. The prompt is the tokenizer's chat template with add_generation_prompt=True."""
+
+    def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, temperature: float = 0.0,
+                 template_kwargs: dict | None = None):
+        self.model, self.tok = model, tokenizer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.template_kwargs = dict(template_kwargs or {})
+
+    @torch.no_grad()
+    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+        """conversations: message lists ending with a user turn. Returns one Generation each."""
+        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+                 for c in conversations]
+        side, self.tok.padding_side = self.tok.padding_side, "left"
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        try:
+            enc = self.tok(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(self.model.device)
+        finally:
+            self.tok.padding_side = side
+        sample = self.temperature > 0
+        out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=sample, pad_token_id=pad,
+                                  **({"temperature": self.temperature, "top_p": 1.0} if sample else {}))
+        new = out[:, enc["input_ids"].shape[1]:]
+        eos = {self.tok.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
+        gens = []
+        for row in new.tolist():
+            stop = next((i for i, t in enumerate(row) if t in eos), None)
+            ids = row if stop is None else row[:stop]
+            gens.append(Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None))
+        return gens
+
+
+def _as_list(x):
+    return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
+
+
+class EndpointBackend:
+    """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
+
+    Raises:
+        RuntimeError: the server cannot be reached or answers without a choice (names the URL).
+    """
+
+    def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
+                 concurrency: int = 8, timeout_s: float = 600.0, api_key: str | None = None,
+                 template_kwargs: dict | None = None):
+        self.url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+        self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def _one(self, messages: list[dict]) -> Generation:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature}
+        if self.template_kwargs:  # vLLM / SGLang: arguments of the chat template, e.g. enable_thinking
+            body["chat_template_kwargs"] = self.template_kwargs
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                ans = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise RuntimeError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
+                               "the server is up (vllm serve / sglang).") from e
+        try:
+            choice = ans["choices"][0]
+            return Generation((choice["message"].get("content") or "").strip(), choice.get("finish_reason") == "length")
+        except (KeyError, IndexError, TypeError) as e:
+            raise RuntimeError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}") from e
+
+    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+        with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:
+            return list(ex.map(self._one, conversations))
+
+
+@dataclass
+class RegenerateStats:
+    """Counts of a regeneration run."""
+
+    skipped_done: int = 0
+    written: int = 0
+    turns_generated: int = 0
+    cut_at_max_new_tokens: int = 0
+    stopped_at_empty_answer: int = 0
+    dropped: dict = field(default_factory=dict)
+
+
+def done_ids(out_path: Path) -> set[str]:
+    """Ids already in the output JSONL. A torn last line (a kill mid-write) is cut off the file."""
+    if not out_path.is_file():
+        return set()
+    data = out_path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(out_path, "r+b") as f:
+            f.truncate(end)
+    ids = set()
+    for line in data[:end].decode("utf-8").splitlines():
+        if line.strip():
+            ids.add(str(json.loads(line)["id"]))
+    return ids
+
+
+def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16, log=print,
+               extra: dict | None = None) -> RegenerateStats:
+    """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
+
+    conversations: iterable of (id, messages) with normalised messages (user/assistant alternating,
+    optional leading system). Conversations whose id is already in out_path are skipped.
+    extra: fields added to every written line (e.g. {"regenerated_by": "<model>"}).
+    An empty answer ends its conversation there (counted); a conversation left without an answer
+    is not written (counted).
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    stats = RegenerateStats()
+    done = done_ids(out_path)
+    todo = []
+    for cid, msgs in conversations:
+        if str(cid) in done:
+            stats.skipped_done += 1
+        else:
+            todo.append((str(cid), msgs))
+    if stats.skipped_done:
+        log(f"{out_path}: {stats.skipped_done} conversations already regenerated, skipped")
+    with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b: b + batch_size]
+            lines = [_json_line(cid, msgs, extra) for cid, msgs in _regenerate_batch(batch, backend, stats)]
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+            stats.written += len(lines)
+            bar.update(len(batch))
+    return stats
+
+
+def _json_line(cid: str, msgs: list[dict], extra: dict | None) -> str:
+    return json.dumps({"id": cid, "messages": msgs, **(extra or {})}, ensure_ascii=False) + "\n"
+
+
+def _regenerate_batch(batch, backend, stats: RegenerateStats):
+    """Turn-by-turn regeneration of one batch: yields (id, new messages) of the conversations kept."""
+    # per conversation: the new history so far, and the queue of remaining original messages
+    state = []
+    for cid, msgs in batch:
+        hist, rest = [], list(msgs)
+        while rest and rest[0]["role"] != "assistant":
+            hist.append(rest.pop(0))
+        state.append({"id": cid, "hist": hist, "rest": rest, "open": bool(rest) and hist and hist[-1]["role"] == "user"})
+    while True:
+        active = [s for s in state if s["open"]]
+        if not active:
+            break
+        gens = backend.generate([s["hist"] for s in active])
+        for s, g in zip(active, gens):
+            stats.turns_generated += 1
+            stats.cut_at_max_new_tokens += g.cut
+            s["rest"].pop(0)  # the original assistant turn, replaced
+            if not g.text:
+                stats.stopped_at_empty_answer += 1
+                s["open"] = False
+                continue
+            s["hist"].append({"role": "assistant", "content": g.text})
+            users = []
+            while s["rest"] and s["rest"][0]["role"] != "assistant":
+                users.append(s["rest"].pop(0))
+            s["hist"] += users
+            s["open"] = bool(s["rest"]) and bool(users)
+    for s in state:
+        while s["hist"] and s["hist"][-1]["role"] != "assistant":
+            s["hist"].pop()
+        if any(m["role"] == "assistant" for m in s["hist"]):
+            yield s["id"], s["hist"]
+        else:
+            stats.dropped["no answer generated"] = stats.dropped.get("no answer generated", 0) + 1

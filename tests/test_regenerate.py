@@ -1,0 +1,127 @@
+"""Regeneration: turn-by-turn with the target's own history, resumable after a kill, against a
+loopback OpenAI-compatible server started by the test, and with the in-process HF backend."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from peagle_train.data.regenerate import EndpointBackend, HFBackend, done_ids, regenerate
+from tests.conftest import tiny_llama
+
+
+@pytest.fixture
+def server():
+    """A /v1/chat/completions server on 127.0.0.1 that answers "ans(<last user text>)#<answers so far>"."""
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append(body)
+            if self.path != "/v1/chat/completions":
+                self.send_response(404)
+                self.end_headers()
+                return
+            msgs = body["messages"]
+            k = sum(m["role"] == "assistant" for m in msgs)
+            text = f"ans({msgs[-1]['content']})#{k}" if msgs[-1]["content"] != "say nothing" else ""
+            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+                                           "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", requests
+    srv.shutdown()
+
+
+def convs(n):
+    return [(f"c{i}", [{"role": "system", "content": "S"}, {"role": "user", "content": f"q{i}a"},
+                       {"role": "assistant", "content": "old"}, {"role": "user", "content": f"q{i}b"},
+                       {"role": "assistant", "content": "old"}]) for i in range(n)]
+
+
+def test_endpoint_turn_by_turn_with_own_history(tmp_path, server):
+    url, requests = server
+    out = tmp_path / "regen.jsonl"
+    st = regenerate(convs(2), EndpointBackend(url, "m", concurrency=2), out, batch_size=2, log=lambda *_: None)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in lines] == ["c0", "c1"]
+    assert lines[0]["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q0a"},
+                                    {"role": "assistant", "content": "ans(q0a)#0"}, {"role": "user", "content": "q0b"},
+                                    {"role": "assistant", "content": "ans(q0b)#1"}]
+    # the second turn was asked with the regenerated first answer in its history, never the old one
+    second = [r for r in requests if r["messages"][-1]["content"] == "q1b"][0]
+    assert second["messages"][2] == {"role": "assistant", "content": "ans(q1a)#0"} and second["model"] == "m"
+    assert st.turns_generated == 4 and st.written == 2
+
+
+def test_resume_after_kill_redoes_nothing_finished(tmp_path, server):
+    url, requests = server
+    out = tmp_path / "regen.jsonl"
+
+    class Dying(EndpointBackend):
+        calls = 0
+
+        def generate(self, c):
+            Dying.calls += 1
+            if Dying.calls > 2:  # batch 1 (2 turn calls) finishes, batch 2 is killed
+                raise KeyboardInterrupt
+            return super().generate(c)
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(convs(5), Dying(url, "m"), out, batch_size=2, log=lambda *_: None)
+    with open(out, "a") as f:
+        f.write('{"id": "c2", "messa')  # a torn line, as a kill in the middle of a write leaves
+    assert done_ids(out) == {"c0", "c1"} and out.read_text().endswith("\n")
+    n_before = len(requests)
+    st = regenerate(convs(5), EndpointBackend(url, "m"), out, batch_size=2, log=lambda *_: None)
+    assert st.skipped_done == 2 and st.written == 3
+    asked = {r["messages"][1]["content"] for r in requests[n_before:]}
+    assert asked == {"q2a", "q3a", "q4a"}  # c0, c1 were not asked again
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == ["c0", "c1", "c2", "c3", "c4"]
+
+
+def test_empty_answer_ends_the_conversation(tmp_path, server):
+    url, _ = server
+    out = tmp_path / "r.jsonl"
+    c = [("x", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "say nothing"}, {"role": "assistant", "content": "old"}]),
+         ("y", [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": "old"}])]
+    st = regenerate(c, EndpointBackend(url, "m"), out, log=lambda *_: None)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines == [{"id": "x", "messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "ans(hi)#0"}]}]
+    assert st.stopped_at_empty_answer == 2 and st.dropped == {"no answer generated": 1}
+
+
+def test_endpoint_unreachable_names_the_url():
+    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1/chat/completions"):
+        EndpointBackend("http://127.0.0.1:9/v1", "m", timeout_s=2).generate([[{"role": "user", "content": "q"}]])
+
+
+def test_hf_backend_batched_equals_one_by_one(chatml_tokenizer):
+    tok = chatml_tokenizer
+    model = tiny_llama(vocab_size=len(tok))
+    be = HFBackend(model, tok, max_new_tokens=5)
+    a = [{"role": "user", "content": "hello there"}]
+    b = [{"role": "user", "content": "What is two plus two? I am fine, thank you."}]
+    both = be.generate([a, b])
+    assert [g.text for g in both] == [be.generate([a])[0].text, be.generate([b])[0].text]
+    # greedy: the same tokens as the model's own generate on the single prompt
+    ids = tok.apply_chat_template(a, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ref = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = ref[0, ids["input_ids"].shape[1]:].tolist()
+    eos = tok.eos_token_id
+    new = new[: new.index(eos)] if eos in new else new
+    assert both[0].text == tok.decode(new, skip_special_tokens=True).strip()

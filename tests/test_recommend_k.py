@@ -1,5 +1,6 @@
 """issue 10: the K cost model against hand-computed values, and recommend_k's bad-input handling."""
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from peagle_train.target.features import FeatureTarget
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _script():
     spec = importlib.util.spec_from_file_location("recommend_k", REPO / "scripts" / "recommend_k.py")
     mod = importlib.util.module_from_spec(spec)

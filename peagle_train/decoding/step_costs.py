@@ -9,7 +9,8 @@ the target's KV cache hold `context` positions; the step drafts from 1 new real 
 - verify: the target (with its aux-feature hooks) over [B, K+1] with its KV cache, full-vocabulary
   argmax; the cache is cropped back to `context` after each repeat.
 - target alone: the same with 1 token.
-Times are medians over `repeats` after `warmup` runs, in milliseconds (CUDA synchronised).
+Times are means over `repeats` after `warmup` runs, in milliseconds (CUDA synchronised): the mean,
+not the median, because throughput is total tokens over total time, interruptions included.
 Values of tokens and features do not change the cost, so they are random.
 """
 
@@ -34,7 +35,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+def _mean_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
     times = []
     for i in range(warmup + repeats):
         _sync(device)
@@ -43,7 +44,7 @@ def _median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
         _sync(device)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _mask(batch: int, n_new: int, cached: int, device) -> torch.Tensor:
@@ -92,7 +93,7 @@ def is_oom(err: BaseException) -> bool:
 @torch.no_grad()
 def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: int = 5, warmup: int = 1,
                sequential: bool | None = None) -> float:
-    """Median ms of one drafting step proposing K tokens for each of `batch` sequences.
+    """Mean ms of one drafting step proposing K tokens for each of `batch` sequences.
 
     sequential: None = by head type (EAGLE-3 heads sequential, P-EAGLE parallel); True times
     EAGLE-3-style K forwards with any head. Raises ValueError when K < 1 or batch < 1."""
@@ -128,13 +129,13 @@ def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: in
             t = draft.draft_to_target(draft.logits(h[:, -1]).argmax(-1))
         return t
 
-    return _median_ms(sequential_ if seq else parallel, dev, repeats, warmup)
+    return _mean_ms(sequential_ if seq else parallel, dev, repeats, warmup)
 
 
 @torch.no_grad()
 def time_verify(target: FeatureTarget, batch: int, n_tokens: int, context: int, repeats: int = 5,
                 warmup: int = 1) -> float:
-    """Median ms of one target forward over [batch, n_tokens] new tokens with a KV cache already
+    """Mean ms of one target forward over [batch, n_tokens] new tokens with a KV cache already
     holding `context` positions (n_tokens = K + 1 to verify K drafts; 1 = the target alone).
     The prefill that builds the cache is not timed. Raises ValueError on sizes < 1."""
     if n_tokens < 1 or batch < 1 or context < 1:
@@ -151,4 +152,4 @@ def time_verify(target: FeatureTarget, batch: int, n_tokens: int, context: int, 
         out.logits.argmax(-1)
         cache.crop(-n_tokens)  # transformers 5: a negative count of entries to drop
 
-    return _median_ms(step, dev, repeats, warmup)
+    return _mean_ms(step, dev, repeats, warmup)

@@ -134,6 +134,7 @@ def plot_heatmap(rows: list[dict], best: dict[int, dict], ks: list[int], path: P
     """Heat map of the predicted speed-up over the target alone (colour) with tokens/s written in
     each cell; the recommended K per batch size is framed."""
     import matplotlib
+    import matplotlib.colors
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -145,11 +146,12 @@ def plot_heatmap(rows: list[dict], best: dict[int, dict], ks: list[int], path: P
         if r["batch"] in best:
             grid[batches.index(r["batch"]), ks.index(r["K"])] = r["speedup"]
     fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(ks), 1.4 + 0.6 * len(batches)))
-    im = ax.imshow(grid, cmap="RdYlGn", aspect="auto", vmin=min(np.nanmin(grid), 0.9), vmax=max(np.nanmax(grid), 1.1))
+    norm = matplotlib.colors.TwoSlopeNorm(vmin=min(np.nanmin(grid), 0.9), vcenter=1.0, vmax=max(np.nanmax(grid), 1.1))
+    im = ax.imshow(grid, cmap="RdYlGn", aspect="auto", norm=norm)  # green: faster than the target alone
     for r in rows:
         if r["batch"] in best:
             i, j = batches.index(r["batch"]), ks.index(r["K"])
-            ax.text(j, i, f"{r['tokens_per_s']:.0f}", ha="center", va="center", fontsize=8)
+            ax.text(j, i, f"{r['tokens_per_s']:.3g}", ha="center", va="center", fontsize=8)
     for b, r in best.items():
         i, j = batches.index(b), ks.index(r["K"])
         ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.5, ec="black"))

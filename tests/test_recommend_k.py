@@ -86,7 +86,8 @@ def test_bad_costs_and_acceptance(tmp_path):
     costs = _grid()
     costs[(1, 2)] = StepCost(0.0, 12.0, 10.0)
     costs[(8, 3)] = StepCost(4.0, -1.0, 25.0)
-    with pytest.raises(CostModelError, match=r"2 costs are missing, non-positive.*batch=1 K=2 draft_ms=0.0; batch=8 K=3 verify_ms=-1.0"):
+    with pytest.raises(CostModelError,
+                       match=r"2 costs are missing, non-positive.*batch=1 K=2 draft_ms=0.0; batch=8 K=3 verify_ms=-1.0"):
         check_costs(costs, [1, 8], [1, 2, 3, 4], "c.csv")
     # a CSV with an empty cell reads as missing and is reported with the file name
     path = tmp_path / "costs.csv"

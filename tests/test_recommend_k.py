@@ -137,6 +137,9 @@ def test_script_without_models(tmp_path, capsys):
                   ks="[1,2,3,4]", k_train=3)
     with pytest.raises(CostModelError, match=r"batch=8 K=1 verify_ms=0.0.*Fix: re-measure"):
         _script().run(cfg)
+    (tmp_path / "bad.json").write_text(json.dumps({"acceptance_length": 1.2}))
+    with pytest.raises(CostModelError, match=r"bad.json: no per_position_acceptance list"):
+        _script().run(_config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "bad.json"))
     with pytest.raises(CostModelError, match="give head="):
         _script().run(_config(tmp_path, acceptance=tmp_path / "acc.json"))
 

@@ -1,0 +1,155 @@
+"""Measure the costs the K cost model needs: one draft step and one verify forward at (batch, K).
+
+Shapes follow the reference decoder (decoder.py) in steady state, batched: the draft's KV cache and
+the target's KV cache hold `context` positions; the step drafts from 1 new real pair.
+- P-EAGLE draft: one forward over [B, K] (1 real pair + K-1 mask slots), logits of the K
+  proposing positions, argmax, draft→target ids.
+- EAGLE-3 draft: 1 forward over the real pair, then K-1 one-token forwards reading the draft's own
+  hidden state (project=False), argmax after each.
+- verify: the target (with its aux-feature hooks) over [B, K+1] with its KV cache, full-vocabulary
+  argmax; the cache is cropped back to `context` after each repeat.
+- target alone: the same with 1 token.
+Times are means over `repeats` after `warmup` runs, in milliseconds (CUDA synchronised): the mean,
+not the median, because throughput is total tokens over total time, interruptions included.
+Values of tokens and features do not change the cost, so they are random.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from ..draft.peagle import Eagle3Draft, PEagleDraft
+from ..target.features import FeatureTarget
+
+
+class MemoryLimitError(RuntimeError):
+    """A batch size whose caches and activations do not fit the memory available."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mean_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.fmean(times)
+
+
+def _mask(batch: int, n_new: int, cached: int, device) -> torch.Tensor:
+    """[B, n_new, cached + n_new] bool: all cached entries, causal among the new ones."""
+    m = torch.ones(n_new, cached + n_new, dtype=torch.bool, device=device)
+    m[:, cached:] = torch.ones(n_new, n_new, dtype=torch.bool, device=device).tril()
+    return m[None].expand(batch, -1, -1)
+
+
+def estimate_bytes(target_config, draft: PEagleDraft, batch: int, K: int, context: int, dtype_bytes: int = 4) -> int:
+    """Rough peak bytes of one verify step at (batch, K) beyond the weights: the target's KV cache
+    over context + K + 1 positions, full-vocabulary logits (fp32) and 4 hidden-size activations per
+    layer, plus the draft's KV cache. Used to refuse batch sizes before they run out of memory."""
+    tc = target_config
+    layers = tc.num_hidden_layers
+    kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    n = context + K + 1
+    kv = 2 * layers * kvh * hd * n * batch * dtype_bytes
+    logits = batch * (K + 1) * tc.vocab_size * 4
+    act = 4 * layers * batch * (K + 1) * max(tc.hidden_size, getattr(tc, "intermediate_size", 0)) * dtype_bytes
+    dc = draft.config
+    dkv = 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * (context + K) * batch * 4
+    return int(kv + logits + act + dkv)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free accelerator memory (CUDA) or available host memory (CPU, via psutil); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.virtual_memory().available
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for an out-of-memory error of any device (CUDA OOM, CPU allocator failure)."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+@torch.no_grad()
+def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: int = 5, warmup: int = 1,
+               sequential: bool | None = None) -> float:
+    """Mean ms of one drafting step proposing K tokens for each of `batch` sequences.
+
+    sequential: None = by head type (EAGLE-3 heads sequential, P-EAGLE parallel); True times
+    EAGLE-3-style K forwards with any head. Raises ValueError when K < 1 or batch < 1."""
+    if K < 1 or batch < 1:
+        raise ValueError(f"time_draft needs K >= 1 and batch >= 1, got K={K}, batch={batch}")
+    cfg = draft.config
+    dev = next(draft.parameters()).device
+    dtype = next(draft.parameters()).dtype
+    seq = isinstance(draft, Eagle3Draft) if sequential is None else sequential
+    T = cfg.target_hidden_size or cfg.hidden_size
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    cache = [(torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype))
+             for _ in range(cfg.num_hidden_layers)]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(dev)
+    feat = torch.randn(batch, 1, 3 * T, generator=g).to(dev, dtype)
+
+    def parallel():
+        toks = torch.cat([tok, torch.full((batch, K - 1), cfg.mask_token_id, device=dev)], dim=1)
+        feats = torch.cat([feat, draft.mask_hidden.to(dtype).expand(batch, K - 1, -1)], dim=1)
+        pos = torch.arange(context, context + K, device=dev)[None].expand(batch, -1)
+        logits, _ = draft(toks, feats, pos, _mask(batch, K, context, dev), cache)
+        return draft.draft_to_target(logits.argmax(-1))
+
+    def sequential_():
+        pos = torch.full((batch, 1), context, device=dev)
+        h, c = draft.hidden_states(tok, feat, pos, _mask(batch, 1, context, dev), cache)
+        t = draft.draft_to_target(draft.logits(h[:, -1]).argmax(-1))
+        for j in range(1, K):
+            n = context + j
+            h, c = draft.hidden_states(t.view(batch, 1), h, torch.full((batch, 1), n, device=dev),
+                                       _mask(batch, 1, n, dev), c, project=False)
+            t = draft.draft_to_target(draft.logits(h[:, -1]).argmax(-1))
+        return t
+
+    return _mean_ms(sequential_ if seq else parallel, dev, repeats, warmup)
+
+
+@torch.no_grad()
+def time_verify(target: FeatureTarget, batch: int, n_tokens: int, context: int, repeats: int = 5,
+                warmup: int = 1) -> float:
+    """Mean ms of one target forward over [batch, n_tokens] new tokens with a KV cache already
+    holding `context` positions (n_tokens = K + 1 to verify K drafts; 1 = the target alone).
+    The prefill that builds the cache is not timed. Raises ValueError on sizes < 1."""
+    if n_tokens < 1 or batch < 1 or context < 1:
+        raise ValueError(f"time_verify needs batch, n_tokens, context >= 1, got {batch}, {n_tokens}, {context}")
+    dev = target.model.device
+    V = target.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = DynamicCache()
+    target(torch.randint(0, V, (batch, context), generator=g).to(dev), cache=cache)
+    new = torch.randint(0, V, (batch, n_tokens), generator=g).to(dev)
+
+    def step():
+        out = target(new, cache=cache)
+        out.logits.argmax(-1)
+        cache.crop(-n_tokens)  # transformers 5: a negative count of entries to drop
+
+    return _mean_ms(step, dev, repeats, warmup)

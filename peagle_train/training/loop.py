@@ -259,11 +259,14 @@ def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int
 
 
 @torch.no_grad()
-def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg) -> dict:
+def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg,
+             lockstep: bool = False) -> dict:
     """Validation loss (same objective and normalisation as training) and EAL on held-out packed
     rows, with a fixed COD sample per row (seed-stable, so values compare across steps).
 
     Process r of W takes rows r, r+W, ...; sums are reduced over processes. P-EAGLE only.
+    lockstep (ZeRO-3, FSDP: every forward gathers shards collectively): every process runs
+    ceil(rows / W) forwards; one past the end repeats a row and its result is discarded.
     Returns {"val_loss", "val_eal", "val_acc" [K]}.
     """
     was_training = draft.training
@@ -272,7 +275,10 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
     K = tcfg.num_depths
     loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, K, dtype=torch.float64)
     flex = use_flex(tcfg.attention, accelerator.device)
-    for i in range(r, len(val_batches), W):
+    n_iter = -(-len(val_batches) // W) * W if lockstep else len(val_batches)
+    for i in range(r, n_iter, W):
+        keep = i < len(val_batches)
+        i = i if keep else i % len(val_batches)
         row = packed_row(target, [(rows[j]["input_ids"], rows[j]["loss_mask"]) for j in val_batches[i]], draft_ids)
         gen = torch.Generator().manual_seed(tcfg.seed * 1000 + 99991 + i)
         el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), K, tcfg.down_sample_ratio, tcfg.down_sample_ratio_min,
@@ -283,6 +289,8 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
         logits, _ = draft(row.tokens[a][None], row.features[a][None], (row.pos_ids[a] + d)[None],
                           cod_mask(a, d, row.doc_ids, flex, 0), None, is_slot=(d > 0)[None])
         logits, tl = logits[0], row.target_logits[a + d]
+        if not keep:
+            continue
         loss_sum += float(LOSSES[tcfg.loss](logits, tl, valid))
         count += float(valid.sum())
         counts += depth_counts(logits, tl, a, d, valid, K).cpu()
@@ -403,7 +411,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     def checkpoint(done: int) -> None:
         nonlocal val, saved
-        val = validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg) if val_batches else None
+        val = (validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg, lockstep=eng is not None)
+               if val_batches else None)
         state = {"step": done, "tokens": tokens_seen, "total_counts": total_counts, "window": window}
         saved = save_training_checkpoint(accelerator, ckpt_root, done, draft, opt, sched, state, gen, fingerprint,
                                          keep_last, val["val_eal"] if val else None, engine=eng)

@@ -166,7 +166,15 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
                 grad_clip: float | None) -> Engine:
     """Wrap `draft` (already on its device, identical on every process) and its optimizer `opt`
     (built over its parameters) in DeepSpeed ZeRO-`zero_stage` or FSDP2. Returns the Engine; the
-    optimizer's param_groups stay the ones the caller's LR scheduler drives."""
+    optimizer's param_groups stay the ones the caller's LR scheduler drives. A single process
+    without a process group (a plain `python train.py`, the dry run) gets a 1-process gloo group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        import os
+
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it is set
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if kind == "deepspeed":
         import deepspeed
 

@@ -23,6 +23,7 @@ The process group comes from Accelerate (`accelerate launch --multi_gpu ...`; on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -48,10 +49,16 @@ def resolve_engine(accelerator, engine: str, zero_stage: int, log=print) -> tupl
         if (engine, zero_stage) != ("deepspeed", stage):
             log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
         engine, zero_stage = "deepspeed", stage
-    elif dt == "FSDP":
+    elif dt == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         if engine != "fsdp":
             log(f"accelerate launch --use_fsdp: engine fsdp (config said {engine})")
         engine = "fsdp"
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # a CPU Accelerator (cpu=True) ignores --use_deepspeed and stays on gloo DDP: take it from the launcher
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", zero_stage))
+        if (engine, zero_stage) != ("deepspeed", stage):
+            log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
+        engine, zero_stage = "deepspeed", stage
     check_distributed_config(engine, zero_stage)
     return engine, zero_stage
 

@@ -102,3 +102,17 @@ def test_engine_resume_is_exact(runs, engine, tmp_path):
     shutil.rmtree(cut / "checkpoints" / "step_000006")  # as if killed after step 5
     _run([*_launch(), str(cut), "resume", "0", *COMMON, *ENGINES[engine]], cut)
     assert losses(cut) == losses(full)  # bit for bit: weights, optimizer shards, scheduler, RNG, data cursor
+
+
+def test_bad_engine_settings_are_named():
+    from peagle_train.config import unknown_key_message
+    from peagle_train.training.engines import check_distributed_config, deepspeed_config
+
+    with pytest.raises(ValueError, match="distributed.engine='zero3' must be one of ddp, deepspeed, fsdp"):
+        check_distributed_config("zero3", 2)
+    with pytest.raises(ValueError, match="distributed.zero_stage=1 must be 2 or 3"):
+        check_distributed_config("deepspeed", 1)
+    assert "Did you mean distributed.zero_stage" in unknown_key_message("distributed.zero_stag", "the command line")
+    ds = deepspeed_config(3, world_size=4, grad_accum=2, grad_clip=0.5)
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (8, 2, 0.5)
+    assert ds["managed_gradient_accumulation"] is False and ds["zero_optimization"]["stage"] == 3

@@ -133,6 +133,13 @@ class Engine:
         plain.load_state_dict(self.full_state_dict(), strict=False)
         return plain
 
+    def close(self) -> None:
+        """Undo process-wide settings made for a 1-process run (LOCAL_RANK: a later Accelerator in this
+        process, e.g. the next job of a Hydra sweep, would otherwise try to rendezvous)."""
+        if getattr(self, "set_local_rank", False):
+            os.environ.pop("LOCAL_RANK", None)
+            self.set_local_rank = False
+
     def save(self, folder: Path, is_main: bool) -> None:
         """Weights and optimizer state of every process into `folder` (collective). DeepSpeed: its
         own checkpoint (one optimizer shard per rank); FSDP: full model and optimizer state dicts."""
@@ -178,17 +185,19 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        import os
-
-        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it is set
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if kind == "deepspeed":
         import deepspeed
 
+        set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by Engine.close
+        if set_local_rank:
+            os.environ["LOCAL_RANK"] = "0"
         engine, ds_opt, _, _ = deepspeed.initialize(
             model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip),
             dist_init_required=False)
-        return Engine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
+        eng = Engine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
+        eng.set_local_rank = set_local_rank
+        return eng
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

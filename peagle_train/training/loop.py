@@ -501,12 +501,15 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     final = metrics_from_counts(sum(window)) if window else metrics_from_counts(total_counts)
     ckpts = list_checkpoints(ckpt_root)
+    plain = eng.plain_module(draft.config) if eng else draft  # unsharded, for evaluation and export
+    if eng:
+        eng.close()
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
             "all_metrics": metrics_from_counts(total_counts), "validation": val, "final_loss": last_loss,
             "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
             "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
-            "draft": eng.plain_module(draft.config) if eng else draft}
+            "draft": plain}
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:

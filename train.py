@@ -24,6 +24,7 @@ from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
 from peagle_train.target.offline import open_features
+from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
@@ -41,8 +42,10 @@ def main(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
-                             "seed": cfg.seed, "algorithm": cfg.algorithm})
+                             "seed": cfg.seed, "algorithm": cfg.algorithm,
+                             "engine": cfg.distributed.engine, "zero_stage": cfg.distributed.zero_stage})
     check_training_config(tcfg)  # fail at start-up, naming the setting
+    check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
     if cfg.dry_run:
         from peagle_train.dryrun import dry_run
 

@@ -95,6 +95,12 @@ class TrainingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    engine: str = "ddp"
+    zero_stage: int = 2
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = True
     prompts: str = "pkg:spec_bench"
@@ -122,6 +128,7 @@ class Config:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     draft: DraftSchema = field(default_factory=DraftSchema)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 

@@ -62,13 +62,14 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training, resolve=True), "num_depths": cfg.draft.num_depths,
                              "seed": cfg.seed, "algorithm": cfg.algorithm, "tokens_per_step": 96, "max_steps": 2,
                              "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
-                             "grad_accum": 1, "tracker": "none", "max_anchors": 32, "attention": "dense"})
+                             "grad_accum": 1, "tracker": "none", "max_anchors": 32, "attention": "dense",
+                             "engine": cfg.distributed.engine, "zero_stage": cfg.distributed.zero_stage})
     check_training_config(tcfg)
     res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, tcfg, Path(out_dir), log=log)
     back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))
     summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
                "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
-               "mixed_precision": tcfg.get("mixed_precision")}
+               "mixed_precision": tcfg.get("mixed_precision"), "engine": res.get("engine")}
     train_summary = {k: v for k, v in res.items() if k != "draft"}
     log(f"dry run of a {family} recipe: {summary}")
     return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}}

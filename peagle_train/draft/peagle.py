@@ -293,14 +293,18 @@ class PEagleDraft(nn.Module):
         """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, tokens, features, position_ids, mask, cache=None):
+    def forward(self, tokens, features, position_ids, mask, cache=None, is_slot=None):
         """Draft logits over the draft vocabulary.
 
-        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted);
+        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted,
+        or pass is_slot [B, N] bool to substitute the mask token and `mask_hidden` here:
+        `slot_inputs` inside forward, so sharded engines (ZeRO-3, FSDP) gather `mask_hidden`);
         position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
         or a BlockMask (training/cod.py); cache: None or a list of per-layer (k, v).
         Returns (logits [B, N, V_draft], new cache list).
         """
+        if is_slot is not None:
+            tokens, features = self.slot_inputs(tokens, features, is_slot)
         h, cache = self.hidden_states(tokens, features, position_ids, mask, cache)
         return self.logits(h), cache
 

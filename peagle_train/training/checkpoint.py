@@ -96,7 +96,8 @@ def set_rng_state(st: dict, gen: torch.Generator) -> None:
 
 
 def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sched, state: dict, gen: torch.Generator,
-                             fingerprint: dict, keep_last: int | None, val_eal: float | None = None) -> Path:
+                             fingerprint: dict, keep_last: int | None, val_eal: float | None = None,
+                             engine=None) -> Path:
     """Write checkpoint `root/step_{step:06d}` atomically (all processes call this).
 
     state: JSON-able/tensor loop state (step, tokens, running metric counts) stored in state.pt.
@@ -104,6 +105,8 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
     fsyncs and renames, then prunes to the last `keep_last` (+ the best by `val_eal`, if given).
     Raises OSError (rank 0) naming the folder when the save fails (e.g. disk full): the temp folder
     is removed and the previous checkpoints are untouched.
+    `engine` (training/engines.py, DeepSpeed or FSDP): the weights are gathered from the shards and
+    the engine writes its own optimizer state into `engine/` (DeepSpeed: one shard per rank).
     """
     root = Path(root)
     final = root / f"{CKPT_PREFIX}{step:06d}"
@@ -120,15 +123,20 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
         torch.save(rng_state(gen), rng_file)
         _fsync_file(rng_file)
         accelerator.wait_for_everyone()
+        full = engine.full_state_dict() if engine is not None else draft.state_dict()  # collective under an engine
+        if engine is not None:
+            engine.save(tmp / "engine", main)
+            accelerator.wait_for_everyone()
         if main:
-            sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
+            sd = {k: v.detach().contiguous().cpu() for k, v in full.items() if not k.startswith("rotary_emb.")}
             save_file(sd, str(tmp / "model.safetensors"))
             (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict()}, indent=2))
             (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
-            torch.save({**state, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "num_processes": accelerator.num_processes}, tmp / "state.pt")
-            for f in tmp.iterdir():
-                _fsync_file(f)
+            torch.save({**state, "optimizer": opt.state_dict() if engine is None else None,
+                        "scheduler": sched.state_dict(), "num_processes": accelerator.num_processes}, tmp / "state.pt")
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    _fsync_file(f)
             _fsync_dir(tmp)
             tmp.rename(final)
             _fsync_dir(root)
@@ -195,20 +203,27 @@ def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None
     return latest
 
 
-def load_training_checkpoint(accelerator, ckpt: Path, draft, opt, sched, gen: torch.Generator) -> dict:
+def load_training_checkpoint(accelerator, ckpt: Path, draft, opt, sched, gen: torch.Generator, engine=None) -> dict:
     """Restore weights, optimizer, scheduler and this process's RNG from `ckpt`; return the loop
     state saved with it. Raises ValueError when the process count differs (the data cursor and
-    RNG streams are per process)."""
+    RNG streams are per process). `engine`: weights and optimizer come from its `engine/` folder."""
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=False)
     if state["num_processes"] != accelerator.num_processes:
         raise ValueError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "
                          f"{accelerator.num_processes}. Fix: relaunch with --num_processes {state['num_processes']}.")
-    missing, unexpected = draft.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
-    missing = [k for k in missing if not k.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights")
-    opt.load_state_dict(state.pop("optimizer"))
+    if engine is not None:
+        engine.load(ckpt / "engine")
+        state.pop("optimizer")
+    else:
+        missing, unexpected = draft.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+        missing = [k for k in missing if not k.startswith("rotary_emb.")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights")
+        if state["optimizer"] is None:
+            raise ValueError(f"checkpoint {ckpt} was written by a DeepSpeed/FSDP run (optimizer state in engine/). "
+                             "Fix: resume with the run's distributed.engine.")
+        opt.load_state_dict(state.pop("optimizer"))
     sched.load_state_dict(state.pop("scheduler"))
     set_rng_state(torch.load(ckpt / f"rng_rank{accelerator.process_index}.pt", weights_only=False), gen)
     return state

@@ -88,7 +88,7 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
 
 
 def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int, *,
-               partitions: int = 1, attention: str = "dense", loss_norm: float | None = None):
+               partitions: int = 1, attention: str = "dense", loss_norm: float | None = None, backward=None):
     """Forward the draft over the COD elements of one row, compute the loss and backpropagate.
 
     The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4).
@@ -106,6 +106,10 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
     (valid count of all processes) / W so that DDP's gradient mean equals one process's step
     over all rows (see `global_loss_norm`).
+    `backward`: called on every scalar loss (default `loss.backward()`); a distributed engine's
+    backward (DeepSpeed `engine.backward`, training/engines.py). `draft` is called only through its
+    forward (`is_slot` substitutes mask_hidden there), so a ZeRO-3/FSDP-sharded head gathers its
+    parameters; the last pass through the context is one scalar, loss0 + Σ ⟨kv, ∂L/∂kv⟩.
 
     Returns (loss value (float), valid_count (int), depth_counts [4, K]).
     """
@@ -114,13 +118,14 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     valid_all = row.valid[a_all + d_all]
     count = loss_norm if loss_norm is not None else max(int(valid_all.sum()), 1)
     flex = use_flex(attention, dev)
+    backward = backward or (lambda x: x.backward())
 
     def run(a, d, q_start=0, cache=None):
         """Forward elements (a, d)[q_start:] given the kept keys/values of (a, d)[:q_start]."""
-        tokens, feats = draft.slot_inputs(row.tokens[a[q_start:]], row.features[a[q_start:]], d[q_start:] > 0)
         mask = cod_mask(a, d, row.doc_ids, flex, q_start)
-        h, cache = draft.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[q_start:][None], mask, cache)
-        return draft.logits(h[0]), cache
+        logits, cache = draft(row.tokens[a[q_start:]][None], row.features[a[q_start:]][None],
+                              (row.pos_ids[a] + d)[q_start:][None], mask, cache, is_slot=(d[q_start:] > 0)[None])
+        return logits[0], cache
 
     def loss_and_counts(logits, a, d, lmask):
         tl = row.target_logits[a + d]
@@ -131,7 +136,7 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     if partitions == 1:
         logits, _ = run(a_all, d_all)
         loss, counts = loss_and_counts(logits, a_all, d_all, valid_all)
-        loss.backward()
+        backward(loss)
         return loss.item(), int(valid_all.sum()), counts
     n = row.tokens.numel()
     ctx = d_all == 0
@@ -152,7 +157,7 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
         tl = row.target_logits[a[n:] + d[n:]]
         lmask = row.valid[a[n:] + d[n:]]
         loss = LOSSES[loss_name](logits, tl, lmask) / count
-        loss.backward()  # into the weights and the kept keys/values, not yet through the context
+        backward(loss)  # into the weights and the kept keys/values, not yet through the context
         total += loss.item()
         with torch.no_grad():  # chain metrics need the depth-0 correctness of the same anchors
             corr = torch.cat([correct0, logits.argmax(-1) == tl.argmax(-1)])
@@ -161,7 +166,8 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     loss0, c0 = loss_and_counts(logits0, a0, d0, valid_all[ctx])
     kv = [t for pair in cache0 for t in pair]
     kv_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for pair in leaves for leaf in pair]
-    torch.autograd.backward([loss0, *kv], [torch.ones_like(loss0), *kv_grads])  # one pass through the context
+    # one pass through the context: d/dkv of Σ⟨kv, g⟩ is exactly g, so one scalar carries loss0 and the kv grads
+    backward(loss0 + sum((t * g).sum() for t, g in zip(kv, kv_grads)))
     return total + loss0.item(), int(valid_all.sum()), counts + c0
 
 
@@ -253,11 +259,14 @@ def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int
 
 
 @torch.no_grad()
-def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg) -> dict:
+def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[list[int]], draft_ids, tcfg,
+             lockstep: bool = False) -> dict:
     """Validation loss (same objective and normalisation as training) and EAL on held-out packed
     rows, with a fixed COD sample per row (seed-stable, so values compare across steps).
 
     Process r of W takes rows r, r+W, ...; sums are reduced over processes. P-EAGLE only.
+    lockstep (ZeRO-3, FSDP: every forward gathers shards collectively): every process runs
+    ceil(rows / W) forwards; one past the end repeats a row and its result is discarded.
     Returns {"val_loss", "val_eal", "val_acc" [K]}.
     """
     was_training = draft.training
@@ -266,7 +275,10 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
     K = tcfg.num_depths
     loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, K, dtype=torch.float64)
     flex = use_flex(tcfg.attention, accelerator.device)
-    for i in range(r, len(val_batches), W):
+    n_iter = -(-len(val_batches) // W) * W if lockstep else len(val_batches)
+    for i in range(r, n_iter, W):
+        keep = i < len(val_batches)
+        i = i if keep else i % len(val_batches)
         row = packed_row(target, [(rows[j]["input_ids"], rows[j]["loss_mask"]) for j in val_batches[i]], draft_ids)
         gen = torch.Generator().manual_seed(tcfg.seed * 1000 + 99991 + i)
         el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), K, tcfg.down_sample_ratio, tcfg.down_sample_ratio_min,
@@ -274,10 +286,11 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
         dev = row.tokens.device
         a, d = el.anchors.to(dev), el.depths.to(dev)
         valid = row.valid[a + d]
-        tokens, feats = draft.slot_inputs(row.tokens[a], row.features[a], d > 0)
-        h, _ = draft.hidden_states(tokens[None], feats[None], (row.pos_ids[a] + d)[None],
-                                   cod_mask(a, d, row.doc_ids, flex, 0), None)
-        logits, tl = draft.logits(h[0]), row.target_logits[a + d]
+        logits, _ = draft(row.tokens[a][None], row.features[a][None], (row.pos_ids[a] + d)[None],
+                          cod_mask(a, d, row.doc_ids, flex, 0), None, is_slot=(d > 0)[None])
+        logits, tl = logits[0], row.target_logits[a + d]
+        if not keep:
+            continue
         loss_sum += float(LOSSES[tcfg.loss](logits, tl, valid))
         count += float(valid.sum())
         counts += depth_counts(logits, tl, a, d, valid, K).cpu()
@@ -339,9 +352,20 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
     use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
-    if accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU"):
-        raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported yet "
-                                  "(DeepSpeed/FSDP engines come with issue 6); launch with plain multi-process DDP")
+    from .engines import make_engine, resolve_engine
+
+    engine_kind, zero_stage = resolve_engine(accelerator, tcfg.get("engine") or "ddp", tcfg.get("zero_stage") or 2, log)
+    if accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
+                                                  "DEEPSPEED", "FSDP"):
+        raise NotImplementedError(f"distributed type {accelerator.distributed_type.value} is not supported; "
+                                  "launch with accelerate launch --multi_gpu (engines: distributed.engine)")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() != W:
+        raise ValueError(f"Accelerate reports {W} processes but torch.distributed has {torch.distributed.get_world_size()} "
+                         "(accelerate launch --use_deepspeed on CPU does this). Fix: accelerate launch --multi_gpu "
+                         "--num_processes N train.py distributed.engine=deepspeed distributed.zero_stage=2|3")
+    if engine_kind != "ddp" and tcfg.algorithm != "peagle":
+        raise ValueError(f"distributed.engine={engine_kind}: algorithm={tcfg.algorithm} runs its TTT steps with plain "
+                         "backward passes. Fix: distributed.engine=ddp for the EAGLE-3 baseline.")
     draft = draft.to(accelerator.device)
     gen = torch.Generator()  # re-seeded per packed row: the COD sample depends on the row, not on W or A
     total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
@@ -349,20 +373,30 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     tokens_seen, start_step, t0 = 0, 0, time.perf_counter()
     log_path = out_dir / "train_log.jsonl"
     old_log = []
-    if resume_from is not None:
+    st = None
+    if resume_from is not None and engine_kind == "ddp":
         st = load_training_checkpoint(accelerator, resume_from, draft, opt, sched, gen)
-        start_step, tokens_seen = st["step"], st["tokens"]
-        total_counts, window = st["total_counts"], list(st["window"])
-        if log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
-            old_log = [x for x in log_path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
-        log(f"resuming from {resume_from} (step {start_step} of {steps})")
     if W > 1:  # every process starts from rank 0's weights
         import torch.distributed as dist
 
         for t in draft.state_dict().values():
             dist.broadcast(t, 0)
-    opt = accelerator.prepare(opt)
-    draft.train()
+    eng, model = None, draft  # model: what the step calls (the engine's wrapper under DeepSpeed)
+    if engine_kind != "ddp":
+        eng = make_engine(engine_kind, zero_stage, draft, opt, W, A, tcfg.grad_clip)
+        model = eng.model
+        log(f"distributed engine: {eng.name} on {W} process(es)")
+        if resume_from is not None:
+            st = load_training_checkpoint(accelerator, resume_from, draft, opt, sched, gen, engine=eng)
+    else:
+        opt = accelerator.prepare(opt)
+    if st is not None:
+        start_step, tokens_seen = st["step"], st["tokens"]
+        total_counts, window = st["total_counts"], list(st["window"])
+        if log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
+            old_log = [x for x in log_path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+        log(f"resuming from {resume_from} (step {start_step} of {steps})")
+    model.train()
     draft_ids = draft_ids.to(accelerator.device)
     logf = None
     tracker = make_tracker(tcfg.get("tracker") or "none", out_dir, accelerator.is_main_process,
@@ -377,10 +411,11 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     def checkpoint(done: int) -> None:
         nonlocal val, saved
-        val = validate(accelerator, draft, target, rows, val_batches, draft_ids, tcfg) if val_batches else None
+        val = (validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg, lockstep=eng is not None)
+               if val_batches else None)
         state = {"step": done, "tokens": tokens_seen, "total_counts": total_counts, "window": window}
         saved = save_training_checkpoint(accelerator, ckpt_root, done, draft, opt, sched, state, gen, fingerprint,
-                                         keep_last, val["val_eal"] if val else None)
+                                         keep_last, val["val_eal"] if val else None, engine=eng)
         if val and logf:
             logf.write(json.dumps({"step": done, **val}) + "\n")
             logf.flush()
@@ -419,17 +454,21 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
                                                      for row, el in micro))
             for row, el in micro:
                 with amp:
-                    lv, _, c = draft_step(draft, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
-                                          attention=tcfg.attention, loss_norm=norm)
+                    lv, _, c = draft_step(model, row, el, tcfg.loss, tcfg.num_depths, partitions=tcfg.partitions,
+                                          attention=tcfg.attention, loss_norm=norm,
+                                          backward=eng.backward if eng else None)
                 loss_value, counts = loss_value + lv, counts + c
         # the step's loss over all processes (each process's share is already divided by the global count / W)
         loss_value = last_loss = float(accelerator.reduce(torch.tensor(loss_value, device=accelerator.device), "mean"))
-        average_gradients(draft, accelerator)
-        if tcfg.grad_clip:
-            accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
-        opt.step()
+        if eng:  # the engine reduces, clips and steps
+            eng.step()
+        else:
+            average_gradients(draft, accelerator)
+            if tcfg.grad_clip:
+                accelerator.clip_grad_norm_(draft.parameters(), tcfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         sched.step()
-        opt.zero_grad(set_to_none=True)
         counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
         ntok = accelerator.reduce(torch.tensor(float(n_tok + n_docs), device=accelerator.device), "sum")
         tokens_seen += int(ntok)
@@ -462,11 +501,15 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     final = metrics_from_counts(sum(window)) if window else metrics_from_counts(total_counts)
     ckpts = list_checkpoints(ckpt_root)
+    plain = eng.plain_module(draft.config) if eng else draft  # unsharded, for evaluation and export
+    if eng:
+        eng.close()
     return {"steps": step + 1, "tokens": tokens_seen, "seconds": time.perf_counter() - t0,
             "tokens_per_second": tokens_seen / (time.perf_counter() - t0), "last20_metrics": final,
             "all_metrics": metrics_from_counts(total_counts), "validation": val, "final_loss": last_loss,
             "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
-            "last_checkpoint": str(ckpts[-1]) if ckpts else None, "draft": draft}
+            "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
+            "draft": plain}
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:

@@ -1,0 +1,212 @@
+"""Distributed engines for the draft head: DDP (the loop's own gradient all-reduce), DeepSpeed ZeRO-2/3
+and FSDP2 — one small adapter (`Engine`) with backward / step / full state dict / save / load.
+
+Why an adapter and not `accelerator.prepare(model)`: a P-EAGLE step runs several backward passes
+per optimizer step (sequence partitioning: one per part plus one through the kept context; one per
+micro-row with grad_accum), and their number varies with the row. Accelerate's DeepSpeed wrapper
+steps the engine inside `accelerator.backward`, on its own accumulation counter. Here:
+
+- DeepSpeed: `deepspeed.initialize` with `managed_gradient_accumulation: false` (DeepSpeed ≥ 0.18):
+  every `engine.backward(loss, scale_wrt_gas=False)` reduces (ZeRO-2) or partitions (ZeRO-3) its
+  gradients into the accumulated partition, and `engine.step()` is the boundary. Gradients are
+  averaged over ranks, which with the loop's global loss normaliser (`global_loss_norm`) gives the
+  gradient of Σ loss / Σ count over all rows, as DDP does. `train_batch_size` = processes ×
+  grad_accum (DeepSpeed checks it). Clipping: DeepSpeed's `gradient_clipping` (global norm).
+- FSDP2 (`torch.distributed.fsdp.fully_shard`): each draft layer and the root are sharded; every
+  backward reduce-scatters (mean) into the sharded gradients, which accumulate until the step.
+- ZeRO-3 and FSDP shard parameters: the loop reads the head only through `forward` (mask_hidden is
+  substituted inside it), and state dicts are gathered here (`full_state_dict`).
+
+The process group comes from Accelerate (`accelerate launch --multi_gpu ...`; on GPUs
+`--use_deepspeed` / `--use_fsdp` also work: the engine is then taken from Accelerate's plugin).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+ENGINES = ("ddp", "deepspeed", "fsdp")
+
+
+def check_distributed_config(engine: str, zero_stage: int) -> None:
+    """Raise ValueError for an unknown `distributed.engine` or a `distributed.zero_stage` outside 2, 3."""
+    if engine not in ENGINES:
+        raise ValueError(f"distributed.engine={engine!r} must be one of {', '.join(ENGINES)}")
+    if engine == "deepspeed" and zero_stage not in (2, 3):
+        raise ValueError(f"distributed.zero_stage={zero_stage} must be 2 or 3 (ZeRO-1 is ZeRO-2 without gradient "
+                         "partitioning; use 2)")
+
+
+def resolve_engine(accelerator, engine: str, zero_stage: int, log=print) -> tuple[str, int]:
+    """(engine, zero_stage) to use: the config's, or Accelerate's when launched with --use_deepspeed /
+    --use_fsdp (its plugin wins; logged). Raises ValueError for a bad config."""
+    dt = accelerator.distributed_type.value
+    if dt == "DEEPSPEED":
+        stage = int(accelerator.state.deepspeed_plugin.zero_stage)
+        if (engine, zero_stage) != ("deepspeed", stage):
+            log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
+        engine, zero_stage = "deepspeed", stage
+    elif dt == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        if engine != "fsdp":
+            log(f"accelerate launch --use_fsdp: engine fsdp (config said {engine})")
+        engine = "fsdp"
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # a CPU Accelerator (cpu=True) ignores --use_deepspeed and stays on gloo DDP: take it from the launcher
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", zero_stage))
+        if (engine, zero_stage) != ("deepspeed", stage):
+            log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
+        engine, zero_stage = "deepspeed", stage
+    check_distributed_config(engine, zero_stage)
+    return engine, zero_stage
+
+
+def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_clip: float | None) -> dict:
+    """The DeepSpeed config of a run: fp32 weights and optimizer (bf16 is the loop's autocast),
+    batch sizes in packed rows (train_batch_size = world_size × grad_accum), caller-owned
+    accumulation boundary (`managed_gradient_accumulation: false`), no communication overlap
+    (DeepSpeed allows it only with ZeRO-2 in that mode; the step is compute-bound anyway)."""
+    return {
+        "train_batch_size": world_size * grad_accum,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": grad_accum,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": float(grad_clip or 0.0),
+        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Engine:
+    """A draft head under DeepSpeed or FSDP2. `model` is what the loop calls (forward only);
+    `backward(loss)` per scalar loss; `step()` clips, updates and zeroes the gradients."""
+
+    def __init__(self, kind: str, model, opt, module, grad_clip: float | None, zero_stage: int | None = None):
+        self.kind, self.model, self.opt, self.module = kind, model, opt, module
+        self.grad_clip, self.zero_stage = grad_clip, zero_stage
+
+    @property
+    def name(self) -> str:
+        return f"deepspeed ZeRO-{self.zero_stage}" if self.kind == "deepspeed" else "fsdp2"
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.kind == "deepspeed":
+            self.model.backward(loss, scale_wrt_gas=False)
+        else:
+            loss.backward()
+
+    def step(self) -> None:
+        if self.kind == "deepspeed":
+            self.model.step()  # clips (gradient_clipping), steps the optimizer, zeroes the gradients
+            return
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole head's state dict on every process (CPU, fp32). Collective: all processes call it."""
+        if self.kind == "deepspeed" and self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
+        if self.kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+            return {k: v.detach().clone().cpu() for k, v in sd.items()}
+        return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
+
+    def plain_module(self, draft_config):
+        """A fresh unsharded head (make_draft_head) holding the trained weights, for eval and export."""
+        from ..draft.peagle import make_draft_head
+
+        plain = make_draft_head(draft_config)
+        plain.load_state_dict(self.full_state_dict(), strict=False)
+        return plain
+
+    def close(self) -> None:
+        """Undo process-wide settings made for a 1-process run (LOCAL_RANK: a later Accelerator in this
+        process, e.g. the next job of a Hydra sweep, would otherwise try to rendezvous)."""
+        if getattr(self, "set_local_rank", False):
+            os.environ.pop("LOCAL_RANK", None)
+            self.set_local_rank = False
+
+    def save(self, folder: Path, is_main: bool) -> None:
+        """Weights and optimizer state of every process into `folder` (collective). DeepSpeed: its
+        own checkpoint (one optimizer shard per rank); FSDP: full model and optimizer state dicts."""
+        folder = Path(folder)
+        if self.kind == "deepspeed":
+            self.model.save_checkpoint(str(folder), tag="engine", save_latest=False)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.module, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": msd, "optimizer": osd}, folder / "fsdp_full_state.pt")
+
+    def load(self, folder: Path) -> None:
+        """Restore what `save` wrote (collective). Raises FileNotFoundError naming the missing file."""
+        folder = Path(folder)
+        if self.kind == "deepspeed":
+            if not (folder / "engine").is_dir():
+                raise FileNotFoundError(f"{folder}/engine: no DeepSpeed state in this checkpoint (written by another "
+                                        "engine?). Fix: resume with the run's distributed.engine.")
+            path, _ = self.model.load_checkpoint(str(folder), tag="engine", load_optimizer_states=True,
+                                                 load_lr_scheduler_states=False)
+            if path is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint in {folder}/engine")
+            return
+        f = folder / "fsdp_full_state.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: no FSDP state in this checkpoint. Fix: resume with the run's distributed.engine.")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        st = torch.load(f, weights_only=False)
+        set_state_dict(self.module, self.opt, model_state_dict=st["model"], optim_state_dict=st["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_accum: int,
+                grad_clip: float | None) -> Engine:
+    """Wrap `draft` (already on its device, identical on every process) and its optimizer `opt`
+    (built over its parameters) in DeepSpeed ZeRO-`zero_stage` or FSDP2. Returns the Engine; the
+    optimizer's param_groups stay the ones the caller's LR scheduler drives. A single process
+    without a process group (a plain `python train.py`, the dry run) gets a 1-process gloo group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if kind == "deepspeed":
+        import deepspeed
+
+        set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by Engine.close
+        if set_local_rank:
+            os.environ["LOCAL_RANK"] = "0"
+        engine, ds_opt, _, _ = deepspeed.initialize(
+            model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip),
+            dist_init_required=False)
+        eng = Engine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
+        eng.set_local_rank = set_local_rank
+        return eng
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in draft.layers:
+            fully_shard(layer)
+        fully_shard(draft)
+        # FSDP2 swaps the parameters for sharded DTensors (same order): the fresh optimizer must hold those
+        if len(opt.param_groups) != 1 or opt.state:
+            raise ValueError("make_engine(fsdp): needs a fresh optimizer with one parameter group")
+        opt.param_groups[0]["params"] = [p for p in draft.parameters() if p.requires_grad]
+        return Engine("fsdp", draft, opt, draft, grad_clip)
+    raise ValueError(f"make_engine: {kind!r} is not an engine (deepspeed or fsdp)")

@@ -22,8 +22,9 @@ import time
 
 import psutil
 
+from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
-from peagle_train.paths import REPO_ROOT, resolve_path
+from peagle_train.paths import resolve_path
 
 HEADING = "## Data preparation (issue 3)"
 
@@ -105,16 +106,7 @@ def main():
                f"{table}\n\nTargets: cold under 120 s, peak memory under 4 GiB.\n")
     print(section)
     if not args.no_docs:
-        doc = REPO_ROOT / "docs" / "BENCHMARKS.md"
-        text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-        if HEADING in text:
-            start = text.index(HEADING)
-            nxt = text.find("\n## ", start + len(HEADING))
-            text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        doc.write_text(text)
-        print(f"written to {doc}")
+        print(f"written to {write_section(HEADING, section)}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from peagle_train.benchmarks import write_section
+
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## Reference decoder (scripts/bench_decode.py)"
 
@@ -76,16 +78,7 @@ def main() -> None:
     ])
     print(md)
     if not args.no_docs:
-        doc = ROOT / "docs" / "BENCHMARKS.md"
-        text = doc.read_text()
-        if HEADING in text:
-            start = text.index(HEADING)
-            nxt = text.find("\n## ", start + len(HEADING))
-            text = text[:start] + md + (text[nxt + 1:] if nxt != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + md
-        doc.write_text(text)
-        print(f"wrote {doc}")
+        print(f"wrote {write_section(HEADING, md)}")
 
 
 if __name__ == "__main__":

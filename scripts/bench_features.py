@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.paths import REPO_ROOT, resolve_path
@@ -141,14 +141,7 @@ def main():
     text = "\n".join([HEADING, "", header, "", *table, ""])
     print(text)
     if not args.no_write:
-        path = REPO_ROOT / "docs" / "BENCHMARKS.md"
-        old = path.read_text() if path.exists() else "# Benchmarks\n"
-        if HEADING in old:  # replace our section (up to the next "## " heading), leave the others alone
-            new = re.sub(re.escape(HEADING) + r"\n.*?(?=\n## |\Z)", text.rstrip("\n"), old, count=1, flags=re.S)
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        path.write_text(new if new.endswith("\n") else new + "\n")
-        print(f"written: {path}")
+        print(f"written: {write_section(HEADING, text)}")
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accelerate import Accelerator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data  # noqa: E402
 from peagle_train.job import build_draft, build_target  # noqa: E402
 from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
@@ -101,14 +101,7 @@ def main():
               f"{args.conversations} --tokens-per-step {args.tokens_per_step}`."]
     text = "\n".join(table)
     print(text)
-    path = REPO_ROOT / "docs" / "BENCHMARKS.md"
-    doc = path.read_text()
-    section = f"{HEADING}\n\n{text}\n"
-    if HEADING in doc:
-        doc = re.sub(re.escape(HEADING) + r"\n.*?(?=\n## |\Z)", section.rstrip("\n"), doc, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + section
-    path.write_text(doc)
+    write_section(HEADING, f"{HEADING}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""Shared by the benchmark scripts (scripts/bench_*.py): their tables go into docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .paths import REPO_ROOT
+
+BENCHMARKS_MD = REPO_ROOT / "docs" / "BENCHMARKS.md"
+
+
+def write_section(heading: str, section: str, path: str | Path = BENCHMARKS_MD) -> Path:
+    """Put `section` (markdown that starts with the line `heading`, e.g. "## Data preparation")
+    into `path`: it replaces the existing section of that heading (up to the next "## " heading)
+    and leaves every other section alone, or is appended when the heading is new. Returns the path."""
+    path = Path(path)
+    text = path.read_text() if path.is_file() else "# Benchmarks\n"
+    section = section.rstrip("\n") + "\n"
+    if heading in text:
+        start = text.index(heading)
+        nxt = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+    return path

@@ -53,12 +53,18 @@ class ReadReport:
     bad_records: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        s = f"{self.path}: {self.records} complete records recovered"
-        if self.truncated:
-            s += f"; the file is truncated (its last {self.lost_bytes} bytes hold an incomplete record, skipped)"
-        if self.bad_records:
-            s += f"; {len(self.bad_records)} malformed records skipped (first: {self.bad_records[0]})"
-        return s
+        return read_summary(self.path, self.records, self.truncated, self.lost_bytes, len(self.bad_records),
+                            self.bad_records[0] if self.bad_records else "")
+
+
+def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malformed: int, first_malformed: str) -> str:
+    """One line on what reading a file found: records recovered, a truncated tail, malformed records."""
+    s = f"{path}: {records} complete records recovered"
+    if truncated:
+        s += f"; the file is truncated (its last {lost_bytes} bytes hold an incomplete record, skipped)"
+    if malformed:
+        s += f"; {malformed} malformed records skipped (first: {first_malformed})"
+    return s
 
 
 def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:

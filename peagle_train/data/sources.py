@@ -22,7 +22,7 @@ from pathlib import Path
 
 import datasets
 
-from .conversations import DataFileError, ReadReport, normalize_record, read_records
+from .conversations import DataFileError, ReadReport, normalize_record, read_records, read_summary
 
 NORMALIZE_VERSION = "2"  # bump when the normalisation rules change: invalidates cached Arrow tables
 FEATURES = datasets.Features({
@@ -56,12 +56,8 @@ class SourceInfo:
     first_malformed: str = ""
 
     def summary(self) -> str:
-        s = f"{self.path}: {self.records} complete records recovered"
-        if self.truncated:
-            s += f"; the file is truncated (its last {self.lost_bytes} bytes hold an incomplete record, skipped)"
-        if self.malformed_records:
-            s += f"; {self.malformed_records} malformed records skipped (first: {self.first_malformed})"
-        return s
+        return read_summary(self.path, self.records, self.truncated, self.lost_bytes, self.malformed_records,
+                            self.first_malformed)
 
 
 def file_sha256(path: Path, cache_dir: Path) -> str:

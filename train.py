@@ -9,6 +9,7 @@ eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,14 @@ from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
 
 
+def cpu_threads(threads: int | None) -> int:
+    """torch CPU threads: `threads`, or null = this process's share of the cores (cores / processes on
+    this node). `accelerate launch` sets OMP_NUM_THREADS=1 for CPU runs, which halves a 2-core run."""
+    if threads:
+        return threads
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def run_dir(cfg) -> Path:
     """output_dir, or in a -m sweep the job's own folder (output_dir/<job number>)."""
     from hydra.core.hydra_config import HydraConfig
@@ -38,8 +47,7 @@ def run_dir(cfg) -> Path:
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
     tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
                              "seed": cfg.seed, "algorithm": cfg.algorithm,

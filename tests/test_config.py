@@ -53,3 +53,21 @@ def test_schema_matches_config_yaml_defaults():
         if key in ("output_dir", "eval.categories") or C.schema_keys()[key] is None:
             continue
         assert OmegaConf.select(yaml, key) == OmegaConf.select(schema, key), key
+
+
+def test_cpu_threads_default_is_this_process_share_of_the_cores(monkeypatch):
+    import importlib.util
+
+    from peagle_train.paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("train_main", REPO_ROOT / "train.py")
+    train_main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_main)
+    monkeypatch.setattr(train_main.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert train_main.cpu_threads(None) == 8     # one process: all cores (accelerate launch would give 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert train_main.cpu_threads(None) == 4     # two processes on this node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert train_main.cpu_threads(None) == 1
+    assert train_main.cpu_threads(3) == 3        # an explicit setting wins

@@ -64,9 +64,9 @@ def cpu_seconds() -> float:
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from peagle_train.target.load import _dequantised_gguf_dir, load_target_config
+    from peagle_train.target.load import load_target_config, model_source
 
-    d = _dequantised_gguf_dir(resolve_path("pkg:smollm2"), print)
+    d = model_source("pkg:smollm2")
     return AutoTokenizer.from_pretrained(str(d), local_files_only=True), load_target_config("pkg:smollm2").vocab_size
 
 

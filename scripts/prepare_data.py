@@ -26,12 +26,9 @@ def load_tokenizer_and_vocab_size(tcfg):
     where possible (an HF directory or hub cache id); a GGUF file goes through `load_target`'s cache."""
     from transformers import AutoTokenizer
 
-    from peagle_train.paths import resolve_path
-    from peagle_train.target.load import _dequantised_gguf_dir, load_target_config
+    from peagle_train.target.load import load_target_config, model_source
 
-    p = resolve_path(tcfg.path)
-    src = _dequantised_gguf_dir(p, print) if p.suffix == ".gguf" and p.is_file() else (p if p.exists() else tcfg.path)
-    tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model_source(tcfg.path), local_files_only=True)
     return tok, load_target_config(tcfg.path).vocab_size
 
 

@@ -13,10 +13,9 @@ pytestmark = pytest.mark.real
 def test_sharegpt_masks_are_the_assistant_turns_with_smollm2():
     from transformers import AutoTokenizer
 
-    from peagle_train.paths import resolve_path
-    from peagle_train.target.load import _dequantised_gguf_dir
+    from peagle_train.target.load import model_source
 
-    tok = AutoTokenizer.from_pretrained(str(_dequantised_gguf_dir(resolve_path("pkg:smollm2"), print)))
+    tok = AutoTokenizer.from_pretrained(model_source("pkg:smollm2"))
     recs, rep = read_records(sharegpt_json())
     assert rep.records == 17671 and rep.truncated
     st = NormalizeStats()

@@ -26,16 +26,7 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | tor
     Raises:
         FileNotFoundError: the path does not exist and is not a cached hub id.
     """
-    p = resolve_path(path)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {p}. Fix: set target.path to an existing .gguf file.")
-        p = _dequantised_gguf_dir(p, log)
-        src = str(p)
-    elif p.exists():
-        src = str(p)
-    else:
-        src = path  # a hub id: only from the local cache
+    src = model_source(path, log)
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
@@ -46,6 +37,21 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | tor
         ) from e
     model.requires_grad_(False).eval().to(device)
     return model, tok
+
+
+def model_source(path: str, log=print) -> str:
+    """What `from_pretrained` should read for a target path: the dequantised HF directory of a
+    .gguf file (made once, cached), a local HF directory, or a hub id (local cache only).
+
+    Raises:
+        FileNotFoundError: a .gguf path that does not exist.
+    """
+    p = resolve_path(path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}. Fix: set target.path to an existing .gguf file.")
+        return str(_dequantised_gguf_dir(p, log))
+    return str(p) if p.exists() else path
 
 
 def _dequantised_gguf_dir(gguf: Path, log) -> Path:

@@ -108,6 +108,7 @@ class EvalConfig:
     num_prompts: Optional[int] = 20
     num_speculative_tokens: int = 5
     max_new_tokens: int = 128
+    batch_size: int = 1
 
 
 @dataclass

@@ -25,16 +25,28 @@ from peagle_train.data.sources import load_source
 from peagle_train.paths import resolve_path
 
 
-def conversations(cfg):
-    """(id, messages) of data.path: normalisable ones, shuffled with seed, the first num_conversations."""
+def conversations(cfg, tok=None) -> tuple[list, int]:
+    """(id, messages) of data.path: normalisable ones, shuffled with seed, the first
+    num_conversations; and how many were skipped for a first user turn over
+    regenerate.max_prompt_tokens. With a tokenizer, each window of 16 batches is sorted by that
+    length so that a batch pads little while a run stopped early still has a random sample (the
+    output is keyed by id, so the order does not matter)."""
     ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
     print(info.summary())
     ds = ds.filter(lambda d: d == "" , input_columns="drop").filter(lambda m: len(m) > 0, input_columns="messages")
     ds = ds.shuffle(seed=cfg.seed)
     if cfg.data.num_conversations:
         ds = ds.select(range(min(cfg.data.num_conversations, len(ds))))
-    for row in ds.select_columns(["id", "messages"]):
-        yield row["id"], row["messages"]
+    rows = [(r["id"], r["messages"]) for r in ds.select_columns(["id", "messages"])]
+    if tok is None:
+        return rows, 0
+    limit = cfg.regenerate.max_prompt_tokens
+    first = [next((m["content"] for m in msgs if m["role"] == "user"), "") for _, msgs in rows]
+    lengths = [len(ids) for ids in tok(first, add_special_tokens=False)["input_ids"]]
+    keep = [i for i, n in enumerate(lengths) if not limit or n <= limit]
+    w = 16 * cfg.regenerate.batch_size
+    order = [i for s in range(0, len(keep), w) for i in sorted(keep[s: s + w], key=lengths.__getitem__)]
+    return [rows[i] for i in order], len(rows) - len(keep)
 
 
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
@@ -54,8 +66,11 @@ def main(cfg: DictConfig) -> dict:
                                   concurrency=r.concurrency, template_kwargs=kw)
     else:
         raise SystemExit(f"regenerate.backend={r.backend}: use hf or endpoint")
-    stats = regenerate(conversations(cfg), backend, r.output, batch_size=r.batch_size,
+    convs, too_long = conversations(cfg, tok if r.backend == "hf" else None)
+    stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
                        extra={"regenerated_by": str(cfg.target.name_or_path if r.backend == "hf" else r.model)})
+    if too_long:
+        stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
     print("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
     return out

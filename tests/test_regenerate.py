@@ -65,6 +65,16 @@ def test_endpoint_turn_by_turn_with_own_history(tmp_path, server):
     assert st.turns_generated == 4 and st.written == 2
 
 
+def test_max_turns_answers_only_the_first_turns(tmp_path, server):
+    url, requests = server
+    out = tmp_path / "regen.jsonl"
+    st = regenerate(convs(3), EndpointBackend(url, "m"), out, batch_size=2, max_turns=1, log=lambda *_: None)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[2]["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q2a"},
+                                    {"role": "assistant", "content": "ans(q2a)#0"}]
+    assert len(requests) == 3 and st.turns_generated == 3 and st.turns_cut_by_max_turns == 3
+
+
 def test_resume_after_kill_redoes_nothing_finished(tmp_path, server):
     url, requests = server
     out = tmp_path / "regen.jsonl"

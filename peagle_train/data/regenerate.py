@@ -36,20 +36,36 @@ class Generation:
 
 
 class HFBackend:
-    """Greedy (temperature 0) or sampled generation with an in-process HF causal LM, batched with
-    left padding. The prompt is the tokenizer's chat template with add_generation_prompt=True."""
+    """Greedy (temperature 0) or sampled generation with an in-process HF causal LM. Greedy batches
+    use shared forwards with finished rows leaving the batch (`decoding.shared`, ~2× HF `generate`
+    on a CPU, where a batch runs until its longest answer); sampling and sliding-window targets use
+    HF `generate` with left padding. The prompt is the tokenizer's chat template with
+    add_generation_prompt=True."""
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, temperature: float = 0.0,
                  template_kwargs: dict | None = None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.template_kwargs = dict(template_kwargs or {})
+        self.eos = {self.tok.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
+        self.eos.discard(None)
+        self._target = None
 
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]]) -> list[Generation]:
         """conversations: message lists ending with a user turn. Returns one Generation each."""
         texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
                  for c in conversations]
+        if self.temperature <= 0:
+            from ..decoding.shared import shared_generate, supports_shared
+            from ..target.features import FeatureTarget
+
+            if self._target is None:
+                self._target = FeatureTarget(self.model)
+            if supports_shared(self._target):
+                prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+                res = shared_generate(self._target, None, prompts, 0, self.max_new_tokens, self.eos)
+                return [self._answer(r.tokens) for r in res]
         side, self.tok.padding_side = self.tok.padding_side, "left"
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         try:
@@ -59,14 +75,12 @@ class HFBackend:
         sample = self.temperature > 0
         out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=sample, pad_token_id=pad,
                                   **({"temperature": self.temperature, "top_p": 1.0} if sample else {}))
-        new = out[:, enc["input_ids"].shape[1]:]
-        eos = {self.tok.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
-        gens = []
-        for row in new.tolist():
-            stop = next((i for i, t in enumerate(row) if t in eos), None)
-            ids = row if stop is None else row[:stop]
-            gens.append(Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None))
-        return gens
+        return [self._answer(row) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
+
+    def _answer(self, row: list[int]) -> Generation:
+        stop = next((i for i, t in enumerate(row) if t in self.eos), None)
+        ids = row if stop is None else row[:stop]
+        return Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None)
 
 
 def _as_list(x):
@@ -124,6 +138,7 @@ class RegenerateStats:
     turns_generated: int = 0
     cut_at_max_new_tokens: int = 0
     stopped_at_empty_answer: int = 0
+    turns_cut_by_max_turns: int = 0
     dropped: dict = field(default_factory=dict)
 
 
@@ -144,12 +159,14 @@ def done_ids(out_path: Path) -> set[str]:
 
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16, log=print,
-               extra: dict | None = None) -> RegenerateStats:
+               extra: dict | None = None, max_turns: int | None = None) -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
 
     conversations: iterable of (id, messages) with normalised messages (user/assistant alternating,
     optional leading system). Conversations whose id is already in out_path are skipped.
     extra: fields added to every written line (e.g. {"regenerated_by": "<model>"}).
+    max_turns: answer at most this many user turns per conversation (the rest is cut, counted as
+    "turns cut by max_turns"); None = all.
     An empty answer ends its conversation there (counted); a conversation left without an answer
     is not written (counted).
     """
@@ -162,7 +179,7 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
         if str(cid) in done:
             stats.skipped_done += 1
         else:
-            todo.append((str(cid), msgs))
+            todo.append((str(cid), _first_turns(msgs, max_turns, stats)))
     if stats.skipped_done:
         log(f"{out_path}: {stats.skipped_done} conversations already regenerated, skipped")
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
@@ -175,6 +192,17 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
             stats.written += len(lines)
             bar.update(len(batch))
     return stats
+
+
+def _first_turns(msgs: list[dict], max_turns: int | None, stats: RegenerateStats) -> list[dict]:
+    """msgs up to (not including) the user turn number max_turns + 1; the cut turns are counted."""
+    if not max_turns:
+        return msgs
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    if len(users) <= max_turns:
+        return msgs
+    stats.turns_cut_by_max_turns += len(users) - max_turns
+    return msgs[: users[max_turns]]
 
 
 def _json_line(cid: str, msgs: list[dict], extra: dict | None) -> str:

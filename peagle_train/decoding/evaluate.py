@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ..paths import resolve_path
 from .decoder import GenerationResult, speculative_generate_batch, target_generate
+from .shared import shared_generate, supports_shared
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 BENCHMARKS = ("spec_bench", "mt_bench", "humaneval", "jsonl")
@@ -241,6 +242,11 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     latency {target, head, baseline_head}: ttft/tpot/latency median and p90 in s, per_category,
     skipped, optional baseline and calibration), out_dir/per_prompt.csv (one row per turn) and
     out_dir/acceptance.png. Returns the acceptance dict.
+
+    Greedy with batch_size > 1 decodes each batch with shared forwards (`shared.shared_generate`,
+    the same tokens, several times the throughput): speeds are then batch throughputs, and
+    per-row seconds are shares of the batch's wall time (latency figures need batch_size=1).
+    acceptance.json says which in `shared_forwards`.
     """
     K = num_speculative_tokens
     prompts = [q if "turns" in q or "messages" in q else {**q, "turns": [q["prompt"]]} for q in prompts]
@@ -250,6 +256,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     eos.discard(None)
     ctx = getattr(target.config, "max_position_embeddings", None) or 10**9
     gen = torch.Generator(device=target.model.device).manual_seed(seed) if temperature > 0 else None
+    shared = batch_size > 1 and temperature <= 0 and all(supports_shared(t) for t in (target, baseline_target) if t)
     heads = [("head", draft, target)] + ([("baseline_head", baseline_draft, baseline_target or target)] if baseline_draft is not None else [])
     rows, skipped = [], {"empty_prompt": 0, "too_long": 0}
     res_all: dict[str, list[GenerationResult]] = {"target": [], "head": [], "baseline_head": []}
@@ -281,11 +288,15 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
             if not jobs:
                 bar.update(seen)
                 continue
-            base = [target_generate(target, ids, max_new_tokens, eos, temperature=temperature, generator=gen) for _, ids in jobs]
-            spec = {}
-            for name, d, t in heads:
-                spec[name] = speculative_generate_batch(t, d, [ids for _, ids in jobs], K, max_new_tokens, eos,
-                                                        temperature=temperature, generator=gen)
+            batch = [ids for _, ids in jobs]
+            if shared:
+                base = shared_generate(target, None, batch, K, max_new_tokens, eos)
+                spec = {name: shared_generate(t, d, batch, K, max_new_tokens, eos) for name, d, t in heads}
+            else:
+                base = [target_generate(target, ids, max_new_tokens, eos, temperature=temperature, generator=gen)
+                        for ids in batch]
+                spec = {name: speculative_generate_batch(t, d, batch, K, max_new_tokens, eos, temperature=temperature,
+                                                         generator=gen) for name, d, t in heads}
             for n, (i, ids) in enumerate(jobs):
                 q, b, s = prompts[i], base[n], spec["head"][n]
                 histories[i].append({"role": "assistant", "content": tokenizer.decode(b.tokens, skip_special_tokens=True)})
@@ -326,6 +337,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "batch_size": batch_size,
+        "shared_forwards": shared,
         "lossless": lossless,
         "num_lossless_prompts": sum(bool(r["lossless"]) for r in rows),
         "verify_steps": head["verify_steps"],

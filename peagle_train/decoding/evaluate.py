@@ -212,6 +212,8 @@ def _spec_summary(results: list[GenerationResult], K: int, base_tps: float) -> d
         "target_forwards": sum(r.target_forwards for r in results),
         "tokens_per_second": tps,
         "speedup": tps / base_tps if base_tps else 0.0,
+        # wall time of drafting per verify step (s; with shared forwards, a row's share of the batch's)
+        "draft_seconds_per_step": sum(r.draft_seconds for r in results) / len(steps) if steps else 0.0,
         "time_shares": {"drafting": sum(r.draft_seconds for r in results) / sec if sec else 0.0,
                         "verifying": sum(r.target_seconds for r in results) / sec if sec else 0.0,
                         "bookkeeping": sum(r.bookkeeping_seconds for r in results) / sec if sec else 0.0},
@@ -344,6 +346,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
         "draft_forwards": head["draft_forwards"],
         "target_forwards": head["target_forwards"],
         "tokens_per_second": head["tokens_per_second"],
+        "draft_seconds_per_step": head["draft_seconds_per_step"],
         "target_only_tokens_per_second": base_tps,
         "speedup": head["speedup"],
         "time_shares": head["time_shares"],
@@ -431,6 +434,11 @@ def format_acceptance(r: dict) -> str:
         b = r["baseline"]
         lines.append(f"baseline ({b['algorithm']}): τ = {b['acceptance_length']:.3f}, {b['tokens_per_second']:.1f} tok/s "
                      f"(speedup {b['speedup']:.2f}x), lossless: {b['lossless']}")
+    if "draft_seconds_per_step" in r:
+        per = f"drafting per verify step: head {1000 * r['draft_seconds_per_step']:.1f} ms"
+        if "baseline" in r:
+            per += f", baseline {1000 * r['baseline']['draft_seconds_per_step']:.1f} ms"
+        lines.append(per + (" (shares of shared batch forwards)" if r.get("shared_forwards") else ""))
     for name, s in lat.items():
         lines.append(f"latency {name:13s}: TTFT {1000 * s['ttft_median_s']:.1f} ms (p90 {1000 * s['ttft_p90_s']:.1f}) | "
                      f"TPOT {1000 * s['tpot_median_s']:.1f} ms (p90 {1000 * s['tpot_p90_s']:.1f}) | "

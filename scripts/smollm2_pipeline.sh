@@ -2,17 +2,21 @@
 # The smollm2-135m recipe end to end on one CPU box (docs/RESULTS.md): regenerate the responses with
 # the target, dump its features once, train the P-EAGLE head and the EAGLE-3 baseline on the same
 # features side by side (one core each, same wall-clock budget), then evaluate both on the 80
-# MT-Bench questions (both turns, greedy, K=5, 256 new tokens) and export the P-EAGLE head.
+# MT-Bench questions (both turns, greedy, K=5, 256 new tokens) and check the P-EAGLE export.
 #
 #   bash scripts/smollm2_pipeline.sh runs/smollm2            # every step resumes after a kill
-#   REGEN_MINUTES=30 TRAIN_MINUTES=40 bash scripts/smollm2_pipeline.sh runs/smollm2
+#   REGEN_MINUTES=35 TRAIN_MINUTES=34 bash scripts/smollm2_pipeline.sh runs/smollm2
 #
 # Steps (wall time on 2 CPU cores, docs/RESULTS.md): regeneration (stops after REGEN_MINUTES;
 # rerun to resume), features, training (TRAIN_MINUTES each, side by side), evaluation.
 set -euo pipefail
 OUT=${1:?usage: smollm2_pipeline.sh OUTPUT_DIR}
-REGEN_MINUTES=${REGEN_MINUTES:-30}
-TRAIN_MINUTES=${TRAIN_MINUTES:-40}
+REGEN_MINUTES=${REGEN_MINUTES:-35}
+TRAIN_MINUTES=${TRAIN_MINUTES:-34}
+# steps that fit TRAIN_MINUTES side by side on 2 cores (EAGLE-3's TTT step costs ~1.3× P-EAGLE's), so
+# that both cosine schedules end within the budget; max_minutes stops either one if it runs slower
+PEAGLE_STEPS=${PEAGLE_STEPS:-330}
+EAGLE3_STEPS=${EAGLE3_STEPS:-250}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 DATA="$OUT/regen/regenerated.jsonl"
@@ -20,7 +24,7 @@ stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/pipeline.log"; }
 
 stamp "1/5 regeneration (greedy, first user turn, ≤ 256 new tokens; stops after ${REGEN_MINUTES} min)"
 timeout --signal=INT "$((REGEN_MINUTES * 60))" "$PY" scripts/regenerate.py recipe=smollm2-135m \
-    data.num_conversations=4000 regenerate.max_turns=1 regenerate.max_prompt_tokens=256 \
+    data.num_conversations=3000 regenerate.max_turns=1 regenerate.max_prompt_tokens=256 \
     regenerate.max_new_tokens=256 regenerate.batch_size=48 output_dir="$OUT/regen" || true
 stamp "   $(wc -l < "$DATA") conversations regenerated"
 
@@ -31,16 +35,16 @@ stamp "2/5 target features (offline shards)"
 stamp "3/5 training P-EAGLE and EAGLE-3 side by side (${TRAIN_MINUTES} min each, 1 thread each)"
 common=(recipe=smollm2-135m data.path="$DATA" features.source=offline features.dir="$OUT/features"
         threads=1 training.max_minutes="$TRAIN_MINUTES" eval.enabled=false)
-"$PY" train.py "${common[@]}" output_dir="$OUT/peagle" > "$OUT/peagle.log" 2>&1 &
-"$PY" train.py "${common[@]}" algorithm=eagle3 training.val_conversations=0 output_dir="$OUT/eagle3" \
-    > "$OUT/eagle3.log" 2>&1 &
+"$PY" train.py "${common[@]}" training.max_steps="$PEAGLE_STEPS" output_dir="$OUT/peagle" > "$OUT/peagle.log" 2>&1 &
+"$PY" train.py "${common[@]}" algorithm=eagle3 training.max_steps="$EAGLE3_STEPS" training.val_conversations=0 \
+    output_dir="$OUT/eagle3" > "$OUT/eagle3.log" 2>&1 &
 wait
 
 stamp "4/5 evaluation: MT-Bench 80 questions, both turns, K=5, 256 new tokens, target alone + both heads"
 "$PY" scripts/evaluate.py head="$OUT/peagle/checkpoint" baseline_head="$OUT/eagle3/checkpoint" \
     eval.benchmark=mt_bench eval.num_prompts=null eval.max_new_tokens=256 eval.num_speculative_tokens=5 \
-    eval.batch_size=16 output_dir="$OUT/eval-mt_bench-k5"
+    eval.batch_size=20 output_dir="$OUT/eval-mt_bench-k5"
 
-stamp "5/5 export"
-"$PY" scripts/export.py checkpoint="$OUT/peagle/checkpoint" output="$OUT/export" overwrite=true
+stamp "5/5 export check (train.py wrote $OUT/peagle/export)"
+"$PY" scripts/export.py validate="$OUT/peagle/export"
 stamp "done: $OUT/eval-mt_bench-k5/eval/acceptance.json"

@@ -7,15 +7,7 @@ import torch
 from peagle_train.decoding.decoder import speculative_generate, target_generate
 from peagle_train.decoding.shared import shared_generate
 
-from .test_evaluate import small_pair
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from .test_evaluate import one_thread, small_pair  # noqa: F401 (one_thread: autouse fixture, one torch thread)
 
 
 def repeating_pair(algorithm: str, c: int):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The smollm2-135m recipe end to end on one CPU box (docs/RESULTS.md): regenerate the responses with
 # the target, dump its features once, train the P-EAGLE head and the EAGLE-3 baseline on the same
-# features side by side (one core each, same wall-clock budget), then evaluate both on the 80
-# MT-Bench questions (first turns, greedy, K=5, 256 new tokens) and check the P-EAGLE export.
+# features side by side (one core each, same wall-clock budget), then evaluate both on MT-Bench
+# questions (first turns, greedy, K=5; a 16-question subset by default) and check the P-EAGLE export.
 #
 #   bash scripts/smollm2_pipeline.sh runs/smollm2            # every step resumes after a kill
 #   REGEN_MINUTES=35 TRAIN_MINUTES=34 bash scripts/smollm2_pipeline.sh runs/smollm2
@@ -17,6 +17,8 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-34}
 # that both cosine schedules end within the budget; max_minutes stops either one if it runs slower
 PEAGLE_STEPS=${PEAGLE_STEPS:-330}
 EAGLE3_STEPS=${EAGLE3_STEPS:-250}
+EVAL_PROMPTS=${EVAL_PROMPTS:-16}   # MT-Bench first turns, 2 per category
+EVAL_TOKENS=${EVAL_TOKENS:-128}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 DATA="$OUT/regen/regenerated.jsonl"
@@ -40,11 +42,12 @@ common=(recipe=smollm2-135m data.path="$DATA" features.source=offline features.d
     output_dir="$OUT/eagle3" > "$OUT/eagle3.log" 2>&1 &
 wait
 
-stamp "4/5 evaluation: the 80 MT-Bench questions (first turns), K=5, 256 new tokens, target alone + both heads"
-# both turns: eval.benchmark=mt_bench (about twice the time on a CPU)
+stamp "4/5 evaluation: ${EVAL_PROMPTS} MT-Bench first turns, K=5, ${EVAL_TOKENS} new tokens, target alone + both heads"
+# the full evaluation (EVAL_PROMPTS=null EVAL_TOKENS=256; both turns: eval.benchmark=mt_bench)
+# takes well over an hour on 2 CPU cores (docs/RESULTS.md)
 "$PY" scripts/evaluate.py head="$OUT/peagle/checkpoint" baseline_head="$OUT/eagle3/checkpoint" \
-    eval.benchmark=spec_bench eval.num_prompts=null eval.max_new_tokens=256 eval.num_speculative_tokens=5 \
-    eval.batch_size=40 output_dir="$OUT/eval-mtbench-k5"
+    eval.benchmark=spec_bench eval.num_prompts="$EVAL_PROMPTS" eval.max_new_tokens="$EVAL_TOKENS" \
+    eval.num_speculative_tokens=5 eval.batch_size=16 output_dir="$OUT/eval-mtbench-k5"
 
 stamp "5/5 export check (train.py wrote $OUT/peagle/export)"
 "$PY" scripts/export.py validate="$OUT/peagle/export"

@@ -99,11 +99,11 @@ class _Shared:
         self.rows.charge(attr, time.perf_counter() - t0)
         return out
 
-    def _target(self, tokens: torch.Tensor, new_valid: torch.Tensor):
+    def _target(self, tokens: torch.Tensor, new_valid: torch.Tensor, last_only: bool = False):
         r = self.rows
         mask = _new_mask(r.tvalid, new_valid)[:, None]
         out = self._timed("target_seconds", self.target, tokens, cache=self.tcache, attention_mask=mask,
-                          position_ids=_positions(r.tlen, new_valid))
+                          position_ids=_positions(r.tlen, new_valid), last_only=last_only)
         for i in r.ids:
             r.res[i].target_forwards += 1
         return out
@@ -112,7 +112,7 @@ class _Shared:
         r, P = self.rows, max(len(p) for p in prompts)
         toks = torch.tensor([[self.pad] * (P - len(p)) + list(p) for p in prompts], device=self.dev)
         valid = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts], device=self.dev)
-        out = self._target(toks, valid)
+        out = self._target(toks, valid, last_only=True)  # only the last position's logits are used
         first = out.logits[:, -1].argmax(-1).tolist()
         r.tvalid, r.tlen = valid, valid.sum(1)
         for i, p in enumerate(prompts):

@@ -66,14 +66,17 @@ class FeatureTarget:
         return self.model.config
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, draft_ids: torch.Tensor | None = None, cache=None, **kw) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor, draft_ids: torch.Tensor | None = None, cache=None,
+                last_only: bool = False, **kw) -> TargetOutput:
+        """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more)."""
         self._captured.clear()
         if cache is not None:
             kw[self._cache_kw] = cache
         out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
-        return TargetOutput(self._head(out.last_hidden_state, draft_ids), aux, final)
+        hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        return TargetOutput(self._head(hidden, draft_ids), aux, final)
 
     __call__ = forward
 

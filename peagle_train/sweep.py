@@ -1,28 +1,46 @@
-"""K sweeps with Hydra multirun: one table and one plot over the jobs of a sweep.
+"""Hydra multirun sweeps (K_train and ablations): one table and one plot over the jobs of a sweep.
 
     python train.py -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k
+    python train.py -m recipe=smollm2-135m draft.num_layers=1,2,4 output_dir=runs/ablate-layers
 
 Each job writes <sweep dir>/<job number>/summary.json (train.py); `SweepSummary` (a Hydra callback,
 registered in conf/config.yaml) runs when the sweep ends and writes into the sweep dir
-sweep_summary.csv, sweep_summary.md and acceptance_vs_k.png: τ (reference-decoder acceptance
-length) against K_train when evaluation ran, else the training EAL (last 20 steps).
+sweep_summary.csv, sweep_summary.md and a plot: acceptance against the swept key
+(acceptance_vs_k.png for draft.num_depths, acceptance_vs_<key>.png for another single key, bars in
+acceptance_by_job.png when several keys vary). Its panels are τ (reference-decoder acceptance length) when evaluation ran and
+the validation EAL (held-out conversations) when validation ran, else the training EAL of the last
+20 steps. Rewrite the files of a finished or interrupted sweep with
+`python -m peagle_train.sweep <sweep dir>`.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-COLUMNS = ["job", "overrides", "num_depths", "steps", "final_loss", "train_eal", "val_eal", "tau", "tokens_per_second",
-           "wall_seconds"]
+COLUMNS = ["job", "overrides", "num_depths", "num_layers", "steps", "final_loss", "train_eal", "val_eal", "tau",
+           "p_accept", "draft_ms_per_step", "speedup", "tokens_per_second", "wall_seconds"]
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
 
 
 def collect(sweep_dir: Path) -> list[dict]:
     """One row per job folder (numbered subfolders with a summary.json), by job number. Jobs
-    without summary.json (failed) are listed with empty values."""
+    without summary.json (failed or still running) are listed with empty result values.
+
+    Row keys: COLUMNS; `p_accept` is the per-position acceptance P(≥ i drafts accepted), i = 1..K,
+    as a space-separated string; `draft_ms_per_step` the drafting time per verify step in ms.
+    Raises nothing for a missing file; a malformed summary.json raises json.JSONDecodeError."""
     import yaml
 
     rows = []
@@ -32,54 +50,104 @@ def collect(sweep_dir: Path) -> list[dict]:
         cfg_file = d / ".hydra" / "config.yaml"
         cfg = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
         row = {"job": int(d.name), "overrides": " ".join(o for o in overrides if not o.startswith("output_dir=")),
-               "num_depths": (cfg.get("draft") or {}).get("num_depths")}
+               "num_depths": _get(cfg, "draft.num_depths"), "num_layers": _get(cfg, "draft.num_layers"),
+               "_config": cfg}
         s_file = d / "summary.json"
         if s_file.is_file():
             s = json.loads(s_file.read_text())
-            t = s.get("training", {})
+            t, ev = s.get("training", {}), s.get("eval") or {}
+            pp = ev.get("per_position_acceptance")
+            dsp = ev.get("draft_seconds_per_step")
             row.update(steps=t.get("steps"), final_loss=t.get("final_loss"),
                        train_eal=(t.get("last20_metrics") or {}).get("eal"),
                        val_eal=(t.get("validation") or {}).get("val_eal") if t.get("validation") else None,
-                       tau=(s.get("eval") or {}).get("acceptance_length"),
+                       tau=ev.get("acceptance_length"), p_accept=" ".join(f"{x:.3f}" for x in pp) if pp else None,
+                       draft_ms_per_step=dsp * 1e3 if dsp is not None else None, speedup=ev.get("speedup"),
                        tokens_per_second=t.get("tokens_per_second"), wall_seconds=s.get("wall_seconds"))
-        rows.append({c: row.get(c) for c in COLUMNS})
+        rows.append(row)
     return rows
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
+    """The config keys (dotted) whose command-line override differs between the jobs."""
+    values: dict[str, set] = {}
+    for r in rows:
+        for o in r["overrides"].split():
+            k, _, v = o.lstrip("+~").partition("=")
+            values.setdefault(k, set()).add(v)
+    return [k for k, v in values.items() if len(v) > 1]
 
 
 def _fmt(v) -> str:
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def write_summary(sweep_dir: Path) -> list[dict]:
-    """Write sweep_summary.csv / .md and acceptance_vs_k.png into `sweep_dir`; returns the rows."""
+    """Write sweep_summary.csv / .md and the plot (module docstring) into `sweep_dir`; returns the
+    rows (COLUMNS). Jobs without results are tabled with empty cells and left out of the plot."""
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
+    table = [{c: r.get(c) for c in COLUMNS} for r in rows]
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(table)
     md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    md += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    md += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in table]
     (sweep_dir / "sweep_summary.md").write_text("\n".join(md) + "\n")
-    pts = [(r["num_depths"], r["tau"] if r["tau"] is not None else r["train_eal"], r["tau"] is not None)
-           for r in rows if r["num_depths"] is not None and (r["tau"] is not None or r["train_eal"] is not None)]
-    if pts:
-        import matplotlib
+    _plot(sweep_dir, rows)
+    return table
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        pts.sort()
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
-        ax.set_xlabel("K_train (draft.num_depths)")
-        ax.set_ylabel("acceptance length τ" if all(p[2] for p in pts) else "training EAL (last 20 steps)")
-        ax.set_title(f"acceptance vs K: {sweep_dir.name}")
+def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
+    """The sweep's plot (module docstring); None when no job has results."""
+    done = [r for r in rows if r.get("tau") is not None or r.get("train_eal") is not None]
+    if not done:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = swept_keys(rows)
+    key = keys[0] if len(keys) == 1 else "draft.num_depths" if not keys else None
+    xs = [_num(_get(r["_config"], key)) if key else None for r in done]
+    numeric = key is not None and all(x is not None for x in xs)
+    labels = [" ".join(o for o in r["overrides"].split() if o.lstrip("+~").partition("=")[0] in keys) or str(r["job"])
+              for r in done]
+    panels = [(c, t) for c, t in (("tau", "acceptance length τ (reference decoder)"),
+                                  ("val_eal", "validation EAL (held-out)")) if any(r.get(c) is not None for r in done)]
+    panels = panels or [("train_eal", "training EAL (last 20 steps)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (col, title) in zip(axes[0], panels):
+        pts = [(x if numeric else i, r[col], lab) for i, (x, r, lab) in enumerate(zip(xs, done, labels))
+               if r.get(col) is not None]
+        if numeric:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+            ax.set_xlabel("K_train (draft.num_depths)" if key == "draft.num_depths" else key)
+        else:
+            ax.bar([p[0] for p in pts], [p[1] for p in pts])
+            ax.set_xticks([p[0] for p in pts], [p[2] for p in pts], rotation=20, ha="right", fontsize=7)
+        for x, y, _ in pts:
+            ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7)
+        ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(sweep_dir / "acceptance_vs_k.png", dpi=120)
-        plt.close(fig)
-    return rows
+    fig.suptitle(f"sweep {sweep_dir.name}", fontsize=9)
+    fig.tight_layout()
+    name = ("acceptance_vs_k.png" if key == "draft.num_depths" else
+            f"acceptance_vs_{key.split('.')[-1]}.png" if key else "acceptance_by_job.png")
+    path = sweep_dir / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 class SweepSummary(Callback):
@@ -90,3 +158,10 @@ class SweepSummary(Callback):
         if sweep_dir.is_dir():
             rows = write_summary(sweep_dir)
             print(f"sweep summary of {len(rows)} jobs: {sweep_dir / 'sweep_summary.md'}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python -m peagle_train.sweep <sweep dir>  (the output_dir of a train.py -m run)")
+    for r in write_summary(Path(sys.argv[1])):
+        print({k: v for k, v in r.items() if v is not None})

@@ -59,3 +59,49 @@ def test_k_sweep_writes_table_and_plot(tmp_path):
     md = (tmp_path / "sweep_summary.md").read_text().splitlines()
     assert md[0].startswith("| job | overrides | num_depths |") and len(md) == 4
     assert (tmp_path / "acceptance_vs_k.png").stat().st_size > 5000
+
+
+def _fake_job(root, job: int, overrides: list[str], cfg: dict, summary: dict | None):
+    import json
+
+    import yaml
+
+    d = root / str(job) / ".hydra"
+    d.mkdir(parents=True)
+    (d / "overrides.yaml").write_text(yaml.safe_dump(overrides + [f"output_dir={root}"]))
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if summary is not None:
+        (root / str(job) / "summary.json").write_text(json.dumps(summary))
+
+
+def test_ablation_sweep_table_names_the_swept_key(tmp_path):
+    """A draft.num_layers sweep: the swept key is found, per-position acceptance and drafting time are
+    tabled, a job without summary.json (interrupted) keeps its row with empty results, the plot is
+    named after the key; two keys varying give the per-job bar plot."""
+    import csv
+
+    from peagle_train.sweep import swept_keys, write_summary
+
+    def summary(tau, val):
+        return {"training": {"steps": 100, "final_loss": 2.5, "last20_metrics": {"eal": 1.5},
+                             "validation": {"val_eal": val}, "tokens_per_second": 300.0},
+                "eval": {"acceptance_length": tau, "per_position_acceptance": [tau - 1, 0.05],
+                         "draft_seconds_per_step": 0.0042, "speedup": 0.5}, "wall_seconds": 60.0}
+
+    common = ["recipe=smollm2-135m", "draft.num_depths=8"]
+    _fake_job(tmp_path, 0, common + ["draft.num_layers=1"], {"draft": {"num_depths": 8, "num_layers": 1}}, summary(1.25, 1.4))
+    _fake_job(tmp_path, 1, common + ["draft.num_layers=2"], {"draft": {"num_depths": 8, "num_layers": 2}}, summary(1.5, 1.6))
+    _fake_job(tmp_path, 2, common + ["draft.num_layers=4"], {"draft": {"num_depths": 8, "num_layers": 4}}, None)
+    rows = write_summary(tmp_path)
+    assert [(r["num_layers"], r["tau"], r["p_accept"], r["draft_ms_per_step"]) for r in rows] == [
+        (1, 1.25, "0.250 0.050", 4.2), (2, 1.5, "0.500 0.050", 4.2), (4, None, None, None)]
+    assert [r["val_eal"] for r in csv.DictReader(open(tmp_path / "sweep_summary.csv"))] == ["1.4", "1.6", ""]
+    assert (tmp_path / "acceptance_vs_num_layers.png").stat().st_size > 5000
+    assert not (tmp_path / "acceptance_vs_k.png").exists()
+
+    two = tmp_path / "two"
+    _fake_job(two, 0, ["draft.num_layers=1", "training.loss=kl"], {}, summary(1.25, 1.4))
+    _fake_job(two, 1, ["draft.num_layers=2", "training.loss=ce"], {}, summary(1.5, 1.6))
+    write_summary(two)
+    assert swept_keys([{"overrides": "a=1 b=x"}, {"overrides": "a=2 b=x"}]) == ["a"]
+    assert (two / "acceptance_by_job.png").stat().st_size > 5000

@@ -10,7 +10,8 @@ sweep_summary.csv, sweep_summary.md and a plot: acceptance against the swept key
 acceptance_by_job.png when several keys vary). Its panels are τ (reference-decoder acceptance length) when evaluation ran and
 the validation EAL (held-out conversations) when validation ran, else the training EAL of the last
 20 steps. Rewrite the files of a finished or interrupted sweep with
-`python -m peagle_train.sweep <sweep dir>`.
+`python -m peagle_train.sweep <sweep dir>`; summarise jobs of several sweeps together (ablations
+run one multirun each) with `python -m peagle_train.sweep <new dir> <sweep>/<job> <sweep>/<job> ...`.
 """
 
 from __future__ import annotations
@@ -69,13 +70,11 @@ def collect(sweep_dir: Path) -> list[dict]:
 
 
 def swept_keys(rows: list[dict]) -> list[str]:
-    """The config keys (dotted) whose command-line override differs between the jobs."""
-    values: dict[str, set] = {}
-    for r in rows:
-        for o in r["overrides"].split():
-            k, _, v = o.lstrip("+~").partition("=")
-            values.setdefault(k, set()).add(v)
-    return [k for k, v in values.items() if len(v) > 1]
+    """The config keys (dotted) whose command-line override differs between the jobs (a key
+    overridden in some jobs only counts as differing)."""
+    per_job = [dict(o.lstrip("+~").partition("=")[::2] for o in r["overrides"].split()) for r in rows]
+    keys = list(dict.fromkeys(k for job in per_job for k in job))
+    return [k for k in keys if len({job.get(k) for job in per_job}) > 1]  # absent in a job = a value too
 
 
 def _fmt(v) -> str:
@@ -160,8 +159,37 @@ class SweepSummary(Callback):
             print(f"sweep summary of {len(rows)} jobs: {sweep_dir / 'sweep_summary.md'}")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python -m peagle_train.sweep <sweep dir>  (the output_dir of a train.py -m run)")
-    for r in write_summary(Path(sys.argv[1])):
+def link_jobs(out_dir: Path, job_dirs: list[Path]) -> None:
+    """Make `out_dir` a sweep dir over jobs of other sweeps (ablations run as separate multiruns):
+    symlinks out_dir/0, 1, ... to `job_dirs` in order. Raises FileExistsError if out_dir has
+    numbered entries already, FileNotFoundError for a job dir without .hydra/config.yaml."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if any(p.name.isdigit() for p in out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already holds job folders. Fix: pick a new directory for the combined summary.")
+    for i, j in enumerate(job_dirs):
+        j = Path(j).resolve()
+        if not (j / ".hydra" / "config.yaml").is_file():
+            raise FileNotFoundError(f"{j}: not a train.py job folder (no .hydra/config.yaml). Fix: pass <sweep dir>/<job number>.")
+        (out_dir / str(i)).symlink_to(j, target_is_directory=True)
+
+
+def main(argv: list[str]) -> int:
+    """python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]: rewrite a sweep's summary, or with job
+    folders of several sweeps, link them into SWEEP_DIR (a new folder) and summarise them together."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]\n" + (main.__doc__ or ""))
+        return 0 if argv else 2
+    out = Path(argv[0])
+    if argv[1:]:
+        link_jobs(out, [Path(a) for a in argv[1:]])
+    elif not out.is_dir():
+        print(f"{out}: no such sweep folder (the output_dir of a train.py -m run)", file=sys.stderr)
+        return 2
+    for r in write_summary(out):
         print({k: v for k, v in r.items() if v is not None})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -95,7 +95,8 @@ def test_ablation_sweep_table_names_the_swept_key(tmp_path):
     rows = write_summary(tmp_path)
     assert [(r["num_layers"], r["tau"], r["p_accept"], r["draft_ms_per_step"]) for r in rows] == [
         (1, 1.25, "0.250 0.050", 4.2), (2, 1.5, "0.500 0.050", 4.2), (4, None, None, None)]
-    assert [r["val_eal"] for r in csv.DictReader(open(tmp_path / "sweep_summary.csv"))] == ["1.4", "1.6", ""]
+    with open(tmp_path / "sweep_summary.csv") as f:
+        assert [r["val_eal"] for r in csv.DictReader(f)] == ["1.4", "1.6", ""]
     assert (tmp_path / "acceptance_vs_num_layers.png").stat().st_size > 5000
     assert not (tmp_path / "acceptance_vs_k.png").exists()
 
@@ -104,4 +105,26 @@ def test_ablation_sweep_table_names_the_swept_key(tmp_path):
     _fake_job(two, 1, ["draft.num_layers=2", "training.loss=ce"], {}, summary(1.5, 1.6))
     write_summary(two)
     assert swept_keys([{"overrides": "a=1 b=x"}, {"overrides": "a=2 b=x"}]) == ["a"]
+    assert swept_keys([{"overrides": "a=1 b=x"}, {"overrides": "a=1 b=x c=3"}]) == ["c"]
     assert (two / "acceptance_by_job.png").stat().st_size > 5000
+
+
+def test_sweep_cli_combines_jobs_of_several_sweeps(tmp_path, capsys):
+    """Ablations run as separate multiruns: the CLI links their job folders and tables them
+    together; a folder that is not a job is refused by name."""
+    from peagle_train.sweep import main
+
+    summary = {"training": {"steps": 100, "last20_metrics": {"eal": 1.5}, "validation": {"val_eal": 1.3}},
+               "eval": {"acceptance_length": 1.27}}
+    _fake_job(tmp_path / "sweep-a", 1, ["draft.num_depths=8"], {"draft": {"num_depths": 8, "num_layers": 1}}, summary)
+    _fake_job(tmp_path / "sweep-b", 0, ["draft.num_depths=8", "draft.num_layers=2"],
+              {"draft": {"num_depths": 8, "num_layers": 2}}, {**summary, "eval": {"acceptance_length": 1.31}})
+    assert main([str(tmp_path / "both"), str(tmp_path / "sweep-a" / "1"), str(tmp_path / "sweep-b" / "0")]) == 0
+    md = (tmp_path / "both" / "sweep_summary.md").read_text().splitlines()
+    assert [line.split(" | ")[3:9] for line in md[2:]] == [["1", "100", "", "1.5", "1.3", "1.27"],
+                                                           ["2", "100", "", "1.5", "1.3", "1.31"]]
+    assert (tmp_path / "both" / "acceptance_vs_num_layers.png").is_file()
+    with pytest.raises(FileNotFoundError, match="not a train.py job folder"):
+        main([str(tmp_path / "other"), str(tmp_path / "sweep-a")])
+    with pytest.raises(FileExistsError, match="already holds job folders"):
+        main([str(tmp_path / "both"), str(tmp_path / "sweep-a" / "1")])

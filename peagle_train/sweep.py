@@ -122,7 +122,7 @@ def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
     labels = [" ".join(o for o in r["overrides"].split() if o.lstrip("+~").partition("=")[0] in keys) or str(r["job"])
               for r in done]
     panels = [(c, t) for c, t in (("tau", "acceptance length τ (reference decoder)"),
-                                  ("val_eal", "validation EAL (held-out)")) if any(r.get(c) is not None for r in done)]
+                                  ("val_eal", "validation EAL (held-out, K_train depths)")) if any(r.get(c) is not None for r in done)]
     panels = panels or [("train_eal", "training EAL (last 20 steps)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     for ax, (col, title) in zip(axes[0], panels):
@@ -137,6 +137,7 @@ def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
             ax.set_xticks([p[0] for p in pts], [p[2] for p in pts], rotation=20, ha="right", fontsize=7)
         for x, y, _ in pts:
             ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7)
+        ax.set_ylim(1.0, max(p[1] for p in pts) * 1.04 + 0.05)  # τ and EAL start at 1 (no draft accepted)
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
     fig.suptitle(f"sweep {sweep_dir.name}", fontsize=9)

@@ -105,6 +105,22 @@ def write_summary(sweep_dir: Path) -> list[dict]:
     return table
 
 
+def _bar_labels(rows: list[dict], keys: list[str]) -> list[str]:
+    """Per job: its overrides of the swept keys that differ from the most common value among the
+    jobs (the reference settings), wrapped; "reference" when it has none."""
+    import textwrap
+    from collections import Counter
+
+    per_job = [dict(o.lstrip("+~").partition("=")[::2] for o in r["overrides"].split()) for r in rows]
+    mode = {k: Counter(job.get(k) for job in per_job).most_common(1)[0][0] for k in keys}
+    labels = []
+    for r, job in zip(rows, per_job):
+        diff = [f"{k.split('.')[-1]}={job[k].replace(chr(92), '')}" for k in keys
+                if job.get(k) is not None and job.get(k) != mode[k]]
+        labels.append("\n".join(textwrap.fill(d, 18) for d in diff) if diff else f"reference\n(job {r['job']})")
+    return labels
+
+
 def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
     """The sweep's plot (module docstring); None when no job has results."""
     done = [r for r in rows if r.get("tau") is not None or r.get("train_eal") is not None]
@@ -119,12 +135,12 @@ def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
     key = keys[0] if len(keys) == 1 else "draft.num_depths" if not keys else None
     xs = [_num(_get(r["_config"], key)) if key else None for r in done]
     numeric = key is not None and all(x is not None for x in xs)
-    labels = [" ".join(o for o in r["overrides"].split() if o.lstrip("+~").partition("=")[0] in keys) or str(r["job"])
-              for r in done]
+    labels = _bar_labels(done, keys)
     panels = [(c, t) for c, t in (("tau", "acceptance length τ (reference decoder)"),
                                   ("val_eal", "validation EAL (held-out, K_train depths)")) if any(r.get(c) is not None for r in done)]
     panels = panels or [("train_eal", "training EAL (last 20 steps)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    width = 4.6 if numeric else max(4.6, 1.25 * len(done))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 3.6 if numeric else 4.2), squeeze=False)
     for ax, (col, title) in zip(axes[0], panels):
         pts = [(x if numeric else i, r[col], lab) for i, (x, r, lab) in enumerate(zip(xs, done, labels))
                if r.get(col) is not None]
@@ -134,7 +150,7 @@ def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
             ax.set_xlabel("K_train (draft.num_depths)" if key == "draft.num_depths" else key)
         else:
             ax.bar([p[0] for p in pts], [p[1] for p in pts])
-            ax.set_xticks([p[0] for p in pts], [p[2] for p in pts], rotation=20, ha="right", fontsize=7)
+            ax.set_xticks([p[0] for p in pts], [p[2] for p in pts], fontsize=6.5)
         for x, y, _ in pts:
             ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=7)
         ax.set_ylim(1.0, max(p[1] for p in pts) * 1.04 + 0.05)  # τ and EAL start at 1 (no draft accepted)

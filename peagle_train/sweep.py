@@ -7,9 +7,9 @@ Each job writes <sweep dir>/<job number>/summary.json (train.py); `SweepSummary`
 registered in conf/config.yaml) runs when the sweep ends and writes into the sweep dir
 sweep_summary.csv, sweep_summary.md and a plot: acceptance against the swept key
 (acceptance_vs_k.png for draft.num_depths, acceptance_vs_<key>.png for another single key, bars in
-acceptance_by_job.png when several keys vary). Its panels are τ (reference-decoder acceptance length) when evaluation ran and
-the validation EAL (held-out conversations) when validation ran, else the training EAL of the last
-20 steps. Rewrite the files of a finished or interrupted sweep with
+acceptance_by_job.png when several keys vary). Its panels are τ (reference-decoder acceptance
+length) when evaluation ran and the validation EAL (held-out conversations) when validation ran,
+else the training EAL of the last 20 steps. Rewrite the files of a finished or interrupted sweep with
 `python -m peagle_train.sweep <sweep dir>`; summarise jobs of several sweeps together (ablations
 run one multirun each) with `python -m peagle_train.sweep <new dir> <sweep>/<job> <sweep>/<job> ...`.
 """
@@ -39,7 +39,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     """One row per job folder (numbered subfolders with a summary.json), by job number. Jobs
     without summary.json (failed or still running) are listed with empty result values.
 
-    Row keys: COLUMNS; `p_accept` is the per-position acceptance P(≥ i drafts accepted), i = 1..K,
+    Row keys: COLUMNS plus `_config` (the job's composed config); `p_accept` is the per-position acceptance P(≥ i drafts accepted), i = 1..K,
     as a space-separated string; `draft_ms_per_step` the drafting time per verify step in ms.
     Raises nothing for a missing file; a malformed summary.json raises json.JSONDecodeError."""
     import yaml
@@ -69,10 +69,15 @@ def collect(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+def _overrides(row: dict) -> dict[str, str]:
+    """A job's command-line overrides as {dotted key: value} (Hydra's +/~ prefixes dropped)."""
+    return dict(o.lstrip("+~").partition("=")[::2] for o in row["overrides"].split())
+
+
 def swept_keys(rows: list[dict]) -> list[str]:
     """The config keys (dotted) whose command-line override differs between the jobs (a key
     overridden in some jobs only counts as differing)."""
-    per_job = [dict(o.lstrip("+~").partition("=")[::2] for o in r["overrides"].split()) for r in rows]
+    per_job = [_overrides(r) for r in rows]
     keys = list(dict.fromkeys(k for job in per_job for k in job))
     return [k for k in keys if len({job.get(k) for job in per_job}) > 1]  # absent in a job = a value too
 
@@ -111,7 +116,7 @@ def _bar_labels(rows: list[dict], keys: list[str]) -> list[str]:
     import textwrap
     from collections import Counter
 
-    per_job = [dict(o.lstrip("+~").partition("=")[::2] for o in r["overrides"].split()) for r in rows]
+    per_job = [_overrides(r) for r in rows]
     mode = {k: Counter(job.get(k) for job in per_job).most_common(1)[0][0] for k in keys}
     labels = []
     for r, job in zip(rows, per_job):
@@ -181,13 +186,14 @@ def link_jobs(out_dir: Path, job_dirs: list[Path]) -> None:
     symlinks out_dir/0, 1, ... to `job_dirs` in order. Raises FileExistsError if out_dir has
     numbered entries already, FileNotFoundError for a job dir without .hydra/config.yaml."""
     out_dir = Path(out_dir)
+    jobs = [Path(j).resolve() for j in job_dirs]
+    for j in jobs:  # all checked before anything is linked
+        if not (j / ".hydra" / "config.yaml").is_file():
+            raise FileNotFoundError(f"{j}: not a train.py job folder (no .hydra/config.yaml). Fix: pass <sweep dir>/<job number>.")
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(p.name.isdigit() for p in out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already holds job folders. Fix: pick a new directory for the combined summary.")
-    for i, j in enumerate(job_dirs):
-        j = Path(j).resolve()
-        if not (j / ".hydra" / "config.yaml").is_file():
-            raise FileNotFoundError(f"{j}: not a train.py job folder (no .hydra/config.yaml). Fix: pass <sweep dir>/<job number>.")
+    for i, j in enumerate(jobs):
         (out_dir / str(i)).symlink_to(j, target_is_directory=True)
 
 

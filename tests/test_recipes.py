@@ -125,6 +125,7 @@ def test_sweep_cli_combines_jobs_of_several_sweeps(tmp_path, capsys):
                                                            ["2", "100", "", "1.5", "1.3", "1.31"]]
     assert (tmp_path / "both" / "acceptance_vs_num_layers.png").is_file()
     with pytest.raises(FileNotFoundError, match="not a train.py job folder"):
-        main([str(tmp_path / "other"), str(tmp_path / "sweep-a")])
+        main([str(tmp_path / "other"), str(tmp_path / "sweep-a" / "1"), str(tmp_path / "sweep-a")])
+    assert not (tmp_path / "other").exists()  # nothing linked when one folder is refused
     with pytest.raises(FileExistsError, match="already holds job folders"):
         main([str(tmp_path / "both"), str(tmp_path / "sweep-a" / "1")])

@@ -68,3 +68,41 @@ def test_shared_random_head_and_target_alone(algorithm):
         assert 0 < s.target_seconds <= s.seconds
     total = sum(s.seconds for s in shared)
     assert sum(s.target_seconds + s.draft_seconds for s in shared) <= total
+
+
+def test_compact_index_moves_kept_slots_right_in_order():
+    from peagle_train.decoding.shared import _compact_index, _gather_slots
+    valid = torch.tensor([[0, 1, 0, 1, 1, 0],
+                          [1, 0, 0, 0, 0, 1],
+                          [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    idx, new_valid = _compact_index(valid)
+    # row 0 keeps slots 1, 3, 4; row 1 keeps 0, 5 behind one hole; row 2 keeps nothing
+    assert idx[0].tolist() == [1, 3, 4] and idx[1, 1:].tolist() == [0, 5]
+    assert new_valid.tolist() == [[True] * 3, [False, True, True], [False] * 3]
+    assert not valid[1, idx[1, 0]] and not valid[2, idx[2]].any()  # holes point at holes
+    kv = torch.arange(3 * 6, dtype=torch.float).view(3, 1, 6, 1).expand(3, 2, 6, 4)
+    out = _gather_slots(kv, idx)
+    assert out.shape == (3, 2, 3, 4)
+    assert out[0, 1, :, 0].tolist() == [1.0, 3.0, 4.0] and out[1, 0, 1:, 2].tolist() == [6.0, 11.0]
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_compaction_keeps_tokens_and_bounds_the_cache(algorithm, monkeypatch):
+    """A random head accepts almost nothing, so most verify slots are holes: with compaction the
+    target cache stays within COMPACT_SLACK + K + 1 slots of the longest row, and the tokens and
+    acceptances are those of the uncompacted run."""
+    from peagle_train.decoding import shared as sh
+    t, d = small_pair(algorithm=algorithm, K=4)
+    prompts = [[5, 17, 33, 2, 90, 4, 4, 8], [1, 2, 3], [40]]
+    states = []
+    real = sh._Shared.run
+    monkeypatch.setattr(sh._Shared, "run", lambda self: (states.append(self), real(self))[1])
+    monkeypatch.setattr(sh, "COMPACT_SLACK", 8)
+    plain = shared_generate(t, d, prompts, 4, 24, set(), compact=False)
+    packed = shared_generate(t, d, prompts, 4, 24, set())
+    assert [s.tokens for s in packed] == [s.tokens for s in plain]
+    assert [s.accepted for s in packed] == [s.accepted for s in plain]
+    assert states[0].compactions == 0 and states[1].compactions > 0
+    longest = max(len(p) + len(s.tokens) for p, s in zip(prompts, plain))
+    assert states[0].tcache.get_seq_length() > 2 * longest  # the holes the compaction removes
+    assert states[1].tcache.get_seq_length() <= longest + 8 + 5  # at most K + 1 slots since the last one

@@ -18,7 +18,7 @@ cache to that row (RoPE is already in the cached keys and positions come from th
 nothing a query sees changes); attention, GQA expansion and the cache's concatenation then cost
 O(kept tokens) instead of O(steps × (K + 1)). One compaction copies the cache once, as every
 step's concatenation does. Measured: 16 MT-Bench first turns, 256 tokens, K = 5, two CPU threads:
-181 s instead of 244 s without compaction, the same tokens (docs/BENCHMARKS.md).
+188 s instead of 240 s without compaction, the same tokens (docs/BENCHMARKS.md).
 
 Timing: the wall time of each forward is shared equally among the rows in it, so the sums over
 rows of `seconds`, `draft_seconds`, `target_seconds` are the batch's wall times and summed tokens

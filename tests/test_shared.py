@@ -94,12 +94,10 @@ def test_compaction_keeps_tokens_and_bounds_the_cache(algorithm, monkeypatch):
     from peagle_train.decoding import shared as sh
     t, d = small_pair(algorithm=algorithm, K=4)
     prompts = [[5, 17, 33, 2, 90, 4, 4, 8], [1, 2, 3], [40]]
-    states = []
-    real = sh._Shared.run
-    monkeypatch.setattr(sh._Shared, "run", lambda self: (states.append(self), real(self))[1])
     monkeypatch.setattr(sh, "COMPACT_SLACK", 8)
-    plain = shared_generate(t, d, prompts, 4, 24, set(), compact=False)
-    packed = shared_generate(t, d, prompts, 4, 24, set())
+    states = [sh._Shared(t, d, prompts, 4, 24, set(), compact) for compact in (False, True)]
+    with torch.no_grad():
+        plain, packed = (s.run() for s in states)
     assert [s.tokens for s in packed] == [s.tokens for s in plain]
     assert [s.accepted for s in packed] == [s.accepted for s in plain]
     assert states[0].compactions == 0 and states[1].compactions > 0

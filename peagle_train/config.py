@@ -123,6 +123,7 @@ class Config:
     algorithm: str = "peagle"
     seed: int = 0
     threads: Optional[int] = None
+    precision: str = "auto"   # auto | fp32 | bf16 (peagle_train/precision.py)
     dry_run: bool = False   # build the recipe on a tiny random target of its family, 2 steps (peagle_train/dryrun.py)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

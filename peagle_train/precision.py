@@ -1,0 +1,103 @@
+"""Compute precision for the frozen target and the draft head: `precision: auto | fp32 | bf16`.
+
+One resolver for training and decoding. `auto` picks bf16 where the hardware multiplies bf16
+natively (CUDA with bf16 support; CPUs with Intel AMX or AVX512-BF16) and fp32 elsewhere. Master
+weights, optimizer state, losses and metrics always stay fp32; `precision` only decides the dtype
+of the target's forward and of the draft's autocast region.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Precision(str, enum.Enum):
+    """The `precision` config key."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """What `resolve_precision` chose: `dtype` (torch.float32 or torch.bfloat16), `name`
+    ("fp32" | "bf16"), the `setting` it came from and the `reason` (the hardware feature found, or
+    "forced"). `as_dict()` is what run.json records."""
+
+    dtype: torch.dtype
+    name: str
+    setting: str
+    reason: str
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    def as_dict(self) -> dict:
+        return {"precision": self.name, "setting": self.setting, "reason": self.reason}
+
+
+def cpu_bf16_units(cpuinfo: str | None = None) -> str | None:
+    """The native bf16 matrix unit of this CPU: "amx" (Intel AMX, flag amx_bf16), "avx512_bf16"
+    (AVX512-BF16, e.g. AMD Zen 4 / Intel Cooper Lake), or None. Reads /proc/cpuinfo's flags (or the
+    text given); None where that file does not exist."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        if not path.is_file():
+            return None
+        cpuinfo = path.read_text(errors="replace")
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+            break
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return None
+
+
+def resolve_precision(setting: str | Precision, device: torch.device | str) -> ResolvedPrecision:
+    """Resolve `precision` for `device`.
+
+    auto: bf16 on CUDA when `torch.cuda.is_bf16_supported()`, bf16 on a CPU with AMX or
+    AVX512-BF16 (`cpu_bf16_units`), fp32 otherwise. fp32 / bf16: forced.
+
+    Raises:
+        ValueError: an unknown setting (names the valid ones), or bf16 forced on a CUDA device
+            without bf16 support (fix: precision=fp32).
+    """
+    try:
+        setting = Precision(setting.value if isinstance(setting, Precision) else str(setting))
+    except ValueError:
+        raise ValueError(f"precision={setting!r} is not one of auto, fp32, bf16") from None
+    device = torch.device(device)
+    if device.type == "cuda":
+        has = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        unit = "cuda bf16" if has else None
+    else:
+        unit = cpu_bf16_units()
+    if setting is Precision.FP32:
+        return ResolvedPrecision(torch.float32, "fp32", setting.value, "forced")
+    if setting is Precision.BF16:
+        if device.type == "cuda" and unit is None:
+            raise ValueError("precision=bf16: this GPU has no bf16. Fix: precision=fp32")
+        return ResolvedPrecision(torch.bfloat16, "bf16", setting.value, "forced")
+    if unit is None:
+        return ResolvedPrecision(torch.float32, "fp32", setting.value,
+                                 f"no native bf16 unit on this {device.type}")
+    return ResolvedPrecision(torch.bfloat16, "bf16", setting.value, unit)
+
+
+def log_precision(resolved: ResolvedPrecision) -> None:
+    """Log the choice once, e.g. "precision: bf16 (auto: avx512_bf16)"."""
+    log.info("precision: %s (%s: %s)", resolved.name, resolved.setting, resolved.reason)

@@ -4,6 +4,13 @@ DESIGN.md §2: aux layers default to [2, N//2, N-3] (the *outputs* of those deco
 HF `output_hidden_states[i+1]`); the final hidden state is the last decoder layer's output before
 the final norm. Forward hooks on the decoder layers capture them without asking the model for all
 N hidden states.
+
+Packed rows (several documents, one forward): `FeatureTarget.forward_documents` concatenates the
+documents on one axis with position ids restarting at 0 per document, and a registered attention
+function (`document_attention`) runs SDPA causally within each document. Every per-token op
+(embeddings, norms, projections, MLP) sees the same values as in a per-document forward, and each
+document's attention is the very SDPA call of its own forward, so the features equal the
+per-document forward's (bit for bit on CPU for documents of ≥ 2 tokens).
 """
 
 from __future__ import annotations
@@ -12,6 +19,36 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+
+DOCUMENT_ATTENTION = "peagle_documents"
+
+
+def document_attention(module, query, key, value, attention_mask, doc_lengths=None, **kw):
+    """Causal attention within each document of a packed row (block-diagonal, no mask built).
+
+    query [B, heads, N, d], key/value [B, kv_heads, N, d]; doc_lengths: document lengths summing to
+    N (their order is the row's). Runs transformers' own `sdpa_attention_forward` on each
+    document's slice with no mask (its causal path, as a one-document forward does) and returns
+    ([B, N, heads, d], None). Without doc_lengths it is plain SDPA (mask passed through)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if doc_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    outs, s = [], 0
+    for n in doc_lengths:
+        o, _ = sdpa_attention_forward(module, query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n], None, **kw)
+        outs.append(o)
+        s += n
+    return torch.cat(outs, dim=1), None
+
+
+def _register_document_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
+
+
+_register_document_attention()
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -79,6 +116,39 @@ class FeatureTarget:
         return TargetOutput(self._head(hidden, draft_ids), aux, final)
 
     __call__ = forward
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether `forward_documents` runs a packed row in one forward: SDPA attention and every
+        layer full causal attention (sliding-window layers, e.g. Gemma-3, GPT-OSS, need their own
+        masks: those targets run one document per forward)."""
+        cfg = self.decoder.config
+        types = getattr(cfg, "layer_types", None)
+        full = all(t == "full_attention" for t in types) if types else getattr(cfg, "sliding_window", None) is None
+        return cfg._attn_implementation == "sdpa" and full
+
+    @torch.no_grad()
+    def forward_documents(self, docs: list[torch.Tensor], draft_ids: torch.Tensor | None = None) -> list[TargetOutput]:
+        """All documents of a packed row through the target in one forward (block-diagonal
+        attention, position ids restarting per document); one forward per document where the
+        target cannot pack (`packs_documents`).
+
+        docs: token ids [T_i] each (on the target's device). Returns one TargetOutput per document
+        ([1, T_i, ...] each), equal to `self(doc[None], draft_ids)`."""
+        if len(docs) == 1 or not self.packs_documents:
+            return [self(ids[None], draft_ids=draft_ids) for ids in docs]
+        lengths = [int(ids.numel()) for ids in docs]
+        dev = docs[0].device
+        pos = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
+        cfg = self.decoder.config
+        saved = cfg._attn_implementation
+        cfg._attn_implementation = DOCUMENT_ATTENTION  # no mask is built for it; restored below
+        try:
+            out = self(torch.cat(docs)[None], draft_ids=draft_ids, position_ids=pos, doc_lengths=lengths)
+        finally:
+            cfg._attn_implementation = saved
+        parts = [x.split(lengths, dim=1) for x in (out.logits, out.aux, out.final)]
+        return [TargetOutput(*p) for p in zip(*parts)]
 
     @torch.no_grad()
     def logits_from_final(self, final: torch.Tensor, draft_ids: torch.Tensor | None = None) -> torch.Tensor:

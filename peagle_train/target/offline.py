@@ -1,5 +1,5 @@
 """Offline target features: sharded safetensors + a fingerprinted manifest, written resumably,
-verified on read, read memory-mapped into the same packed rows as online mode.
+verified on read (the reader: features/offline.py, the same packed rows as online mode).
 
 Layout of a features directory (DESIGN.md §2; one shard = `docs_per_shard` consecutive data rows):
 
@@ -32,8 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..training.loop import PackedRow
-from .features import FeatureTarget, align_for_draft
+from .features import FeatureTarget
 
 FORMAT_VERSION = 1
 STORAGES = ("float32", "bfloat16", "int8")
@@ -171,22 +170,65 @@ def _shard_tensors(ids: list[torch.Tensor], aux: list[torch.Tensor], final: list
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _forward_groups(lengths: list[int], tokens_per_forward: int) -> list[list[int]]:
+    """Consecutive documents grouped into forwards of ≤ tokens_per_forward tokens (a longer
+    document gets one of its own). Returns lists of positions into `lengths`."""
+    groups, cur, size = [], [], 0
+    for j, n in enumerate(lengths):
+        if cur and size + n > tokens_per_forward:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(j)
+        size += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _part_path(out_dir: Path, rank: int) -> Path:
+    return out_dir / f"manifest.part{rank}.json"
+
+
+def _fold_parts(out_dir: Path, manifest: dict) -> int:
+    """Move the shard records that processes of a multi-process run left in manifest.part*.json
+    into `manifest` (then delete those files). Returns how many records were folded."""
+    n = 0
+    for part in sorted(out_dir.glob("manifest.part*.json")):
+        try:
+            recs = json.loads(part.read_text())
+        except json.JSONDecodeError:  # killed while writing it: its shards are recomputed
+            recs = {}
+        manifest["shards"].update(recs)
+        n += len(recs)
+        part.unlink()
+    return n
+
+
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
-                   int8_scale: str = "channel", docs_per_shard: int = 64, log=print) -> dict:
+                   int8_scale: str = "channel", docs_per_shard: int = 64, tokens_per_forward: int = 2048,
+                   rank: int = 0, world: int = 1, barrier=None, log=print) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
 
-    rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. Each document is run
-    on its own (no padding), exactly as online mode runs it. An existing directory with the same
+    rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. The documents of a
+    shard go through the target in forwards of ≤ `tokens_per_forward` tokens, several documents
+    per forward (`FeatureTarget.forward_documents`: block-diagonal attention, the features equal
+    a per-document forward's, as online mode computes them). An existing directory with the same
     fingerprint is resumed: its recorded shards are kept (size and sha256 checked) and only the
     missing ones are computed; a directory with another fingerprint is refused.
+
+    Several processes (`accelerate launch --num_processes W`): process `rank` of `world` computes
+    shards k ≡ rank (mod world) and records them in manifest.part<rank>.json; `barrier` (a callable
+    that waits for every process, e.g. Accelerator.wait_for_everyone) separates the start-up
+    checks, the work and the merge, which process 0 does. The shards equal a one-process run's.
 
     Raises:
         FeatureShardError: the directory holds shards of another fingerprint, or the target gives
             NaN/Inf features for a document (named by its row index).
-        ValueError: unknown storage / int8_scale or docs_per_shard < 1.
+        ValueError: unknown storage / int8_scale, docs_per_shard or tokens_per_forward < 1, or
+            world > 1 without a barrier.
 
-    Returns a summary: docs, tokens, shards written and skipped, bytes, bytes per token, seconds,
-    tokens per second of the target forwards.
+    Returns a summary: docs, tokens, shards written (by all processes) and skipped, bytes, bytes per
+    token, seconds, tokens per second of the target forwards (all processes), processes.
     """
     if storage not in STORAGES:
         raise ValueError(f"features.storage={storage!r} must be one of {STORAGES}")
@@ -194,73 +236,98 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         raise ValueError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
     if docs_per_shard < 1:
         raise ValueError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
+    if tokens_per_forward < 1:
+        raise ValueError(f"tokens_per_forward={tokens_per_forward} must be ≥ 1")
+    if world > 1 and barrier is None:
+        raise ValueError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
+    barrier = barrier or (lambda: None)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     fp = features_fingerprint(target, tok, rows, storage, int8_scale)
     mpath = out_dir / MANIFEST
-    if mpath.is_file():
-        manifest = json.loads(mpath.read_text())
-        _compare(manifest.get("fingerprint", {}), fp, mpath)
-        if manifest.get("docs_per_shard") != docs_per_shard:
-            raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, this run "
-                                    f"asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
-    else:
-        manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
-        _write_json_atomic(mpath, manifest)
-    for stale in out_dir.glob("*.tmp*"):  # left by a killed run
-        stale.unlink()
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if mpath.is_file():
+            manifest = json.loads(mpath.read_text())
+            _compare(manifest.get("fingerprint", {}), fp, mpath)
+            if manifest.get("docs_per_shard") != docs_per_shard:
+                raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, "
+                                        f"this run asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
+            if _fold_parts(out_dir, manifest):  # a killed multi-process run
+                _write_json_atomic(mpath, manifest)
+        else:
+            manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
+            _write_json_atomic(mpath, manifest)
+        for stale in out_dir.glob("*.tmp*"):  # left by a killed run
+            stale.unlink()
+    barrier()
+    manifest = json.loads(mpath.read_text())
+    _compare(manifest.get("fingerprint", {}), fp, mpath)
     n = len(rows)
     num_shards = (n + docs_per_shard - 1) // docs_per_shard
     done = {k for k in range(num_shards) if _shard_is_complete(out_dir, manifest, k)}
-    if done:
+    if done and rank == 0:
         log(f"resuming {out_dir}: {len(done)}/{num_shards} shards already written and checked, skipped")
     damaged = sorted(int(k) for k in manifest["shards"] if int(k) not in done)
-    if damaged:
+    if damaged and rank == 0:
         log(f"{len(damaged)} recorded shard(s) missing or failing size/sha256, recomputed: "
             + ", ".join(shard_name(k) for k in damaged))
+    mine = [k for k in range(num_shards) if k % world == rank and k not in done]
+    records = {}  # what this process wrote (merged into the manifest by process 0 when world > 1)
     dev = target.model.device
-    t0, tokens_run, written = time.perf_counter(), 0, 0
-    bar = tqdm(total=n, desc="target features", unit="doc", initial=len(done) and sum(
-        min(docs_per_shard, n - k * docs_per_shard) for k in done))
-    for k in range(num_shards):
-        if k in done:
-            continue
+    t0, tokens_run = time.perf_counter(), 0
+    bar = tqdm(total=sum(min(docs_per_shard, n - k * docs_per_shard) for k in mine), desc="target features",
+               unit="doc", disable=rank != 0)
+    for k in mine:
         first, last = k * docs_per_shard, min(n, (k + 1) * docs_per_shard)
-        ids_l, aux_l, fin_l = [], [], []
-        for i in range(first, last):
-            ids = torch.tensor(rows[i]["input_ids"], device=dev)
-            out = target(ids[None])
-            aux, final = out.aux[0], out.final[0]
-            if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-                raise FeatureShardError(f"data row {i} (shard {shard_name(k)}): the target gave NaN/Inf features. "
-                                        "Nothing was written for this shard. Fix: check the target weights/dtype "
-                                        "(float16 overflow? use bfloat16 or float32) or drop the row.")
-            ids_l.append(ids)
-            aux_l.append(aux)
-            fin_l.append(final)
-            tokens_run += ids.numel()
-            bar.update(1)
+        ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
+        aux_l, fin_l = [], []
+        for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
+            for j, out in zip(group, target.forward_documents([ids_l[j] for j in group])):
+                aux, final = out.aux[0], out.final[0]
+                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                    raise FeatureShardError(f"data row {first + j} (shard {shard_name(k)}): the target gave NaN/Inf "
+                                            "features. Nothing was written for this shard. Fix: check the target "
+                                            "weights/dtype (float16 overflow? use bfloat16 or float32) or drop the row.")
+                aux_l.append(aux)
+                fin_l.append(final)
+            tokens_run += sum(ids_l[j].numel() for j in group)
+            bar.update(len(group))
         name = shard_name(k)
         tmp = out_dir / (name + f".tmp{os.getpid()}")
         save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
         os.replace(tmp, out_dir / name)
-        manifest["shards"][str(k)] = {"file": name, "first_doc": first, "num_docs": last - first,
-                                      "num_tokens": int(sum(x.numel() for x in ids_l)),
-                                      "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
-        _write_json_atomic(mpath, manifest)
-        written += 1
+        records[str(k)] = {"file": name, "first_doc": first, "num_docs": last - first,
+                           "num_tokens": int(sum(x.numel() for x in ids_l)),
+                           "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
+        if world == 1:
+            manifest["shards"][str(k)] = records[str(k)]
+            _write_json_atomic(mpath, manifest)
+        else:
+            _write_json_atomic(_part_path(out_dir, rank), records)
     bar.close()
+    barrier()
     secs = time.perf_counter() - t0
+    written, tokens_all = len(records), tokens_run
+    if world > 1:
+        if rank == 0:
+            before = set(manifest["shards"])
+            _fold_parts(out_dir, manifest)
+            _write_json_atomic(mpath, manifest)
+            new = [r for key, r in manifest["shards"].items() if key not in before]
+            written, tokens_all = len(new), sum(r["num_tokens"] for r in new)
+        barrier()
+        manifest = json.loads(mpath.read_text())
     shards = manifest["shards"].values()
     total_tokens = sum(s["num_tokens"] for s in shards)
     total_bytes = sum(s["bytes"] for s in shards)
     summary = {"dir": str(out_dir), "docs": n, "tokens": total_tokens, "shards": num_shards,
                "shards_written": written, "shards_skipped": len(done), "bytes": total_bytes,
                "bytes_per_token": total_bytes / max(total_tokens, 1), "storage": storage,
-               "seconds": secs, "tokens_per_second": tokens_run / secs if secs > 0 else 0.0}
-    log(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {len(done)} resumed) "
-        f"in {out_dir}; {total_bytes / 2**20:.1f} MiB, {summary['bytes_per_token']:.0f} bytes/token ({storage}); "
-        f"{summary['tokens_per_second']:.0f} tokens/s")
+               "seconds": secs, "tokens_per_second": tokens_all / secs if secs > 0 else 0.0, "processes": world}
+    if rank == 0:
+        log(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {len(done)} resumed) "
+            f"in {out_dir}; {total_bytes / 2**20:.1f} MiB, {summary['bytes_per_token']:.0f} bytes/token ({storage}); "
+            f"{summary['tokens_per_second']:.0f} tokens/s on {world} process(es)")
     return summary
 
 
@@ -308,146 +375,3 @@ def _shard_is_complete(out_dir: Path, manifest: dict, k: int) -> bool:
         return False
     path = out_dir / rec["file"]
     return path.is_file() and path.stat().st_size == rec["bytes"] and _file_sha256(path) == rec["sha256"]
-
-
-# --------------------------------------------------------------------------------------------
-# reading
-
-class OfflineFeatures:
-    """Memory-mapped reader of a features directory that builds the same `PackedRow`s as online
-    mode (`training.loop.packed_row`), from stored aux and final states instead of a target forward.
-
-    Checks at open (each failure raises FeatureShardError naming the file and the check): the
-    manifest's fingerprint equals this run's (target, tokenizer, template, aux layer ids, storage,
-    data rows; on a data mismatch the first differing row and its shard are named), every shard is
-    present and complete with its recorded size and sha256 (`verify=True`), and every shard's
-    token ids equal the data rows. At read: each document's features are finite (no NaN/Inf).
-
-    `target` supplies the final norm and lm_head (logits = lm_head(norm(final)) over the draft
-    vocabulary) and the device/dtype features are delivered in; its decoder is never run.
-    """
-
-    def __init__(self, feat_dir, target: FeatureTarget, tok, rows, *, storage: str | None = None,
-                 int8_scale: str = "channel", verify: bool = True, log=print):
-        self.dir = Path(feat_dir)
-        self.target = target
-        mpath = self.dir / MANIFEST
-        if not mpath.is_file():
-            raise FeatureShardError(f"{mpath} not found: no offline features in {self.dir}. Fix: run "
-                                    f"python scripts/generate_hidden_states.py features.dir={self.dir} (same recipe).")
-        try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise FeatureShardError(f"{mpath}: not valid JSON ({e}). Fix: regenerate the features directory.") from e
-        found = manifest.get("fingerprint", {})
-        storage = storage or found.get("storage")
-        expected = features_fingerprint(target, tok, rows, storage, int8_scale if storage == "int8" else "channel")
-        _compare(found, {k: v for k, v in expected.items() if k != "data"}, mpath)
-        self.storage = storage
-        self.docs_per_shard = manifest["docs_per_shard"]
-        self._open_shards(manifest, verify)
-        self._check_rows(rows)  # names the shard and the first data row whose tokens differ
-        _compare(found, expected, mpath)  # then the loss masks (the rest of the data fingerprint)
-        self.num_tokens = sum(s["num_tokens"] for s in manifest["shards"].values())
-        log(f"offline features: {len(rows)} docs, {self.num_tokens} tokens, {len(self._files)} shards ({storage}) "
-            f"from {self.dir}{', checksums verified' if verify else ''}")
-
-    def _open_shards(self, manifest: dict, verify: bool) -> None:
-        n = manifest["fingerprint"]["num_docs"]
-        per = manifest["docs_per_shard"]
-        self._files, self._offsets, self._scales = [], [], []
-        for k in range((n + per - 1) // per):
-            rec = manifest["shards"].get(str(k))
-            path = self.dir / shard_name(k)
-            if rec is None or not path.is_file():
-                raise FeatureShardError(f"{path}: missing (check: completeness; the generation stopped before this "
-                                        "shard). Fix: rerun scripts/generate_hidden_states.py with the same config; "
-                                        "it resumes and writes only the missing shards.")
-            size = path.stat().st_size
-            if size != rec["bytes"]:
-                raise FeatureShardError(f"{path}: truncated or altered after writing (check: size, {size} bytes, "
-                                        f"manifest says {rec['bytes']}). Fix: delete the shard and rerun "
-                                        "scripts/generate_hidden_states.py (it recomputes only missing shards).")
-            if verify and _file_sha256(path) != rec["sha256"]:
-                raise FeatureShardError(f"{path}: altered after writing (check: sha256 differs from the manifest). "
-                                        "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
-            try:
-                f = safe_open(str(path), framework="pt")  # memory-mapped; slices read on demand
-                offsets = f.get_tensor("offsets")
-            except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
-                raise FeatureShardError(f"{path}: unreadable safetensors file (check: format): {e}. "
-                                        "Fix: delete the shard and rerun scripts/generate_hidden_states.py.") from e
-            self._files.append(f)
-            self._offsets.append(offsets.tolist())
-            self._scales.append({k2: f.get_tensor(k2) for k2 in ("aux_scale", "final_scale") if k2 in f.keys()})
-
-    def _locate(self, i: int):
-        k, j = divmod(i, self.docs_per_shard)
-        off = self._offsets[k]
-        return k, off[j], off[j + 1]
-
-    def _check_rows(self, rows) -> None:
-        for i, ids in enumerate(rows["input_ids"]):
-            k, s, e = self._locate(i)
-            stored = self._files[k].get_slice("input_ids")[s:e]
-            if stored.numel() != len(ids) or not torch.equal(stored.long(), torch.tensor(ids)):
-                raise FeatureShardError(
-                    f"{self.dir / shard_name(k)}: document {i - k * self.docs_per_shard} (data row {i}) has token ids "
-                    f"that differ from the data row (check: token ids; {stored.numel()} stored vs {len(ids)} in the "
-                    "data). The data changed since the features were made. Fix: regenerate the features for this data.")
-
-    def __len__(self) -> int:
-        return sum(len(o) - 1 for o in self._offsets)
-
-    def document(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [T] int64, aux [T, 3H], final [T, H]) of data row i, on the target's device in
-        its dtype. Raises FeatureShardError naming the shard if the features hold NaN/Inf."""
-        k, s, e = self._locate(i)
-        f = self._files[k]
-        w = self.target.model.get_output_embeddings().weight
-        parts = {}
-        for name in ("aux", "final"):
-            x = f.get_slice(name)[s:e]
-            if self.storage == "int8":
-                sc = self._scales[k][name + "_scale"]
-                x = dequantize_int8(x, sc if sc.dim() == 1 else sc[s:e])
-            parts[name] = x.to(device=w.device, dtype=w.dtype)
-        if not (torch.isfinite(parts["aux"]).all() and torch.isfinite(parts["final"]).all()):
-            raise FeatureShardError(f"{self.dir / shard_name(k)}: document {i - k * self.docs_per_shard} (data row {i}) "
-                                    "has NaN/Inf features (check: finite). Nothing is trained on it. Fix: delete the "
-                                    "shard and rerun scripts/generate_hidden_states.py.")
-        ids = f.get_slice("input_ids")[s:e].long().to(w.device)
-        return ids, parts["aux"], parts["final"]
-
-    def packed_row(self, doc_indices: list[int], docs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor) -> PackedRow:
-        """The `PackedRow` of these data rows, as `training.loop.packed_row` builds it online.
-
-        doc_indices: data row indices; docs: their (input_ids, loss_mask). Raises FeatureShardError
-        if a row's tokens differ from the stored ones (names the shard) or features are not finite."""
-        dev = self.target.model.device
-        parts = []
-        for d, (i, (ids, mask)) in enumerate(zip(doc_indices, docs)):
-            ids_t, aux, final = self.document(i)
-            if ids_t.numel() != len(ids) or not torch.equal(ids_t, torch.tensor(ids, device=dev)):
-                k = i // self.docs_per_shard
-                raise FeatureShardError(f"{self.dir / shard_name(k)}: data row {i} has token ids that differ from the "
-                                        "shard's (check: token ids). Fix: regenerate the features for this data.")
-            logits = self.target.logits_from_final(final, draft_ids)
-            tok, feat, tl, valid = align_for_draft(ids_t, torch.tensor(mask, device=dev), aux, logits)
-            n = tok.numel()
-            parts.append((tok, feat, tl, valid.bool(), torch.full((n,), d, device=dev), torch.arange(n, device=dev)))
-        return PackedRow(*(torch.cat(x) for x in zip(*parts)))
-
-
-def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> OfflineFeatures | None:
-    """From the `features` config group: None for `source=online` (the training step runs the
-    target), an `OfflineFeatures` reader for `source=offline`. Raises ValueError for an unknown
-    source or a missing `features.dir`, FeatureShardError for a directory that fails its checks."""
-    if fcfg.source == "online":
-        return None
-    if fcfg.source != "offline":
-        raise ValueError(f"features.source={fcfg.source!r} must be online or offline")
-    if not fcfg.dir:
-        raise ValueError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
-    return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
-                           verify=fcfg.verify, log=log)

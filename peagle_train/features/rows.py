@@ -1,0 +1,56 @@
+"""Packed rows: documents grouped into rows (`pack_documents`) and aligned, concatenated features
+(`pack_row`, the one packing function both feature sources use; DESIGN.md §2 and §4)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..target.features import align_for_draft
+
+
+@dataclass
+class PackedRow:
+    """One packed training row of n aligned positions (several documents, no cross-document
+    attention). tokens [n], valid [n] bool, doc_ids [n], pos_ids [n] (position within its document),
+    features [n, 3H], target_logits [n, V_draft]."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    target_logits: torch.Tensor
+    valid: torch.Tensor
+    doc_ids: torch.Tensor
+    pos_ids: torch.Tensor
+
+
+def pack_documents(lengths: list[int], tokens_per_step: int, seed: int) -> list[list[int]]:
+    """Shuffle documents with `seed` and group them greedily into rows of ≤ tokens_per_step tokens
+    (a longer document gets a row of its own). Returns lists of document indices."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    rows, cur, size = [], [], 0
+    for i in order:
+        if cur and size + lengths[i] > tokens_per_step:
+            rows.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += lengths[i]
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def pack_row(docs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> PackedRow:
+    """Align each document (the EAGLE pairing, `align_for_draft`) and concatenate them into a row.
+
+    docs: per document (input_ids [T], loss_mask [T], aux [T, 3H], target_logits [T, V_draft]), all
+    on one device. Each document of T tokens gives T-1 positions; doc_ids number the documents in
+    order, pos_ids restart at 0 in each."""
+    parts = []
+    for d, (ids, mask, aux, logits) in enumerate(docs):
+        tok, feat, tl, valid = align_for_draft(ids, mask, aux, logits)
+        n, dev = tok.numel(), tok.device
+        parts.append((tok, feat, tl, valid.bool(), torch.full((n,), d, device=dev), torch.arange(n, device=dev)))
+    return PackedRow(*(torch.cat(x) for x in zip(*parts)))

@@ -1,0 +1,65 @@
+"""Feature sources: what gives the trainer (and validation) its packed rows.
+
+A source maps data rows to a `PackedRow` with `packed_row(doc_indices, docs, draft_ids)`:
+`OnlineFeatures` runs the frozen target over the row's documents (one forward per packed row),
+`OfflineFeatures` (features/offline.py) reads the same rows from verified shards. Training and
+validation read the same source, so a head trained on int8 shards is validated on int8 features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..target.features import FeatureTarget
+from .rows import PackedRow, pack_row
+
+
+class FeatureSource:
+    """Interface of a feature source. `target` supplies the device rows are delivered on."""
+
+    target: FeatureTarget
+
+    def packed_row(self, doc_indices: list[int] | None, docs: list[tuple[list[int], list[int]]],
+                   draft_ids: torch.Tensor) -> PackedRow:
+        """The packed row of these documents. doc_indices: their data row indices (offline sources
+        look their shards up by them); docs: their (input_ids, loss_mask); draft_ids [V_draft]:
+        the target ids of the draft vocabulary (target logits are restricted to them)."""
+        raise NotImplementedError
+
+
+class OnlineFeatures(FeatureSource):
+    """The frozen target run inside the training step: all documents of a packed row in one forward
+    (`FeatureTarget.forward_documents`, block-diagonal attention), no grad."""
+
+    def __init__(self, target: FeatureTarget):
+        self.target = target
+
+    def packed_row(self, doc_indices, docs, draft_ids) -> PackedRow:
+        dev = self.target.model.device
+        ids = [torch.tensor(x, device=dev) for x, _ in docs]
+        outs = self.target.forward_documents(ids, draft_ids=draft_ids)
+        return pack_row([(i, torch.tensor(m, device=dev), o.aux[0], o.logits[0])
+                         for i, (_, m), o in zip(ids, docs, outs)])
+
+
+def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor) -> PackedRow:
+    """Run the frozen target on the documents of one packed row (one forward, no grad) and pack the
+    aligned results (§2). docs: (input_ids, loss_mask) pairs; each document of T tokens gives T-1
+    aligned positions."""
+    return OnlineFeatures(target).packed_row(None, docs, draft_ids)
+
+
+def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> FeatureSource:
+    """From the `features` config group: `OnlineFeatures` for `source=online` (the training step runs
+    the target), an `OfflineFeatures` reader for `source=offline`. Raises ValueError for an unknown
+    source or a missing `features.dir`, FeatureShardError for a directory that fails its checks."""
+    if fcfg.source == "online":
+        return OnlineFeatures(target)
+    if fcfg.source != "offline":
+        raise ValueError(f"features.source={fcfg.source!r} must be online or offline")
+    if not fcfg.dir:
+        raise ValueError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
+    from .offline import OfflineFeatures
+
+    return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
+                           verify=fcfg.verify, log=log)

@@ -24,9 +24,11 @@ from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
-from peagle_train.target.offline import open_features
+from peagle_train.draft.io import save_checkpoint
+from peagle_train.features.sources import open_features
 from peagle_train.training.engines import check_distributed_config
-from peagle_train.training.loop import check_training_config, save_checkpoint, train
+from peagle_train.training.checks import check_training_config
+from peagle_train.training.trainer import train
 
 
 def cpu_threads(threads: int | None) -> int:
@@ -91,7 +93,7 @@ def main(cfg: DictConfig) -> dict:
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
-    features = open_features(cfg.features, target, tok, data.rows, log=log)  # None = online
+    features = open_features(cfg.features, target, tok, data.rows, log=log)  # online target or offline shards
     result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}

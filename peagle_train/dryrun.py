@@ -49,7 +49,9 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     from .data.vocab import DraftVocab
     from .job import build_draft
     from .target.features import FeatureTarget
-    from .training.loop import check_training_config, load_checkpoint, save_checkpoint, train
+    from .draft.io import load_checkpoint, save_checkpoint
+    from .training.checks import check_training_config
+    from .training.trainer import train
 
     family = family_of(cfg.target.name_or_path)
     V = 256

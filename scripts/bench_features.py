@@ -31,9 +31,12 @@ from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.paths import REPO_ROOT, resolve_path
-from peagle_train.target.offline import OfflineFeatures, write_features
+from peagle_train.algorithms.peagle import draft_step
+from peagle_train.features.offline import OfflineFeatures
+from peagle_train.features.rows import pack_documents
+from peagle_train.features.sources import packed_row
+from peagle_train.target.offline import write_features
 from peagle_train.training.cod import cod_sample
-from peagle_train.training.loop import draft_step, pack_documents, packed_row
 
 HEADING = "## Target features (issue 4)"
 
@@ -103,7 +106,7 @@ def main():
         rows.append((f"bytes/token on disk, {name}", f"{s['bytes_per_token']:.0f}",
                      f"features only {feat:.1f} (= {feat / (8 * H):.4f} × bf16's 8H = {8 * H})"))
     rows.append(("generation throughput (bf16 shards)", f"{summaries['bfloat16']['tokens_per_second']:.0f} tok/s",
-                 f"{len(data.rows)} docs, {n_tok} tokens, one document per forward"))
+                 f"{len(data.rows)} docs, {n_tok} tokens, one forward per packed row of documents"))
 
     # 3. step time online vs offline, same rows
     dcfg = OmegaConf.merge(cfg.draft, {"num_depths": 8})

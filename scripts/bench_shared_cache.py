@@ -24,7 +24,7 @@ from peagle_train.benchmarks import write_section
 from peagle_train.decoding import shared
 from peagle_train.decoding.evaluate import MT_BENCH_CATEGORIES, _chat_ids, load_benchmark
 from peagle_train.job import build_target
-from peagle_train.training.loop import load_checkpoint
+from peagle_train.draft.io import load_checkpoint
 
 HEADING = "## Shared-forward cache compaction (scripts/bench_shared_cache.py)"
 

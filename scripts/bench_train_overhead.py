@@ -2,7 +2,7 @@
 
     python scripts/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024]
 
-Runs `training.loop.train` on SmolLM2-135M-Instruct (pkg:smollm2) and ShareGPT with the demo
+Runs `training.trainer.train` on SmolLM2-135M-Instruct (pkg:smollm2) and ShareGPT with the demo
 recipe's head (1 layer, K = 8), timing every target forward (FeatureTarget.__call__), every draft
 forward+backward (`draft_step`) and the optimizer step; "other" = step − those three (row packing,
 EAGLE alignment, COD sampling, metric reduction, logging, checkpoint-free). The first step is a
@@ -32,7 +32,8 @@ from peagle_train.data.prepare import prepare_data  # noqa: E402
 from peagle_train.job import build_draft, build_target  # noqa: E402
 from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
-from peagle_train.training import loop  # noqa: E402
+from peagle_train.algorithms import peagle  # noqa: E402
+from peagle_train.training import trainer  # noqa: E402
 
 HEADING = "## Training-step overhead with online features (issue 6)"
 
@@ -66,15 +67,15 @@ def main():
                              "max_minutes": None})
     t_target, t_draft, t_opt = [], [], []
     FeatureTarget.__call__ = timed(FeatureTarget.__call__, t_target)
-    loop.draft_step = timed(loop.draft_step, t_draft)
+    peagle.draft_step = timed(peagle.draft_step, t_draft)
     torch.optim.AdamW.step = timed(torch.optim.AdamW.step, t_opt)
     marks = []
-    real_metrics = loop.metrics_from_counts
-    loop.metrics_from_counts = lambda c: (marks.append(time.perf_counter()), real_metrics(c))[1]
+    real_metrics = trainer.metrics_from_counts
+    trainer.metrics_from_counts = lambda c: (marks.append(time.perf_counter()), real_metrics(c))[1]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        res = loop.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, tcfg, Path(tmp),
-                         log=lambda *_: None)
+        res = trainer.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, tcfg, Path(tmp),
+                            log=lambda *_: None)
     n = res["steps"]
     # step boundaries: the per-step metrics call; steps 2..n (step 1 is the warm-up)
     step_marks = [t0] + marks[:n]
@@ -91,7 +92,7 @@ def main():
              f"~{args.tokens_per_step} tokens after 1 warm-up, {res['tokens']} tokens in all; "
              f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; load average "
              f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (`uptime`, machine shared by other jobs). "
-             f"{calls_per_step:.1f} target forwards (documents) per step.", "",
+             f"{calls_per_step:.1f} target forwards per step (one per packed row).", "",
              "| part | seconds per step | share of step |", "|---|---|---|"]
     table += [f"| {name} | {t / (n - 1):.3f} | {100 * t / step_total:.1f}% |" for name, t in rows]
     table += [f"| step | {step_total / (n - 1):.3f} | 100% |", "",

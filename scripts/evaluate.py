@@ -20,31 +20,24 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
-from peagle_train.export.speculators import load_export
+from peagle_train.draft.io import load_head as read_head
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
-from peagle_train.training.loop import load_checkpoint
 
 
 def load_head(path: str):
     """A PEagleDraft from a training checkpoint or an export directory; FileNotFoundError otherwise."""
-    return load_head_and_metrics(path)[0]
+    return read_head(path)[0]
 
 
 def load_head_and_metrics(path: str):
     """(head, training metrics or None). Metrics: the checkpoint's `train.last20_metrics`, or the mean
     `cond_acc` of the last 20 records of a train_log.jsonl next to the checkpoint/export."""
     p = Path(path)
-    if (p / "draft_config.json").is_file():
-        draft, meta = load_checkpoint(p)
-        m = (meta.get("train") or {}).get("last20_metrics")
-        if m and m.get("cond_acc"):
-            return draft, {**m, "source": f"{p}/draft_config.json train.last20_metrics"}
-    elif (p / "config.json").is_file():
-        draft = load_export(p)
-    else:
-        raise FileNotFoundError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
-                                "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")
+    draft, meta = read_head(p)
+    m = ((meta or {}).get("train") or {}).get("last20_metrics")
+    if m and m.get("cond_acc"):
+        return draft, {**m, "source": f"{p}/draft_config.json train.last20_metrics"}
     log = p.parent / "train_log.jsonl"
     if log.is_file():
         recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]

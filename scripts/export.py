@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from peagle_train.export.speculators import ExportError, validate_export, write_export
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
-from peagle_train.training.loop import load_checkpoint
+from peagle_train.draft.io import load_checkpoint
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")

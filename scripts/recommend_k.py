@@ -67,16 +67,12 @@ def load_acceptance(path: str) -> dict:
 def load_head(path: str):
     """A draft head from a training checkpoint (draft_config.json) or an export (config.json);
     CostModelError naming the path otherwise."""
-    from peagle_train.export.speculators import load_export
-    from peagle_train.training.loop import load_checkpoint
+    from peagle_train.draft.io import load_head as read_head
 
-    p = Path(path)
-    if (p / "draft_config.json").is_file():
-        return load_checkpoint(p)[0]
-    if (p / "config.json").is_file():
-        return load_export(p)
-    raise CostModelError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
-                         "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")
+    try:
+        return read_head(path)[0]
+    except FileNotFoundError as e:
+        raise CostModelError(str(e)) from e
 
 
 def measure_costs(draft, target, batches, ks, context, repeats, warmup, limit_bytes, log=print):

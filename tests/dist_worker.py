@@ -14,7 +14,8 @@ from tests.conftest import tiny_llama  # noqa: E402
 from tests.test_decoding import make_draft  # noqa: E402
 from tests.test_training import random_row  # noqa: E402
 from peagle_train.training.cod import cod_sample  # noqa: E402
-from peagle_train.training.loop import average_gradients, draft_step, global_loss_norm  # noqa: E402
+from peagle_train.algorithms.peagle import draft_step, global_loss_norm  # noqa: E402
+from peagle_train.training.engines import average_gradients  # noqa: E402
 
 
 def main(out: str):

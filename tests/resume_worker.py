@@ -22,7 +22,7 @@ from peagle_train.data.vocab import DraftVocab  # noqa: E402
 from peagle_train.job import build_draft  # noqa: E402
 from peagle_train.paths import REPO_ROOT  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
-from peagle_train.training.loop import train  # noqa: E402
+from peagle_train.training.trainer import train  # noqa: E402
 
 
 class SlowTarget(FeatureTarget):

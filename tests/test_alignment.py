@@ -3,7 +3,7 @@
 import torch
 
 from peagle_train.target.features import FeatureTarget, align_for_draft, default_aux_layer_ids
-from peagle_train.training.loop import packed_row
+from peagle_train.features.sources import packed_row
 
 
 def test_default_aux_layers():

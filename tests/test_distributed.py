@@ -8,7 +8,7 @@ import torch
 
 from peagle_train.paths import REPO_ROOT
 from peagle_train.training.cod import cod_sample
-from peagle_train.training.loop import draft_step
+from peagle_train.algorithms.peagle import draft_step
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

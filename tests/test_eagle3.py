@@ -5,7 +5,7 @@ import torch
 from peagle_train.decoding.decoder import propose_sequential, speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft
 from peagle_train.target.features import FeatureTarget
-from peagle_train.training.eagle3 import eagle3_forward, eagle3_step, ttt_anchors
+from peagle_train.algorithms.eagle3 import eagle3_forward, eagle3_step, ttt_anchors
 
 from .test_training import random_row
 
@@ -33,7 +33,7 @@ def test_ttt_training_logits_equal_sequential_drafting(target_model):
     t, d = make_eagle3(target_model, K=K)
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     out = t(ids)
-    from peagle_train.training.loop import PackedRow
+    from peagle_train.features.rows import PackedRow
     n = 19
     row = PackedRow(ids[0, 1:], out.aux[0, :-1], out.logits[0, 1:], torch.ones(n, dtype=torch.bool),
                     torch.zeros(n, dtype=torch.long), torch.arange(n))

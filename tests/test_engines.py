@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_train.paths import REPO_ROOT
-from peagle_train.training.loop import load_checkpoint
+from peagle_train.draft.io import load_checkpoint
 
 from .test_resume import losses
 

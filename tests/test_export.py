@@ -96,7 +96,7 @@ def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
     """bf16 export → fp32 reload: the same greedy proposals and acceptance on the tiny target
     (logits agree to bf16 precision, ~1e-2 relative, far below the argmax margins here)."""
     from peagle_train.decoding.decoder import speculative_generate, target_generate
-    from peagle_train.training.loop import load_checkpoint, save_checkpoint
+    from peagle_train.draft.io import load_checkpoint, save_checkpoint
 
     t, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
     ckpt, _ = load_checkpoint(save_checkpoint(d, tmp_path / "ckpt"))
@@ -109,7 +109,7 @@ def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
 
 
 def test_checkpoint_without_mask_hidden_is_refused(tmp_path, target_model):
-    from peagle_train.training.loop import load_checkpoint, save_checkpoint
+    from peagle_train.draft.io import load_checkpoint, save_checkpoint
 
     _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=1)
     ckpt = save_checkpoint(d, tmp_path / "ckpt")

@@ -9,7 +9,7 @@ from peagle_train.decoding.decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig
 from peagle_train.export.speculators import load_export, write_export
 from peagle_train.training.cod import cod_sample
-from peagle_train.training.loop import check_training_config
+from peagle_train.training.checks import check_training_config
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

@@ -14,7 +14,8 @@ from peagle_train.export.speculators import load_export, validate_export, write_
 from peagle_train.job import build_draft
 from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
-from peagle_train.training.loop import load_checkpoint, save_checkpoint, train
+from peagle_train.draft.io import load_checkpoint, save_checkpoint
+from peagle_train.training.trainer import train
 
 
 def tiny_rows(n=12, seed=0):

@@ -13,9 +13,11 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
-from peagle_train.target.offline import (FeatureShardError, convert_features, OfflineFeatures, dequantize_int8, quantize_int8,
+from peagle_train.features.offline import OfflineFeatures
+from peagle_train.features.sources import packed_row
+from peagle_train.target.offline import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
                                          write_features)
-from peagle_train.training.loop import packed_row, train
+from peagle_train.training.trainer import train
 
 from .conftest import tiny_llama
 
@@ -134,7 +136,8 @@ def test_resume_after_interruption_recomputes_only_missing_shards(tmp_path, setu
     monkeypatch.setattr(FeatureTarget, "__call__", lambda self, ids, **kw: forwards.append(ids.shape[1]) or orig(self, ids, **kw))
     s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
     assert (s["shards_written"], s["shards_skipped"]) == (2, 1)
-    assert forwards == [len(data[i]["input_ids"]) for i in range(3, 7)]  # docs 0-2 (shard 0) not recomputed
+    # docs 0-2 (shard 0) not recomputed; one forward per shard's packed documents: shard 1 = docs 3-5, shard 2 = doc 6
+    assert forwards == [sum(len(data[i]["input_ids"]) for i in range(3, 6)), len(data[6]["input_ids"])]
     assert not list((tmp_path / "r").glob("*.tmp*"))
     OfflineFeatures(tmp_path / "r", t, tok, data, **QUIET)  # complete and verified
     shard1 = tmp_path / "r" / "shard-00001.safetensors"

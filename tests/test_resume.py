@@ -19,7 +19,9 @@ from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints
-from peagle_train.training.loop import load_checkpoint, pack_documents, split_validation, train
+from peagle_train.draft.io import load_checkpoint
+from peagle_train.features.rows import pack_documents, split_validation
+from peagle_train.training.trainer import train
 
 from .test_loop import tiny_rows
 

@@ -54,3 +54,12 @@ def pack_row(docs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
         n, dev = tok.numel(), tok.device
         parts.append((tok, feat, tl, valid.bool(), torch.full((n,), d, device=dev), torch.arange(n, device=dev)))
     return PackedRow(*(torch.cat(x) for x in zip(*parts)))
+
+
+def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
+    if not 0 <= n_val < n:
+        raise ValueError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
+    order = list(range(n))
+    random.Random(seed + 7919).shuffle(order)
+    return sorted(order[n_val:]), sorted(order[:n_val])

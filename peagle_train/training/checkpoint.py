@@ -43,6 +43,13 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
 
 
+def data_fingerprint(lengths: list[int]) -> dict:
+    """What a resumed run's data must match: row count and a hash of the row lengths."""
+    import hashlib
+
+    return {"num_rows": len(lengths), "lengths_sha1": hashlib.sha1(json.dumps(lengths).encode()).hexdigest()[:16]}
+
+
 def flat_fingerprint(tcfg, draft_config: dict, data_fingerprint: dict) -> dict:
     """{"training.lr": ..., "draft.hidden_size": ..., "data.num_rows": ...}: what a checkpoint must
     agree with to be resumed (flat dotted keys, JSON values)."""

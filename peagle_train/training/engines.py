@@ -210,3 +210,18 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
         opt.param_groups[0]["params"] = [p for p in draft.parameters() if p.requires_grad]
         return Engine("fsdp", draft, opt, draft, grad_clip)
     raise ValueError(f"make_engine: {kind!r} is not an engine (deepspeed or fsdp)")
+
+
+def average_gradients(model, accelerator) -> None:
+    """Mean of the gradients over processes, in one flat all-reduce (no-op for one process).
+
+    Done by hand rather than by a DDP wrapper because a step runs several forwards per backward
+    (sequence partitioning, EAGLE-3 TTT steps), which DDP's hooks do not follow."""
+    if accelerator.num_processes == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = accelerator.reduce(torch.cat([g.flatten() for g in grads]), "mean")
+    i = 0
+    for g in grads:
+        g.copy_(flat[i:i + g.numel()].view_as(g))
+        i += g.numel()

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .cod import cod_attention_mask
-from .loss import LOSSES, chain_counts
+from ..training.cod import cod_attention_mask
+from ..training.loss import LOSSES, chain_counts
+from .base import Objective
 
 
 def ttt_anchors(valid: torch.Tensor, doc_ids: torch.Tensor, max_anchors: int | None, generator=None) -> torch.Tensor:
@@ -60,7 +61,7 @@ def eagle3_forward(core, row, anchors: torch.Tensor, ttt_steps: int) -> list[tup
 
 
 def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float, loss_name: str):
-    """One EAGLE-3 TTT step over a packed row (training/loop.PackedRow) and its backward.
+    """One EAGLE-3 TTT step over a packed row (features.PackedRow) and its backward.
 
     loss = Σ_j decay^j · (Σ loss of step j's valid elements / their count).
     Returns (loss value, valid count, depth_counts [4, ttt_steps]) like `draft_step`.
@@ -73,3 +74,34 @@ def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float,
     loss.backward()  # local gradients; the loop averages them over processes
     correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
     return loss.item(), int(vv.sum()), chain_counts(correct, aa, dd, vv, ttt_steps).cpu()
+
+
+class Eagle3Objective(Objective):
+    """EAGLE-3 with TTT steps (the sequential baseline): anchors by `ttt_anchors`, the step by
+    `eagle3_step` (num_depths TTT steps, loss weights ttt_decay^j), each micro-row normalised by its
+    own counts and the gradients averaged over the micro-rows. Plain backward passes only."""
+
+    name = "eagle3"
+
+    def check(self, engine_kind: str, validating: bool) -> None:
+        if validating:
+            raise ValueError("training.val_conversations: validation is implemented for algorithm=peagle only. Fix: set 0.")
+        if engine_kind != "ddp":
+            raise ValueError(f"distributed.engine={engine_kind}: algorithm={self.name} runs its TTT steps with plain "
+                             "backward passes. Fix: distributed.engine=ddp for the EAGLE-3 baseline.")
+
+    def sample(self, row, generator: torch.Generator) -> torch.Tensor:
+        return ttt_anchors(row.valid, row.doc_ids, self.tcfg.max_anchors, generator)
+
+    def step(self, model, micro, *, accelerator, amp, backward=None):
+        t = self.tcfg
+        loss_value, counts = 0.0, 0
+        for row, anchors in micro:  # eagle3_step normalises per row: mean over the micro-rows
+            with amp:
+                lv, _, c = eagle3_step(model, row, anchors, t.num_depths, t.ttt_decay, t.loss)
+            loss_value, counts = loss_value + lv / len(micro), counts + c
+        if len(micro) > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(len(micro))
+        return loss_value, counts

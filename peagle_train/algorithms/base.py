@@ -1,0 +1,41 @@
+"""What a training algorithm supplies to the trainer: the `Objective` interface."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Objective:
+    """One training algorithm: how a packed row is sampled, the step over a few rows (forward, loss,
+    backward) with its metric counts, and (where implemented) the validation forward.
+
+    `tcfg`: the training config (training/checks.py `check_training_config` checked it). Counts are
+    the [4, K] float64 tensors of training/loss.py (`depth_counts`, `chain_counts`), summable over
+    rows, steps and processes; `metrics_from_counts` turns them into accuracies and EAL.
+    """
+
+    name = "base"
+
+    def __init__(self, tcfg):
+        self.tcfg = tcfg
+
+    def check(self, engine_kind: str, validating: bool) -> None:
+        """Raise ValueError, naming the setting and the fix, for a distributed engine (ddp |
+        deepspeed | fsdp) or validation that this algorithm does not support."""
+
+    def sample(self, row, generator: torch.Generator):
+        """The elements of `row` (a features.PackedRow) this step trains on, drawn with `generator`
+        (re-seeded per row by the trainer, so a row's sample does not depend on processes)."""
+        raise NotImplementedError
+
+    def step(self, model, micro: list[tuple], *, accelerator, amp, backward=None) -> tuple[float, torch.Tensor]:
+        """Forward, loss and backward over this process's micro-rows [(row, sample), ...] of one
+        optimizer step, under `amp` (an autocast context). Gradients are left in `model`'s
+        parameters (the trainer averages them over processes and steps the optimizer); `backward`
+        is a distributed engine's backward or None (loss.backward()). Returns (this process's share
+        of the step's loss, counts [4, K])."""
+        raise NotImplementedError
+
+    def validate_row(self, model, row, generator: torch.Generator) -> tuple[float, float, torch.Tensor]:
+        """No-grad forward over one held-out row with a fixed sample: (Σ loss, valid count, counts)."""
+        raise NotImplementedError(f"validation is not implemented for algorithm={self.name}")

@@ -1,0 +1,57 @@
+"""Head I/O in one place: training checkpoints (model.safetensors fp32 + draft_config.json) and
+`load_head`, which reads a checkpoint or a speculators export. Scripts import it without the trainer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from .peagle import DraftConfig, make_draft_head
+
+
+def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
+    """Write model.safetensors (fp32) + draft_config.json to out_dir (via a temp dir, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict(), **(extra or {})}, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def load_checkpoint(ckpt_dir: Path):
+    """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32).
+
+    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones."""
+    meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
+    draft = make_draft_head(DraftConfig(**meta["draft"]))
+    missing, unexpected = draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "
+                         f"unexpected {unexpected}. Fix: re-save it with this version of peagle-train.")
+    return draft, meta
+
+
+def load_head(path) -> tuple:
+    """(head, checkpoint metadata or None) from a training checkpoint (draft_config.json: the meta
+    of `save_checkpoint`) or a speculators export directory (config.json: meta None).
+
+    Raises FileNotFoundError naming the path when it is neither; ValueError / ExportError from the
+    readers for a damaged one."""
+    p = Path(path)
+    if (p / "draft_config.json").is_file():
+        return load_checkpoint(p)
+    if (p / "config.json").is_file():
+        from ..export.speculators import load_export
+
+        return load_export(p), None
+    raise FileNotFoundError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
+                            "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")

@@ -1,0 +1,292 @@
+"""The trainer: packed rows from a feature source → the algorithm's objective → an optimizer step
+(Accelerate: one process or many). It knows no algorithm: sampling, the step's forward, loss and
+backward and its metric counts are the `Objective`'s (peagle_train/algorithms/).
+
+    train(accelerator, draft, target, rows, draft_ids, tcfg, out_dir)   # = Trainer(...).fit()
+
+`Trainer.setup` packs the documents into rows, builds the optimizer, schedule, distributed engine
+and resumes; `step` runs one optimizer step over W × grad_accum rows; `validate` the held-out rows
+(read from the same feature source as training); `fit` the loop, checkpoints and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..algorithms import make_objective
+from ..features.rows import pack_documents, split_validation
+from ..features.sources import FeatureSource, OnlineFeatures
+from ..target.features import FeatureTarget
+from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
+                         list_checkpoints, load_training_checkpoint, save_training_checkpoint)
+from .cod import use_flex
+from .engines import average_gradients, make_engine, resolve_engine
+from .loop import autocast_context
+from .loss import metrics_from_counts
+from .schedule import lr_lambda
+from .tracking import make_tracker, step_scalars
+
+
+class Trainer:
+    """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with features from
+    `features` (None = online: the frozen `target` runs in the step).
+
+    tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
+    schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
+    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
+    optional: save_every (steps between resumable checkpoints, null = none), keep_last
+    (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
+    out_dir/checkpoints; without it a folder holding checkpoints is refused), val_conversations
+    (documents held out for validation loss/EAL at each checkpoint, which choose the best one),
+    grad_accum, mixed_precision, tracker, engine, zero_stage. Process r of W takes packed rows
+    r, r+W, ... Writes out_dir/train_log.jsonl (and out_dir/checkpoints/).
+    Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
+    mismatching checkpoint folder, ValueError for settings the objective does not support, OSError
+    when a checkpoint save fails (previous one intact).
+    """
+
+    def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path,
+                 log=print, features: FeatureSource | None = None):
+        self.accelerator, self.draft, self.target, self.rows, self.tcfg = accelerator, draft, target, rows, tcfg
+        self.out_dir, self.log = Path(out_dir), log
+        self.features = features if features is not None else OnlineFeatures(target)
+        self.objective = make_objective(tcfg)
+        self.draft_ids = draft_ids
+
+    # ------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
+        acc, tcfg, log = self.accelerator, self.tcfg, self.log
+        draft = self.draft
+        self.save_every, self.keep_last = tcfg.get("save_every"), tcfg.get("keep_last", 3)
+        n_val = tcfg.get("val_conversations") or 0
+        train_idx, val_idx = split_validation(len(self.rows), n_val, tcfg.seed)
+        all_lengths = [len(x) for x in self.rows["input_ids"]]
+        lengths = [all_lengths[i] for i in train_idx]
+        self.batches = []
+        for ep in range(tcfg.epochs):
+            self.batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)]
+        self.val_batches = [[val_idx[j] for j in b] for b in pack_documents([all_lengths[i] for i in val_idx],
+                                                                             tcfg.tokens_per_step, tcfg.seed)] if n_val else []
+        if self.val_batches:
+            self.objective.check("ddp", validating=True)
+        W, A = acc.num_processes, tcfg.get("grad_accum") or 1
+        self.W, self.r, self.A = W, acc.process_index, A
+        steps = len(self.batches) // (W * A)
+        if tcfg.max_steps:
+            steps = min(steps, tcfg.max_steps)
+        if steps == 0:
+            raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
+                             "Fix: more data.num_conversations.")
+        self.steps = steps
+        self.amp = autocast_context(tcfg.get("mixed_precision") or "no", acc.device)
+        self.fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
+        self.ckpt_root = checkpoints_root(self.out_dir)
+        self.resume_from = check_output_dir(self.ckpt_root, bool(tcfg.get("resume")), self.fingerprint)
+        self.opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
+                                     weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+        # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
+        use_flex(tcfg.attention, acc.device)  # raises now, not at the first backward
+        engine_kind, zero_stage = resolve_engine(acc, tcfg.get("engine") or "ddp", tcfg.get("zero_stage") or 2, log)
+        if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
+                                              "DEEPSPEED", "FSDP"):
+            raise NotImplementedError(f"distributed type {acc.distributed_type.value} is not supported; "
+                                      "launch with accelerate launch --multi_gpu (engines: distributed.engine)")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() != W:
+            raise ValueError(f"Accelerate reports {W} processes but torch.distributed has "
+                             f"{torch.distributed.get_world_size()} (accelerate launch --use_deepspeed on CPU does "
+                             "this). Fix: accelerate launch --multi_gpu --num_processes N train.py "
+                             "distributed.engine=deepspeed distributed.zero_stage=2|3")
+        self.objective.check(engine_kind, validating=bool(self.val_batches))
+        draft = self.draft = draft.to(acc.device)
+        self.gen = torch.Generator()  # re-seeded per packed row: the sample depends on the row, not on W or A
+        self.total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
+        self.window = []
+        self.tokens_seen, self.start_step, self.t0 = 0, 0, time.perf_counter()
+        self.log_path = self.out_dir / "train_log.jsonl"
+        old_log = []
+        st = None
+        if self.resume_from is not None and engine_kind == "ddp":
+            st = load_training_checkpoint(acc, self.resume_from, draft, self.opt, self.sched, self.gen)
+        if W > 1:  # every process starts from rank 0's weights
+            import torch.distributed as dist
+
+            for t in draft.state_dict().values():
+                dist.broadcast(t, 0)
+        self.eng, self.model = None, draft  # model: what the step calls (the engine's wrapper under DeepSpeed)
+        if engine_kind != "ddp":
+            self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, W, A, tcfg.grad_clip)
+            self.model = self.eng.model
+            log(f"distributed engine: {self.eng.name} on {W} process(es)")
+            if self.resume_from is not None:
+                st = load_training_checkpoint(acc, self.resume_from, draft, self.opt, self.sched, self.gen,
+                                              engine=self.eng)
+        else:
+            self.opt = acc.prepare(self.opt)
+        if st is not None:
+            self.start_step, self.tokens_seen = st["step"], st["tokens"]
+            self.total_counts, self.window = st["total_counts"], list(st["window"])
+            if self.log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
+                old_log = [x for x in self.log_path.read_text().splitlines()
+                           if x and json.loads(x)["step"] <= self.start_step]
+            log(f"resuming from {self.resume_from} (step {self.start_step} of {steps})")
+        self.model.train()
+        self.draft_ids = self.draft_ids.to(acc.device)
+        self.logf = None
+        self.tracker = make_tracker(tcfg.get("tracker") or "none", self.out_dir, acc.is_main_process,
+                                    {k: v for k, v in self.fingerprint.items() if isinstance(v, (int, float, str, bool))},
+                                    log)
+        if acc.is_main_process:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.logf = open(self.log_path, "w")
+            self.logf.write("".join(x + "\n" for x in old_log))
+        self.val, self.last_loss = None, None
+
+    def _row(self, doc_indices: list[int]):
+        docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
+        return self.features.packed_row(doc_indices, docs, self.draft_ids), len(docs)
+
+    # ------------------------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        """One optimizer step: this process's grad_accum micro-rows (global row g = (step·A + m)·W + r,
+        so W·A rows per step whatever W is), the objective's step, gradient averaging, clipping and
+        the optimizer. Returns the train_log record of the step."""
+        acc, tcfg, W, A = self.accelerator, self.tcfg, self.W, self.A
+        micro, n_docs, n_tok = [], 0, 0
+        for m in range(A):
+            g = (step * A + m) * W + self.r
+            row, nd = self._row(self.batches[g])
+            self.gen.manual_seed(tcfg.seed * 1_000_003 + g)
+            n_docs, n_tok = n_docs + nd, n_tok + row.tokens.numel()
+            micro.append((row, self.objective.sample(row, self.gen)))
+        loss_value, counts = self.objective.step(self.model, micro, accelerator=acc, amp=self.amp,
+                                                 backward=self.eng.backward if self.eng else None)
+        # the step's loss over all processes (each process's share is already divided by the global count / W)
+        loss_value = self.last_loss = float(acc.reduce(torch.tensor(loss_value, device=acc.device), "mean"))
+        if self.eng:  # the engine reduces, clips and steps
+            self.eng.step()
+        else:
+            average_gradients(self.draft, acc)
+            if tcfg.grad_clip:
+                acc.clip_grad_norm_(self.draft.parameters(), tcfg.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        counts = acc.reduce(counts.to(acc.device), "sum").cpu()
+        ntok = acc.reduce(torch.tensor(float(n_tok + n_docs), device=acc.device), "sum")
+        self.tokens_seen += int(ntok)
+        self.total_counts += counts
+        self.window.append(counts)
+        self.window = self.window[-20:]
+        m = metrics_from_counts(sum(self.window))
+        elapsed = time.perf_counter() - self.t0
+        return {"step": step + 1, "loss": loss_value, "lr": self.sched.get_last_lr()[0], "tokens": self.tokens_seen,
+                "tokens_per_second": self.tokens_seen / elapsed, "eal": m["eal"], "acc": m["acc"],
+                "cond_acc": m["cond_acc"]}
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Validation loss (same objective and normalisation as training) and EAL on the held-out
+        packed rows, read from the training feature source, with a fixed sample per row
+        (seed-stable, so values compare across steps).
+
+        Process r of W takes rows r, r+W, ...; sums are reduced over processes. Under a lockstep
+        engine (ZeRO-3, FSDP: every forward gathers shards collectively) every process runs
+        ceil(rows / W) forwards; one past the end repeats a row and its result is discarded.
+        Returns {"val_loss", "val_eal", "val_acc" [K]}."""
+        acc, model, val_batches = self.accelerator, self.model, self.val_batches
+        was_training = model.training
+        model.eval()
+        W, r = acc.num_processes, acc.process_index
+        loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.tcfg.num_depths, dtype=torch.float64)
+        n_iter = -(-len(val_batches) // W) * W if self.eng is not None else len(val_batches)
+        for i in range(r, n_iter, W):
+            keep = i < len(val_batches)
+            i = i if keep else i % len(val_batches)
+            row, _ = self._row(val_batches[i])
+            gen = torch.Generator().manual_seed(self.tcfg.seed * 1000 + 99991 + i)
+            ls, c, cn = self.objective.validate_row(model, row, gen)
+            if not keep:
+                continue
+            loss_sum, count, counts = loss_sum + ls, count + c, counts + cn
+        sums = acc.reduce(torch.tensor([loss_sum, count], dtype=torch.float64, device=acc.device), "sum").cpu()
+        counts = acc.reduce(counts.to(acc.device), "sum").cpu()
+        model.train(was_training)
+        m = metrics_from_counts(counts)
+        return {"val_loss": float(sums[0] / sums[1].clamp(min=1)), "val_eal": m["eal"], "val_acc": m["acc"]}
+
+    def checkpoint(self, done: int) -> None:
+        """Validate (if rows are held out), save a resumable checkpoint after `done` steps, log."""
+        self.val = self.validate() if self.val_batches else None
+        val = self.val
+        state = {"step": done, "tokens": self.tokens_seen, "total_counts": self.total_counts, "window": self.window}
+        save_training_checkpoint(self.accelerator, self.ckpt_root, done, self.draft, self.opt, self.sched, state,
+                                 self.gen, self.fingerprint, self.keep_last, val["val_eal"] if val else None,
+                                 engine=self.eng)
+        if val and self.logf:
+            self.logf.write(json.dumps({"step": done, **val}) + "\n")
+            self.logf.flush()
+        if val and self.tracker:
+            self.tracker.log(step_scalars(val), step=done)
+        if val:
+            self.log(f"step {done}: validation loss {val['val_loss']:.4f}, EAL {val['val_eal']:.3f}")
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """setup, the steps (with checkpoints every save_every and at the end), the summary: steps,
+        tokens, seconds, tokens_per_second, last20_metrics, all_metrics, validation, final_loss,
+        best_checkpoint, last_checkpoint, engine, draft (the unsharded head)."""
+        self.setup()
+        tcfg, acc, steps = self.tcfg, self.accelerator, self.steps
+        bar = tqdm(range(self.start_step, steps), desc="training", unit="step", disable=not acc.is_main_process,
+                   initial=self.start_step, total=steps)
+        step = self.start_step - 1
+        for step in bar:
+            rec = self.step(step)
+            if self.logf:
+                self.logf.write(json.dumps(rec) + "\n")
+                self.logf.flush()
+            if self.tracker:
+                self.tracker.log(step_scalars(rec), step=step + 1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", EAL=f"{rec['eal']:.2f}",
+                            tok_s=f"{rec['tokens_per_second']:.0f}")
+            if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
+                self.checkpoint(step + 1)
+            if tcfg.max_minutes and time.perf_counter() - self.t0 > 60 * tcfg.max_minutes:
+                self.log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")
+                break
+        if self.save_every and not (self.ckpt_root / f"step_{step + 1:06d}").is_dir():
+            self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
+        if self.logf:
+            self.logf.close()
+        if self.tracker:
+            self.tracker.finish()
+        final = metrics_from_counts(sum(self.window)) if self.window else metrics_from_counts(self.total_counts)
+        ckpts = list_checkpoints(self.ckpt_root)
+        eng = self.eng
+        plain = eng.plain_module(self.draft.config) if eng else self.draft  # unsharded, for evaluation and export
+        if eng:
+            eng.close()
+        t = time.perf_counter() - self.t0
+        best = best_checkpoint(self.ckpt_root)
+        return {"steps": step + 1, "tokens": self.tokens_seen, "seconds": t, "tokens_per_second": self.tokens_seen / t,
+                "last20_metrics": final, "all_metrics": metrics_from_counts(self.total_counts),
+                "validation": self.val, "final_loss": self.last_loss,
+                "best_checkpoint": str(best) if best else None,
+                "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
+                "draft": plain}
+
+
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print,
+          features: FeatureSource | None = None) -> dict:
+    """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
+    `features`: None = online (the step runs the target), or a feature source such as
+    features.offline.OfflineFeatures giving the same rows from shards (validation reads it too)."""
+    return Trainer(accelerator, draft, target, rows, draft_ids, tcfg, out_dir, log=log, features=features).fit()

@@ -2,10 +2,13 @@
 
     python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats
     python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats8 features.storage=int8
+    accelerate launch --multi_gpu --num_processes 2 scripts/generate_hidden_states.py recipe=... features.dir=...
     python train.py recipe=smollm2-135m-demo features.source=offline features.dir=/tmp/feats
 
 Uses conf/config.yaml's target, data and features groups (same recipe = same rows as training).
-Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/target/offline.py). Killed
+Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/target/offline.py): the
+documents of a shard go through the target in forwards of up to training.tokens_per_step tokens.
+With N processes, process r writes shards r, r+N, ...; the shards equal a one-process run's. Killed
 and rerun with the same config, it resumes: finished shards are checked and skipped, only the
 others are computed. A directory made for another target/tokenizer/template/layer set/data is
 refused with the differing fields named.
@@ -18,7 +21,8 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
@@ -34,16 +38,29 @@ def main(cfg: DictConfig) -> dict:
     if not cfg.features.dir:
         raise SystemExit("Give the output directory: features.dir=/path/to/features (kept out of git).")
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, tok = build_target(cfg.target, device)
-    data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
-                        num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
-                        min_supervised_tokens=cfg.data.min_supervised_tokens,
-                        draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
-                        seed=cfg.seed, log=print)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world != acc.num_processes:
+        raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "
+                         "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
+    log = print if acc.is_main_process else (lambda *_: None)
+    target, tok = build_target(cfg.target, acc.device, log=log)
+    with acc.main_process_first():  # one process fills the data cache, the others read it
+        data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
+                            num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
+                            min_supervised_tokens=cfg.data.min_supervised_tokens,
+                            draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
+                            seed=cfg.seed, log=log, mix=OmegaConf.to_container(cfg.data.mix) or None,
+                            num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
+                            chat_template=cfg.data.chat_template,
+                            template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
-                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard)
-    Path(cfg.features.dir, "generation_summary.json").write_text(json.dumps(summary, indent=2))
+                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
+                             tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index, world=world,
+                             barrier=acc.wait_for_everyone, log=log)
+    if acc.is_main_process:
+        Path(cfg.features.dir, "generation_summary.json").write_text(json.dumps(summary, indent=2))
+    acc.wait_for_everyone()
     return summary
 
 

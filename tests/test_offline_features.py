@@ -226,3 +226,45 @@ def test_gemma3_capture_and_offline_logits():
         torch.testing.assert_close(out.aux[..., j * 32:(j + 1) * 32], ref.hidden_states[layer + 1], rtol=0, atol=0)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)  # incl. Gemma's (1 + w) norm, softcap
     torch.testing.assert_close(t.logits_from_final(out.final), ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monkeypatch):
+    """Validation reads the training feature source: an int8 run never runs the target's decoder,
+    and its validation loss/EAL are those of the int8 rows, not of the online features."""
+    from peagle_train.algorithms import make_objective
+    from peagle_train.features.rows import pack_documents, split_validation
+    from peagle_train.features.sources import OnlineFeatures
+
+    t, tok, data, _ = setup
+    write_features(t, tok, data, tmp_path / "i8", storage="int8", int8_scale="token", docs_per_shard=3, **QUIET)
+    reader = OfflineFeatures(tmp_path / "i8", t, tok, data, int8_scale="token", **QUIET)
+    vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False})
+    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
+                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
+    torch.manual_seed(0)
+    draft = build_draft(t, dcfg, vocab, 127)
+
+    def no_decoder(*a, **k):
+        raise AssertionError("the target's decoder ran in an offline run")
+
+    monkeypatch.setattr(FeatureTarget, "forward", no_decoder)
+    res = train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, tcfg, tmp_path / "run", features=reader, **QUIET)
+    monkeypatch.undo()
+    val = res["validation"]
+    _, val_idx = split_validation(len(data), 2, 0)
+    batches = [[val_idx[j] for j in b] for b in pack_documents([len(data[i]["input_ids"]) for i in val_idx], 48, 0)]
+    obj, head = make_objective(tcfg), res["draft"].eval()
+
+    def val_loss(source):
+        sums = [0.0, 0.0]
+        for i, b in enumerate(batches):
+            row = source.packed_row(b, [(data[j]["input_ids"], data[j]["loss_mask"]) for j in b], vocab.draft_ids)
+            ls, c, _ = obj.validate_row(head, row, torch.Generator().manual_seed(0 * 1000 + 99991 + i))
+            sums = [sums[0] + ls, sums[1] + c]
+        return sums[0] / sums[1]
+
+    assert val["val_loss"] == pytest.approx(val_loss(reader), rel=1e-6)
+    assert abs(val_loss(OnlineFeatures(t)) - val["val_loss"]) > 1e-6  # int8 features differ from the target's

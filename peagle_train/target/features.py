@@ -10,7 +10,8 @@ documents on one axis with position ids restarting at 0 per document, and a regi
 function (`document_attention`) runs SDPA causally within each document. Every per-token op
 (embeddings, norms, projections, MLP) sees the same values as in a per-document forward, and each
 document's attention is the very SDPA call of its own forward, so the features equal the
-per-document forward's (bit for bit on CPU for documents of ≥ 2 tokens).
+per-document forward's (bit for bit on CPU for documents of ≥ 4 tokens; BLAS takes another path
+for 1-3 rows, within 1e-6 of it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""The house's import rules: nothing below the trainer imports it (or the old loop path), the
+feature side imports no training code, and the trainer has no algorithm branch."""
+
+import ast
+from pathlib import Path
+
+from peagle_train.paths import REPO_ROOT
+
+PKG = REPO_ROOT / "peagle_train"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of the peagle_train modules a file imports (relative imports resolved)."""
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = parts[:len(parts) - node.level] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names.add(mod)
+            names |= {f"{mod}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("peagle_train")}
+
+
+def test_nothing_below_the_trainer_imports_it():
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel in ("training/trainer.py", "training/loop.py"):
+            continue
+        bad = {m for m in imported_modules(path) if m.startswith(("peagle_train.training.loop",
+                                                                    "peagle_train.training.trainer"))}
+        if rel != "dryrun.py":  # the dry run drives the trainer, like train.py
+            assert not bad, f"{rel} imports {bad}"
+
+
+def test_feature_side_imports_no_training_code():
+    for sub in ("target", "features", "draft"):
+        for path in (PKG / sub).rglob("*.py"):
+            bad = {m for m in imported_modules(path) if m.startswith(("peagle_train.training", "peagle_train.algorithms"))}
+            assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
+def test_trainer_has_no_algorithm_branch():
+    src = (PKG / "training" / "trainer.py").read_text()
+    tree = ast.parse(src)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            names = {getattr(x, "attr", None) for x in [node.left, *node.comparators]}
+            consts = {getattr(x, "value", None) for x in [node.left, *node.comparators]}
+            assert "algorithm" not in names and not consts & {"peagle", "eagle3"}, ast.unparse(node)

@@ -60,8 +60,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 @dataclass
 class TargetOutput:
-    """logits: [B, T, V] (or [B, T, V_draft] when restricted); aux: [B, T, 3H] the aux hidden
-    states concatenated in layer order; final: [B, T, H] the pre-norm last-layer output."""
+    """logits: [B, T, V] (or [B, T, V_draft] when restricted; None from forward_documents(logits=False));
+    aux: [B, T, 3H] the aux hidden states concatenated in layer order; final: [B, T, H] the pre-norm
+    last-layer output."""
 
     logits: torch.Tensor
     aux: torch.Tensor
@@ -129,15 +130,18 @@ class FeatureTarget:
         return cfg._attn_implementation == "sdpa" and full
 
     @torch.no_grad()
-    def forward_documents(self, docs: list[torch.Tensor], draft_ids: torch.Tensor | None = None) -> list[TargetOutput]:
+    def forward_documents(self, docs: list[torch.Tensor], draft_ids: torch.Tensor | None = None,
+                          logits: bool = True) -> list[TargetOutput]:
         """All documents of a packed row through the target in one forward (block-diagonal
         attention, position ids restarting per document); one forward per document where the
         target cannot pack (`packs_documents`).
 
         docs: token ids [T_i] each (on the target's device). Returns one TargetOutput per document
-        ([1, T_i, ...] each), equal to `self(doc[None], draft_ids)`."""
+        ([1, T_i, ...] each), equal to `self(doc[None], draft_ids)`. logits=False: features only
+        (`logits` is None; the head runs on one position, e.g. for offline feature shards)."""
         if len(docs) == 1 or not self.packs_documents:
-            return [self(ids[None], draft_ids=draft_ids) for ids in docs]
+            outs = [self(ids[None], draft_ids=draft_ids, last_only=not logits) for ids in docs]
+            return outs if logits else [TargetOutput(None, o.aux, o.final) for o in outs]
         lengths = [int(ids.numel()) for ids in docs]
         dev = docs[0].device
         pos = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
@@ -145,11 +149,13 @@ class FeatureTarget:
         saved = cfg._attn_implementation
         cfg._attn_implementation = DOCUMENT_ATTENTION  # no mask is built for it; restored below
         try:
-            out = self(torch.cat(docs)[None], draft_ids=draft_ids, position_ids=pos, doc_lengths=lengths)
+            out = self(torch.cat(docs)[None], draft_ids=draft_ids, position_ids=pos, doc_lengths=lengths,
+                       last_only=not logits)
         finally:
             cfg._attn_implementation = saved
-        parts = [x.split(lengths, dim=1) for x in (out.logits, out.aux, out.final)]
-        return [TargetOutput(*p) for p in zip(*parts)]
+        aux, final = out.aux.split(lengths, dim=1), out.final.split(lengths, dim=1)
+        tl = out.logits.split(lengths, dim=1) if logits else [None] * len(docs)
+        return [TargetOutput(*p) for p in zip(tl, aux, final)]
 
     @torch.no_grad()
     def logits_from_final(self, final: torch.Tensor, draft_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -282,7 +282,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
         aux_l, fin_l = [], []
         for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
-            for j, out in zip(group, target.forward_documents([ids_l[j] for j in group])):
+            for j, out in zip(group, target.forward_documents([ids_l[j] for j in group], logits=False)):
                 aux, final = out.aux[0], out.final[0]
                 if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
                     raise FeatureShardError(f"data row {first + j} (shard {shard_name(k)}): the target gave NaN/Inf "

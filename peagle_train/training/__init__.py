@@ -1,1 +1,3 @@
-"""COD sampling, attention masks, losses, metrics and the training loop."""
+"""The trainer (trainer.py: setup, step, validate, fit; no algorithm branch), COD sampling and the
+P-EAGLE mask (cod.py), losses and metrics, config checks, the LR schedule, distributed engines,
+checkpoints and tracking."""

@@ -46,6 +46,37 @@ def cpu_description() -> str:
     return f"{model}; bf16 units: {', '.join(bf16) if bf16 else 'none'}; {os.cpu_count()} cores"
 
 
+def target_forward_rates(threads: int, reps: int = 4) -> tuple[float, float, int]:
+    """SmolLM2-135M target (fp32) on one packed row of 4 documents (420, 260, 180, 150 tokens):
+    tokens/s of one forward per document (before) and of one forward per row (after), medians of
+    `reps` interleaved repetitions. Returns (per document, per row, tokens)."""
+    import statistics
+    import time
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from peagle_train.job import build_target
+
+    torch.set_num_threads(threads)
+    t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu",
+                        log=lambda *_: None)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, t.config.vocab_size, (n,), generator=g) for n in (420, 260, 180, 150)]
+    draft_ids = torch.arange(0, t.config.vocab_size, 6)
+    per_doc, per_row = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for d in docs:
+            t(d[None], draft_ids=draft_ids)
+        per_doc.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        t.forward_documents(docs, draft_ids)
+        per_row.append(time.perf_counter() - t0)
+    n = sum(d.numel() for d in docs)
+    return n / statistics.median(per_doc), n / statistics.median(per_row), n
+
+
 def run(tree: Path, args: list[str], name: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, *args], cwd=tree, env=env,
@@ -81,11 +112,14 @@ def main():
                 extra = [f"features.source={mode}"] + ([f"features.dir={tmp / f'feats-{which}'}"] if mode == "offline" else [])
                 run(tree, ["train.py", *common, *train_args, *extra, f"output_dir={out}"], f"{mode}-{which}")
                 res[which][mode] = json.loads((out / "summary.json").read_text())["training"]["tokens_per_second"]
+    fwd_doc, fwd_row, fwd_n = target_forward_rates(args.threads)
+    res["before"]["forward"], res["after"]["forward"] = fwd_doc, fwd_row
     load1 = os.getloadavg()
     commit = {k: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True,
                                 text=True).stdout.strip() for k, t in trees.items()}
     rows = [("training, online features (tokens/s)", "online"), ("training, offline bf16 features (tokens/s)", "offline"),
-            ("feature generation, bf16 shards (tokens/s)", "generation")]
+            ("feature generation, bf16 shards (tokens/s)", "generation"),
+            ("target forward alone, one packed row: per document → one forward (tokens/s)", "forward")]
     lines = [f"{cpu_description()}; {args.threads} thread(s) per run, fp32, torch CPU. Demo recipe (SmolLM2-135M-Instruct "
              f"target, 1-layer head, K = 8, 1,024-token rows), {args.conversations} ShareGPT conversations, "
              f"{args.steps} training steps (the first included), eval and export off. Before = {commit['before']} "
@@ -95,7 +129,10 @@ def main():
     for label, key in rows:
         b, a = res["before"][key], res["after"][key]
         lines.append(f"| {label} | {b:.0f} | {a:.0f} | {a / b:.2f}× |")
-    lines += ["", f"Run: `python scripts/bench_e2e.py --base {trees['before']} --conversations {args.conversations} "
+    lines += ["", f"The last row runs in this process (the {fwd_n}-token row of 4 documents, medians of 4 interleaved "
+              "repetitions); the others are whole runs of each tree. Feature generation also stopped computing the "
+              "full-vocabulary logits that it never stored.",
+              "", f"Run: `python scripts/bench_e2e.py --base {trees['before']} --conversations {args.conversations} "
               f"--steps {args.steps} --threads {args.threads}`."]
     text = "\n".join(lines)
     print(text)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..target.features import FeatureTarget, align_for_draft
-from .cod import CODElements, cod_mask, cod_sample, use_flex
+from .cod import ATTENTION_SETTINGS, CODElements, attention_kind, cod_mask, cod_sample
 from .eagle3 import eagle3_step, ttt_anchors
 from .loss import LOSSES, chain_counts, depth_counts, metrics_from_counts
 from .tracking import make_tracker, step_scalars
@@ -101,7 +101,8 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     Every element sees what it sees unpartitioned, so the gradients equal the unpartitioned
     step's (chain rule), while attention over the chains never spans more than one part: memory
     grows with the row, not with the row times the COD axis (≈ K×).
-    `attention`: dense | flex | auto (training/cod.py `use_flex`). Gradients are local: with
+    `attention`: dense | sparse | flex | auto (training/cod.py `attention_kind`; sparse builds no
+    M×M mask, training/cod_attention.py). Gradients are local: with
     several processes, average them afterwards (`average_gradients`).
     `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
     (valid count of all processes) / W so that DDP's gradient mean equals one process's step
@@ -117,12 +118,12 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     a_all, d_all = elements.anchors.to(dev), elements.depths.to(dev)
     valid_all = row.valid[a_all + d_all]
     count = loss_norm if loss_norm is not None else max(int(valid_all.sum()), 1)
-    flex = use_flex(attention, dev)
+    kind = attention_kind(attention, dev)
     backward = backward or (lambda x: x.backward())
 
     def run(a, d, q_start=0, cache=None):
         """Forward elements (a, d)[q_start:] given the kept keys/values of (a, d)[:q_start]."""
-        mask = cod_mask(a, d, row.doc_ids, flex, q_start)
+        mask = cod_mask(a, d, row.doc_ids, kind, q_start)
         logits, cache = draft(row.tokens[a[q_start:]][None], row.features[a[q_start:]][None],
                               (row.pos_ids[a] + d)[q_start:][None], mask, cache, is_slot=(d[q_start:] > 0)[None])
         return logits[0], cache
@@ -224,8 +225,8 @@ def check_training_config(tcfg) -> None:
         problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
     if tcfg.schedule not in ("cosine", "linear", "constant"):
         problems.append(f"training.schedule={tcfg.schedule!r} must be cosine, linear or constant")
-    if tcfg.attention not in ("auto", "flex", "dense"):
-        problems.append(f"training.attention={tcfg.attention!r} must be one of auto, flex, dense")
+    if tcfg.attention not in ATTENTION_SETTINGS:
+        problems.append(f"training.attention={tcfg.attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
     if problems:
         raise ValueError("Invalid training config: " + "; ".join(problems))
 
@@ -274,7 +275,7 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
     W, r = accelerator.num_processes, accelerator.process_index
     K = tcfg.num_depths
     loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, K, dtype=torch.float64)
-    flex = use_flex(tcfg.attention, accelerator.device)
+    kind = attention_kind(tcfg.attention, accelerator.device)
     n_iter = -(-len(val_batches) // W) * W if lockstep else len(val_batches)
     for i in range(r, n_iter, W):
         keep = i < len(val_batches)
@@ -287,7 +288,7 @@ def validate(accelerator, draft, target: FeatureTarget, rows, val_batches: list[
         a, d = el.anchors.to(dev), el.depths.to(dev)
         valid = row.valid[a + d]
         logits, _ = draft(row.tokens[a][None], row.features[a][None], (row.pos_ids[a] + d)[None],
-                          cod_mask(a, d, row.doc_ids, flex, 0), None, is_slot=(d > 0)[None])
+                          cod_mask(a, d, row.doc_ids, kind, 0), None, is_slot=(d > 0)[None])
         logits, tl = logits[0], row.target_logits[a + d]
         if not keep:
             continue
@@ -351,7 +352,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
                             weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
-    use_flex(tcfg.attention, accelerator.device)  # raises now, not at the first backward
+    attention_kind(tcfg.attention, accelerator.device)  # raises now, not at the first backward
     from .engines import make_engine, resolve_engine
 
     engine_kind, zero_stage = resolve_engine(accelerator, tcfg.get("engine") or "ddp", tcfg.get("zero_stage") or 2, log)

@@ -25,18 +25,21 @@ from .loss import LOSSES, chain_counts, depth_counts, metrics_from_counts
 from .tracking import make_tracker, step_scalars
 
 
-def autocast_context(mixed_precision: str, device: torch.device):
-    """torch.autocast for `training.mixed_precision` (no | bf16) on `device`; bf16 runs matmuls in
-    bfloat16 on CUDA and on CPU (weights, optimizer and losses stay fp32). Raises ValueError for
-    another value, or bf16 on a CUDA device without bf16 support."""
+def autocast_context(precision, device: torch.device):
+    """torch.autocast for the draft's compute precision on `device`: a `ResolvedPrecision`
+    (peagle_train/precision.py) or a setting (fp32 | bf16 | auto, or the older no | bf16 of
+    `training.mixed_precision`). bf16 runs matmuls and attention in bfloat16 on CUDA and on CPU;
+    weights, optimizer state, the KL loss (training/loss.py casts logits to fp32) and metrics stay
+    fp32. Raises ValueError for another value, or bf16 on a CUDA device without bf16 support."""
     import contextlib
 
-    if mixed_precision == "no":
+    from ..precision import ResolvedPrecision, draft_precision
+
+    if not isinstance(precision, ResolvedPrecision):
+        old = precision in ("no", "bf16")
+        precision = draft_precision(None if old else precision, precision if old else None, device)
+    if not precision.is_bf16:
         return contextlib.nullcontext()
-    if mixed_precision != "bf16":
-        raise ValueError(f"training.mixed_precision={mixed_precision!r} must be no or bf16")
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError("training.mixed_precision=bf16: this GPU has no bf16. Fix: training.mixed_precision=no")
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
@@ -214,8 +217,10 @@ def check_training_config(tcfg) -> None:
             problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
     if (tcfg.get("grad_accum") or 1) < 1:
         problems.append(f"training.grad_accum={tcfg.grad_accum} must be ≥ 1")
-    if (tcfg.get("mixed_precision") or "no") not in ("no", "bf16"):
-        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be no or bf16")
+    if tcfg.get("mixed_precision") not in (None, "no", "bf16"):
+        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be null (follow precision), no or bf16")
+    if (tcfg.get("precision") or "fp32") not in ("auto", "fp32", "bf16"):
+        problems.append(f"precision={tcfg.precision!r} must be one of auto, fp32, bf16")
     if (tcfg.get("tracker") or "none") not in ("none", "tensorboard", "wandb"):
         problems.append(f"training.tracker={tcfg.tracker!r} must be none, tensorboard or wandb")
     for key in ("save_every", "keep_last"):
@@ -344,7 +349,11 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     if steps == 0:
         raise ValueError(f"No training step: {len(batches)} packed rows for {W} processes × grad_accum {A}. "
                          "Fix: more data.num_conversations.")
-    amp = autocast_context(tcfg.get("mixed_precision") or "no", accelerator.device)
+    from ..precision import draft_precision
+
+    # the draft's autocast: `precision` (train.py passes the resolved one), or the older training.mixed_precision
+    draft_prec = draft_precision(tcfg.get("precision"), tcfg.get("mixed_precision"), accelerator.device)
+    amp = autocast_context(draft_prec, accelerator.device)
     fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
     ckpt_root = checkpoints_root(out_dir)
     resume_from = check_output_dir(ckpt_root, bool(tcfg.get("resume")), fingerprint)
@@ -412,8 +421,11 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
 
     def checkpoint(done: int) -> None:
         nonlocal val, saved
-        val = (validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg, lockstep=eng is not None)
-               if val_batches else None)
+        if val_batches:
+            with amp:  # validation computes as training does
+                val = validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg, lockstep=eng is not None)
+        else:
+            val = None
         state = {"step": done, "tokens": tokens_seen, "total_counts": total_counts, "window": window}
         saved = save_training_checkpoint(accelerator, ckpt_root, done, draft, opt, sched, state, gen, fingerprint,
                                          keep_last, val["val_eal"] if val else None, engine=eng)
@@ -510,6 +522,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
             "all_metrics": metrics_from_counts(total_counts), "validation": val, "final_loss": last_loss,
             "best_checkpoint": str(best_checkpoint(ckpt_root)) if best_checkpoint(ckpt_root) else None,
             "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
+            "precision": draft_prec.name,
             "draft": plain}
 
 

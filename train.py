@@ -25,7 +25,8 @@ from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
-from peagle_train.precision import draft_precision, log_precision, precision_record, resolve_precision, target_dtype
+from peagle_train.precision import (draft_precision, log_precision, precision_record, resolve_precision,
+                                    target_weight_dtype)
 from peagle_train.target.offline import open_features
 from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.loop import check_training_config, save_checkpoint, train
@@ -68,18 +69,18 @@ def main(cfg: DictConfig) -> dict:
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
     draft_prec = draft_precision(prec.name, cfg.training.mixed_precision, acc.device)
-    tcfg.precision = draft_prec.name
-    prec_rec = precision_record(prec, acc.device, target_dtype(cfg.target.dtype, prec), draft_prec)
+    tcfg.precision, tcfg.target_precision = draft_prec.name, prec.name
+    prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), draft_prec)
     log_precision(prec)
-    logging.getLogger(__name__).info("bf16 unit: %s; target weights %s, draft autocast %s",
-                                     prec_rec["bf16_unit"], prec_rec["target_dtype"], draft_prec.name)
+    logging.getLogger(__name__).info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
+                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], draft_prec.name)
     write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
                                   "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
-    target, tok = build_target(cfg.target, acc.device, log=log, precision=prec)
+    target, tok = build_target(cfg.target, acc.device, log=log)
     with acc.main_process_first():
         if cfg.data.prepared_dir:  # prepared by scripts/prepare_data.py; refused if made for another target
             data = load_prepared(cfg.data.prepared_dir, tok, target.config.vocab_size,
@@ -118,9 +119,8 @@ def main(cfg: DictConfig) -> dict:
         if cfg.eval.enabled:
             prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
                                       cfg.eval.num_prompts)
-            # a bf16 target feeds bf16 features: the fp32 head reads them under autocast, as in training
-            with torch.autocast(acc.device.type, dtype=torch.bfloat16,
-                                enabled=draft_prec.is_bf16 or target.model.dtype != torch.float32):
+            # bf16 target weights (target.dtype=bfloat16) feed bf16 features: the fp32 head reads them under autocast
+            with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=target.model.dtype != torch.float32):
                 summary["eval"] = evaluate_acceptance(
                     target, draft, tok, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
                     max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,

@@ -24,7 +24,7 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 class TargetConfig:
     path: str = "pkg:smollm2"
     name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    dtype: Optional[str] = None   # null = follow `precision`; float32 | bfloat16 | float16 forces the target's
+    dtype: Optional[str] = None   # target weights: null = float32; compute follows `precision`
     aux_layer_ids: Optional[list[int]] = None
 
 

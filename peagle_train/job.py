@@ -25,11 +25,10 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_target(tcfg, device, log=print, precision=None):
-    """(FeatureTarget, tokenizer) from the `target` config group. Weights in `target.dtype` when set,
-    else in the dtype of `precision` (a ResolvedPrecision; None = float32)."""
-    dtype = dtype_of(tcfg.dtype) if tcfg.get("dtype") else (precision.dtype if precision else torch.float32)
-    model, tok = load_target(tcfg.path, dtype, device, log=log)
+def build_target(tcfg, device, log=print):
+    """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
+    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer)."""
+    model, tok = load_target(tcfg.path, dtype_of(tcfg.get("dtype") or "float32"), device, log=log)
     n = model.config.num_hidden_layers
     return FeatureTarget(model, list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(n)), tok
 

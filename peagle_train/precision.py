@@ -111,14 +111,16 @@ def detected_unit(device: torch.device | str) -> str | None:
     return cpu_bf16_units()
 
 
-def target_dtype(explicit: str | None, resolved: ResolvedPrecision) -> torch.dtype:
-    """The frozen target's weight dtype: `target.dtype` when set (float32 | bfloat16 | float16, the
-    older key, still honoured), else the resolved precision's. Raises ValueError for another name."""
-    if not explicit:
-        return resolved.dtype
+def target_weight_dtype(explicit: str | None) -> torch.dtype:
+    """The frozen target's weight dtype: `target.dtype` when set (float32 | bfloat16 | float16: bf16
+    weights halve a large target's memory), else float32. The target's *compute* follows
+    `precision` (bf16 autocast over its forward in training), so with fp32 weights evaluation and
+    decoding after training still run the exact fp32 target. Raises ValueError for another name."""
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if not explicit:
+        return torch.float32
     if explicit not in names:
-        raise ValueError(f"target.dtype={explicit!r} must be null (follow precision) or one of {sorted(names)}")
+        raise ValueError(f"target.dtype={explicit!r} must be null (float32) or one of {sorted(names)}")
     return names[explicit]
 
 
@@ -133,13 +135,14 @@ def draft_precision(precision: str | None, mixed_precision: str | None, device) 
     return resolve_precision(precision or "fp32", device)
 
 
-def precision_record(resolved: ResolvedPrecision, device, target: torch.dtype | None = None,
+def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.dtype | None = None,
                      draft: ResolvedPrecision | None = None) -> dict:
-    """What run.json records: the choice, its setting and reason, the bf16 unit detected on
-    `device`, and the target's and the draft's compute dtypes."""
+    """What run.json records: the choice (its name is the target forward's compute precision), its
+    setting and reason, the bf16 unit detected on `device`, the target's weight dtype and the
+    draft's autocast precision."""
     rec = {**resolved.as_dict(), "device": torch.device(device).type, "bf16_unit": detected_unit(device)}
-    if target is not None:
-        rec["target_dtype"] = str(target).removeprefix("torch.")
+    if target_weights is not None:
+        rec["target_weights"] = str(target_weights).removeprefix("torch.")
     if draft is not None:
         rec["draft_autocast"] = draft.name
     return rec

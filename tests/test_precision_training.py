@@ -1,5 +1,6 @@
 """How `precision` reaches training: the target's weight dtype, the draft's autocast (with the
-older `target.dtype` / `training.mixed_precision` keys still honoured) and the run.json record."""
+older `target.dtype` / `training.mixed_precision` keys still honoured), the target forward's
+autocast inside the trainer, and the run.json record."""
 
 import pytest
 import torch
@@ -8,13 +9,12 @@ from peagle_train import precision as P
 from peagle_train.training.loop import autocast_context
 
 
-def test_target_dtype_follows_precision_unless_set():
-    bf16, fp32 = P.resolve_precision("bf16", "cpu"), P.resolve_precision("fp32", "cpu")
-    assert P.target_dtype(None, bf16) == torch.bfloat16 and P.target_dtype(None, fp32) == torch.float32
-    assert P.target_dtype("float32", bf16) == torch.float32  # the explicit older key wins
-    assert P.target_dtype("float16", fp32) == torch.float16
+def test_target_weights_stay_float32_unless_set():
+    assert P.target_weight_dtype(None) == torch.float32  # compute follows precision, weights do not
+    assert P.target_weight_dtype("bfloat16") == torch.bfloat16  # the explicit older key wins
+    assert P.target_weight_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="target.dtype='half'"):
-        P.target_dtype("half", fp32)
+        P.target_weight_dtype("half")
 
 
 def test_draft_precision_and_the_older_mixed_precision_key(monkeypatch):
@@ -47,4 +47,4 @@ def test_precision_record_names_the_unit_and_dtypes(monkeypatch):
     r = P.resolve_precision("fp32", "cpu")
     rec = P.precision_record(r, "cpu", torch.float32, P.resolve_precision("fp32", "cpu"))
     assert rec == {"precision": "fp32", "setting": "fp32", "reason": "forced", "device": "cpu",
-                   "bf16_unit": "avx512_bf16", "target_dtype": "float32", "draft_autocast": "fp32"}
+                   "bf16_unit": "avx512_bf16", "target_weights": "float32", "draft_autocast": "fp32"}

@@ -354,6 +354,8 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     # the draft's autocast: `precision` (train.py passes the resolved one), or the older training.mixed_precision
     draft_prec = draft_precision(tcfg.get("precision"), tcfg.get("mixed_precision"), accelerator.device)
     amp = autocast_context(draft_prec, accelerator.device)
+    # the frozen target's forward: bf16 compute under `precision` (train.py passes it; default: the draft's)
+    target_amp = autocast_context(tcfg.get("target_precision") or draft_prec, accelerator.device)
     fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
     ckpt_root = checkpoints_root(out_dir)
     resume_from = check_output_dir(ckpt_root, bool(tcfg.get("resume")), fingerprint)
@@ -422,7 +424,7 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
     def checkpoint(done: int) -> None:
         nonlocal val, saved
         if val_batches:
-            with amp:  # validation computes as training does
+            with target_amp, amp:  # validation computes as training does
                 val = validate(accelerator, model, target, rows, val_batches, draft_ids, tcfg, lockstep=eng is not None)
         else:
             val = None
@@ -443,8 +445,9 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
         for m in range(A):
             g = (step * A + m) * W + r
             docs = [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in batches[g]]
-            row = (packed_row(target, docs, draft_ids) if features is None
-                   else features.packed_row(batches[g], docs, draft_ids))
+            with target_amp:
+                row = (packed_row(target, docs, draft_ids) if features is None
+                       else features.packed_row(batches[g], docs, draft_ids))
             gen.manual_seed(tcfg.seed * 1_000_003 + g)
             n_docs, n_tok = n_docs + len(docs), n_tok + row.tokens.numel()
             if tcfg.algorithm == "eagle3":

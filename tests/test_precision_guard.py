@@ -30,16 +30,16 @@ def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
         draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)  # same fp32 init for both
         tcfg = OmegaConf.merge(cfg.training, {
             "num_depths": 8, "seed": 0, "algorithm": "peagle", "precision": name, "tokens_per_step": 1024,
-            "max_steps": 8, "warmup_steps": 4, "lr": 1e-3, "val_conversations": 12, "save_every": 8})
+            "max_steps": 9, "warmup_steps": 4, "lr": 5e-4, "val_conversations": 12, "save_every": 9})
         res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, tcfg, tmp_path / name,
                     log=lambda *_: None)
-        assert res["precision"] == name and res["steps"] == 8
+        assert res["precision"] == name and res["steps"] == 9
         assert all(p.dtype == torch.float32 for p in res["draft"].parameters())  # master weights stay fp32
         results[name] = res["validation"]
     print(json.dumps(results))
     e32, e16 = results["fp32"]["val_eal"], results["bf16"]["val_eal"]
     assert e32 > 1.04  # the head learned something (an untrained head sits at ≈ 1.0)
     assert abs(e16 - e32) <= 0.01 * e32, (e16, e32)
-    # the KL is measured against each run's own target (bf16 logits differ a little from fp32 ones)
+    # bf16 changes the numbers (target features and logits, draft matmuls), not the result
     assert results["bf16"]["val_loss"] != results["fp32"]["val_loss"]
-    assert results["bf16"]["val_loss"] == pytest.approx(results["fp32"]["val_loss"], rel=0.05)
+    assert results["bf16"]["val_loss"] == pytest.approx(results["fp32"]["val_loss"], rel=0.02)

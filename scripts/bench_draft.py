@@ -18,8 +18,9 @@ Paths:
   speculators  the speculators library's PEagleDraftModel training step (its COD sampling, mask
                and KL), timed in its own venv by scripts/bench_speculators_step.py; skipped with a
                note where that venv is absent (scripts/check_speculators.sh builds one)
-Each configuration runs in its own process, so its peak memory (CUDA: max allocated; CPU: peak RSS
-growth over the process's state before the step) is its own. Timing: median of `repeats` steps
+Each configuration runs in its own process (CPU: forked from the parent, which has imported
+everything and computed nothing; CUDA: a fresh process), so its peak memory (CUDA: max allocated;
+CPU: peak RSS growth over the process's state before the step) is its own. Timing: median of `repeats` steps
 after `warmup` steps (CPU: 1 + 1 at 512 tokens, 1 step at 2048 and beyond; nothing compiles on CPU).
 """
 
@@ -148,22 +149,64 @@ def speculators_python(arg: str | None) -> str | None:
     return None
 
 
-def run_isolated(spec: dict, spec_python: str | None, threads: int) -> dict:
-    """One configuration in its own process (ours, or speculators' in its venv)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if spec["path"] == "speculators":
-        warmup, repeats = schedule(spec["n"], spec["device"])
-        cmd = [spec_python, str(REPO / "scripts" / "bench_speculators_step.py"),
-               json.dumps({**spec, "threads": threads, "warmup": warmup, "repeats": repeats})]
-        env.pop("PYTHONPATH", None)
-    else:
-        cmd = [sys.executable, __file__, "--one", json.dumps(spec), "--threads", str(threads)]
+def forked(fn, *args) -> dict:
+    """fn(*args) in a forked child (imports are shared, so a configuration costs no start-up; its
+    peak memory is its own). Returns fn's dict, or {"error": ...} if the child failed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            out = json.dumps(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = json.dumps({"error": f"failed: {type(e).__name__}: {str(e)[:140]}"})
+        with os.fdopen(w, "w") as f:
+            f.write(out)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        return {"error": f"failed: the process died (status {status}; out of memory?)"}
+    return json.loads(data)
+
+
+def run_ours(spec: dict) -> dict:
+    """One configuration of our step, isolated (forked on CPU; a fresh process on CUDA, where a
+    forked child cannot use the GPU)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {**spec, "error": f"failed: {tail[:160]}", "wall_s": time.perf_counter() - t0}
-    return {**spec, **json.loads(proc.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - t0}
+    if spec["device"] == "cuda":
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            r = {"error": "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:160]}
+        else:
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        r = forked(bench_train, spec["path"], spec["n"], spec["layers"], spec["max_anchors"], spec["device"])
+    return {**spec, **r, "wall_s": time.perf_counter() - t0}
+
+
+def run_speculators(specs: list[dict], spec_python: str, threads: int) -> list[dict]:
+    """The speculators configurations, all in one process of its venv (each forked there)."""
+    specs = [{**s, "threads": threads, "warmup": schedule(s["n"], s["device"])[0],
+              "repeats": schedule(s["n"], s["device"])[1]} for s in specs]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen([spec_python, str(REPO / "scripts" / "bench_speculators_step.py"), json.dumps(specs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = []
+    for line in proc.stdout:
+        if line.startswith("{"):
+            r = json.loads(line)
+            print(json.dumps(r), flush=True)
+            out.append(r)
+    err = proc.stderr.read()
+    proc.wait()
+    done = {(r["n"], r["layers"], r["max_anchors"]) for r in out}
+    tail = (err.strip().splitlines() or ["?"])[-1][:160]
+    out += [{**s, "error": f"failed: {tail}"} for s in specs if (s["n"], s["layers"], s["max_anchors"]) not in done]
+    return [{**r, "path": "speculators"} for r in out]
 
 
 def cpu_model() -> str:
@@ -233,6 +276,7 @@ def main():
     ap.add_argument("--sizes", default=None, help="comma-separated row lengths (default 512,2048,8192)")
     ap.add_argument("--layers", default=None, help="comma-separated layer counts (default 1,2,4)")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of today,new,speculators")
+    ap.add_argument("--anchors", default="all,256", help="comma-separated: all and/or a max_anchors value")
     ap.add_argument("--speculators-python", default=None, help="python of a speculators venv")
     ap.add_argument("--max-dense-elements", type=int, default=None,
                     help="skip dense-mask paths (today on CPU, speculators) above this many elements on the axis "
@@ -248,12 +292,13 @@ def main():
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([512, 2048] if args.quick else [512, 2048, 8192])
     layer_counts = [int(x) for x in args.layers.split(",")] if args.layers else ([1, 4] if args.quick else [1, 2, 4])
     paths = [p for p in args.paths.split(",") if p]
+    anchors = [None if a == "all" else int(a) for a in args.anchors.split(",")]
     spec_python = speculators_python(args.speculators_python)
     max_dense = args.max_dense_elements or (10**9 if args.device == "cuda" else 12_000)
     load_before, t_start = load_average(), time.perf_counter()
-    train = []
+    train, spec_runs = [], []
     for n in sizes:
-        for max_anchors in (None, 256):
+        for max_anchors in anchors:
             el = int(cod_sample(torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long), 8, 0.8, 0.2,
                                 max_anchors, torch.Generator().manual_seed(0)).anchors.numel())
             for layers in layer_counts:
@@ -265,10 +310,15 @@ def main():
                     elif dense and el > max_dense:
                         r = {**spec, "elements": el, "error": f"not run: dense M×M mask over {el} elements "
                                                               f"(> --max-dense-elements={max_dense})"}
+                    elif path == "speculators":
+                        spec_runs.append(spec)
+                        continue
                     else:
-                        r = run_isolated(spec, spec_python, args.threads)
+                        r = run_ours(spec)
                     print(json.dumps(r), flush=True)
                     train.append(r)
+    if spec_runs:
+        train += run_speculators(spec_runs, spec_python, args.threads)
     drafting = [] if args.no_drafting else bench_drafting(args.device)
     minutes = (time.perf_counter() - t_start) / 60
     if args.device == "cuda":

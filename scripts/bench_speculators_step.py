@@ -2,6 +2,7 @@
 speculators venv: `scripts/check_speculators.sh` builds one; `scripts/bench_draft.py` calls this).
 
     .venv-speculators/bin/python scripts/bench_speculators_step.py '{"n": 2048, "layers": 1, "max_anchors": null}'
+    .venv-speculators/bin/python scripts/bench_speculators_step.py '[{"n": 512, "layers": 1}, {"n": 512, "layers": 4}]'
 
 SmolLM2-135M sizes, random weights and features, K = 8, r = 0.8, r_min = 0.2, forward KL
 (speculators' `kl_div`; its fused Triton implementation on CUDA, eager on CPU), fp32; the library's own COD sampling and mask
@@ -87,5 +88,33 @@ def main(spec: dict) -> dict:
             "tokens_per_s": n / t, "peak_mb": peak, "attn_impl": impl}
 
 
+def forked(spec: dict) -> dict:
+    """main(spec) in a forked child (its peak memory is its own, imports are shared)."""
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            out = json.dumps(main(spec))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = json.dumps({**spec, "error": f"failed: {type(e).__name__}: {str(e)[:140]}"})
+        with os.fdopen(w, "w") as f:
+            f.write(out)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data) if data else {**spec, "error": "failed: the process died (out of memory?)"}
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    arg = json.loads(sys.argv[1])  # one spec, or a list of specs (each forked on CPU)
+    if isinstance(arg, dict):
+        print(json.dumps(main(arg)), flush=True)
+    else:
+        torch.set_num_threads(arg[0].get("threads", 1) if arg else 1)
+        for spec in arg:
+            print(json.dumps(forked(spec) if spec.get("device", "cpu") == "cpu" else main(spec)), flush=True)

@@ -35,11 +35,13 @@ def dense_reference(q, k, v, mask):
 
 @pytest.mark.parametrize("q_start_kind", ["all", "slots"])
 @pytest.mark.parametrize("block,spread", [(128, 256), (4, 3)])
-def test_kernel_outputs_and_gradients_equal_dense(q_start_kind, block, spread):
+@pytest.mark.parametrize("keep_factor", [8.0, 0.0])  # keep the gathered keys, or recompute (checkpoint)
+def test_kernel_outputs_and_gradients_equal_dense(q_start_kind, block, spread, keep_factor):
     a, d, doc_ids = two_doc_row()
     n, M = doc_ids.numel(), a.numel()
     q_start = 0 if q_start_kind == "all" else n
-    plan = CODSparseMask(a, d, doc_ids, q_start, block=block, max_spread=spread)
+    plan = CODSparseMask(a, d, doc_ids, q_start, block=block, max_spread=spread, keep_factor=keep_factor)
+    assert plan.recompute == (keep_factor == 0.0)
     if block == 4:
         assert len(plan.blocks) > 10  # many blocks, some cut by the spread, none across documents
     assert all(int(doc_ids[qa[0]]) == int(doc_ids[qa[-1]]) for *_, qa, qd, ka, kd in plan.blocks)

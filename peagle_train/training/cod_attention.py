@@ -14,9 +14,11 @@ of depth-0 keys, doc_start..hi, and the slot keys anchored in [lo, hi]; one SDPA
 small boolean mask over that key set (prefix ≤ a, own chain ≤ d) gives the exact softmax over
 the union of the two key sets, which is what merging two partial attentions through their
 log-sum-exp gives (flash attention's trick), without needing the kernel's private LSE output.
-Each block runs under activation checkpointing, so the block's gathered keys and mask live only
-while the block is computed: memory grows with the row (O(M)), not with the pairs, and compute
-with the visible pairs (plus at most `block` × anchor spread per block).
+Autograd keeps each block's gathered keys/values for the backward while all blocks together hold
+at most `keep_factor` × M keys (short rows: ≈ 2-7× M); beyond that (long rows, where the prefixes
+grow with the row) the blocks run under activation checkpointing, so a block's gathered keys and
+mask live only while it is computed and memory grows with the row (O(M)), not with the pairs.
+Compute follows the visible pairs (plus at most `block` × anchor spread per block).
 
 `CODSparseMask` is what `cod_mask(..., kind="sparse")` returns; the draft's attention calls its
 `attend(q, k, v)` where it would otherwise apply a dense mask (draft/peagle.py DraftAttention).
@@ -55,7 +57,7 @@ class CODSparseMask:
     """
 
     def __init__(self, anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0,
-                 block: int = 128, max_spread: int = 256):
+                 block: int = 128, max_spread: int = 256, keep_factor: float = 8.0):
         dev = anchors.device
         M, n = anchors.numel(), doc_ids.numel()
         a, d = anchors.long(), depths.long()
@@ -100,6 +102,8 @@ class CODSparseMask:
             chain = k_order[c0:c1]
             self.blocks.append((i, j, int(doc_start[lo]), hi + 1, chain, qa[i:j], qd[i:j], a[chain], d[chain]))
             i = j
+        gathered = sum(ce - cs + chain.numel() for _, _, cs, ce, chain, *_ in self.blocks)
+        self.recompute = gathered > keep_factor * M  # checkpoint the blocks (see the module docstring)
         # sorted position of each slot query row (to put block outputs back in query order)
         self.inverse = torch.empty_like(self.q_rows)
         self.inverse[self.q_rows - (n if q_start == 0 else 0)] = torch.arange(Ns, device=dev)
@@ -127,7 +131,7 @@ class CODSparseMask:
             outs = []
             for i, j, cs, ce, chain, qa, qd, ka, kd in self.blocks:
                 args = (qs[:, :, i:j], k, v, cs, ce, chain, qa, qd, ka, kd)
-                if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                if self.recompute and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                     outs.append(checkpoint(_block_attention, *args, use_reentrant=False))
                 else:
                     outs.append(_block_attention(*args))

@@ -9,6 +9,7 @@ eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -21,13 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+from peagle_train.draft.io import save_checkpoint
 from peagle_train.export.speculators import write_export
+from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
-from peagle_train.draft.io import save_checkpoint
-from peagle_train.features.sources import open_features
-from peagle_train.training.engines import check_distributed_config
+from peagle_train.precision import (draft_precision, log_precision, precision_record, resolve_precision,
+                                    target_weight_dtype)
 from peagle_train.training.checks import check_training_config
+from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.trainer import train
 
 
@@ -65,7 +68,16 @@ def main(cfg: DictConfig) -> dict:
     acc = Accelerator(cpu=not torch.cuda.is_available())
     log = acc.print
     out = run_dir(cfg)
-    write_json(out / "run.json", {**run_metadata(), "config": OmegaConf.to_container(cfg, resolve=True)})
+    # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
+    prec = resolve_precision(cfg.precision, acc.device)
+    draft_prec = draft_precision(prec.name, cfg.training.mixed_precision, acc.device)
+    tcfg.precision, tcfg.target_precision = draft_prec.name, prec.name
+    prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), draft_prec)
+    log_precision(prec)
+    logging.getLogger(__name__).info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
+                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], draft_prec.name)
+    write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
+                                  "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
@@ -109,11 +121,13 @@ def main(cfg: DictConfig) -> dict:
         if cfg.eval.enabled:
             prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
                                       cfg.eval.num_prompts)
-            summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
-                                                  num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
-                                                  batch_size=cfg.eval.batch_size,
-                                                  train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            # bf16 target weights (target.dtype=bfloat16) feed bf16 features: the fp32 head reads them under autocast
+            with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=target.model.dtype != torch.float32):
+                summary["eval"] = evaluate_acceptance(
+                    target, draft, tok, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                    max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
+                    batch_size=cfg.eval.batch_size,
+                    train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,

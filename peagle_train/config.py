@@ -24,7 +24,7 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 class TargetConfig:
     path: str = "pkg:smollm2"
     name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    dtype: str = "float32"
+    dtype: Optional[str] = None   # target weights: null = float32; compute follows `precision`
     aux_layer_ids: Optional[list[int]] = None
 
 
@@ -90,7 +90,7 @@ class TrainingConfig:
     resume: bool = False
     val_conversations: int = 0
     grad_accum: int = 1
-    mixed_precision: str = "no"
+    mixed_precision: Optional[str] = None   # null = follow `precision`; no | bf16 forces the draft's autocast
     tracker: str = "none"
 
 

@@ -26,8 +26,9 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def build_target(tcfg, device, log=print):
-    """(FeatureTarget, tokenizer) from the `target` config group."""
-    model, tok = load_target(tcfg.path, dtype_of(tcfg.dtype), device, log=log)
+    """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
+    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer)."""
+    model, tok = load_target(tcfg.path, dtype_of(tcfg.get("dtype") or "float32"), device, log=log)
     n = model.config.num_hidden_layers
     return FeatureTarget(model, list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(n)), tok
 

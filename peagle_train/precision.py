@@ -101,3 +101,48 @@ def resolve_precision(setting: str | Precision, device: torch.device | str) -> R
 def log_precision(resolved: ResolvedPrecision) -> None:
     """Log the choice once, e.g. "precision: bf16 (auto: avx512_bf16)"."""
     log.info("precision: %s (%s: %s)", resolved.name, resolved.setting, resolved.reason)
+
+
+def detected_unit(device: torch.device | str) -> str | None:
+    """The bf16 unit found on `device` whatever the setting: "cuda bf16", "amx", "avx512_bf16" or None."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "cuda bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+    return cpu_bf16_units()
+
+
+def target_weight_dtype(explicit: str | None) -> torch.dtype:
+    """The frozen target's weight dtype: `target.dtype` when set (float32 | bfloat16 | float16: bf16
+    weights halve a large target's memory), else float32. The target's *compute* follows
+    `precision` (bf16 autocast over its forward in training), so with fp32 weights evaluation and
+    decoding after training still run the exact fp32 target. Raises ValueError for another name."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if not explicit:
+        return torch.float32
+    if explicit not in names:
+        raise ValueError(f"target.dtype={explicit!r} must be null (float32) or one of {sorted(names)}")
+    return names[explicit]
+
+
+def draft_precision(precision: str | None, mixed_precision: str | None, device) -> ResolvedPrecision:
+    """The draft's autocast precision in training: `training.mixed_precision` when set (no | bf16,
+    the older key, still honoured: no = fp32), else `precision` (auto | fp32 | bf16; None = fp32).
+    Raises ValueError for values outside these."""
+    if mixed_precision:
+        if mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"training.mixed_precision={mixed_precision!r} must be null (follow precision), no or bf16")
+        return resolve_precision("fp32" if mixed_precision == "no" else "bf16", device)
+    return resolve_precision(precision or "fp32", device)
+
+
+def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.dtype | None = None,
+                     draft: ResolvedPrecision | None = None) -> dict:
+    """What run.json records: the choice (its name is the target forward's compute precision), its
+    setting and reason, the bf16 unit detected on `device`, the target's weight dtype and the
+    draft's autocast precision."""
+    rec = {**resolved.as_dict(), "device": torch.device(device).type, "bf16_unit": detected_unit(device)}
+    if target_weights is not None:
+        rec["target_weights"] = str(target_weights).removeprefix("torch.")
+    if draft is not None:
+        rec["draft_autocast"] = draft.name
+    return rec

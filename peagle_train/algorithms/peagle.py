@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..features.rows import PackedRow
-from ..training.cod import CODElements, cod_mask, cod_sample, use_flex
+from ..training.cod import CODElements, attention_kind, cod_mask, cod_sample
 from ..training.loss import LOSSES, chain_counts, depth_counts
 from .base import Objective
 
@@ -27,7 +27,8 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     Every element sees what it sees unpartitioned, so the gradients equal the unpartitioned
     step's (chain rule), while attention over the chains never spans more than one part: memory
     grows with the row, not with the row times the COD axis (≈ K×).
-    `attention`: dense | flex | auto (training/cod.py `use_flex`). Gradients are local: with
+    `attention`: dense | sparse | flex | auto (training/cod.py `attention_kind`; sparse builds no
+    M×M mask, training/cod_attention.py). Gradients are local: with
     several processes, average them afterwards (`average_gradients`).
     `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
     (valid count of all processes) / W so that DDP's gradient mean equals one process's step
@@ -43,12 +44,12 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     a_all, d_all = elements.anchors.to(dev), elements.depths.to(dev)
     valid_all = row.valid[a_all + d_all]
     count = loss_norm if loss_norm is not None else max(int(valid_all.sum()), 1)
-    flex = use_flex(attention, dev)
+    kind = attention_kind(attention, dev)
     backward = backward or (lambda x: x.backward())
 
     def run(a, d, q_start=0, cache=None):
         """Forward elements (a, d)[q_start:] given the kept keys/values of (a, d)[:q_start]."""
-        mask = cod_mask(a, d, row.doc_ids, flex, q_start)
+        mask = cod_mask(a, d, row.doc_ids, kind, q_start)
         logits, cache = draft(row.tokens[a[q_start:]][None], row.features[a[q_start:]][None],
                               (row.pos_ids[a] + d)[q_start:][None], mask, cache, is_slot=(d[q_start:] > 0)[None])
         return logits[0], cache
@@ -135,12 +136,12 @@ class PEagleObjective(Objective):
         t = self.tcfg
         K = t.num_depths
         dev = row.tokens.device
-        flex = use_flex(t.attention, dev)
+        kind = attention_kind(t.attention, dev)
         el = self.sample(row, generator)
         a, d = el.anchors.to(dev), el.depths.to(dev)
         valid = row.valid[a + d]
         logits, _ = model(row.tokens[a][None], row.features[a][None], (row.pos_ids[a] + d)[None],
-                          cod_mask(a, d, row.doc_ids, flex, 0), None, is_slot=(d > 0)[None])
+                          cod_mask(a, d, row.doc_ids, kind, 0), None, is_slot=(d > 0)[None])
         logits, tl = logits[0], row.target_logits[a + d]
         return (float(LOSSES[t.loss](logits, tl, valid)), float(valid.sum()),
                 depth_counts(logits, tl, a, d, valid, K).cpu())

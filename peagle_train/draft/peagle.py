@@ -151,7 +151,8 @@ class DraftAttention(nn.Module):
     """GQA self-attention with an explicit mask and an optional KV cache.
 
     x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
-    S = cached + N, or a FlexAttention BlockMask over [N, S]. Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
+    S = cached + N, a FlexAttention BlockMask over [N, S], or an object whose `attend(q, k, v)`
+    computes the masked attention itself (the sparse COD plan, training/cod_attention.py). Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
     """
 
     def __init__(self, cfg: DraftConfig, in_size: int):
@@ -179,6 +180,8 @@ class DraftAttention(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        elif hasattr(mask, "attend"):  # a sparse plan (training/cod_attention.py CODSparseMask)
+            out = mask.attend(q, k, v)
         else:
             rep = self.h // self.kvh
             out = F.scaled_dot_product_attention(

@@ -4,6 +4,7 @@ model is loaded."""
 from __future__ import annotations
 
 from ..algorithms import OBJECTIVES
+from .cod import ATTENTION_SETTINGS
 from .loss import LOSSES
 
 
@@ -27,8 +28,10 @@ def check_training_config(tcfg) -> None:
             problems.append(f"training.{key}={tcfg[key]} must be ≥ 1")
     if (tcfg.get("grad_accum") or 1) < 1:
         problems.append(f"training.grad_accum={tcfg.grad_accum} must be ≥ 1")
-    if (tcfg.get("mixed_precision") or "no") not in ("no", "bf16"):
-        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be no or bf16")
+    if tcfg.get("mixed_precision") not in (None, "no", "bf16"):
+        problems.append(f"training.mixed_precision={tcfg.mixed_precision!r} must be null (follow precision), no or bf16")
+    if (tcfg.get("precision") or "fp32") not in ("auto", "fp32", "bf16"):
+        problems.append(f"precision={tcfg.precision!r} must be one of auto, fp32, bf16")
     if (tcfg.get("tracker") or "none") not in ("none", "tensorboard", "wandb"):
         problems.append(f"training.tracker={tcfg.tracker!r} must be none, tensorboard or wandb")
     for key in ("save_every", "keep_last"):
@@ -38,7 +41,7 @@ def check_training_config(tcfg) -> None:
         problems.append(f"training.max_anchors={tcfg.max_anchors} must be ≥ 1 or null")
     if tcfg.schedule not in ("cosine", "linear", "constant"):
         problems.append(f"training.schedule={tcfg.schedule!r} must be cosine, linear or constant")
-    if tcfg.attention not in ("auto", "flex", "dense"):
-        problems.append(f"training.attention={tcfg.attention!r} must be one of auto, flex, dense")
+    if tcfg.attention not in ATTENTION_SETTINGS:
+        problems.append(f"training.attention={tcfg.attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
     if problems:
         raise ValueError("Invalid training config: " + "; ".join(problems))

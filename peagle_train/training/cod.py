@@ -103,22 +103,46 @@ def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.T
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device)
 
 
-def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, flex: bool, q_start: int = 0):
-    """Queries = elements[q_start:], keys = all elements: a dense [1, Mq, M] bool mask or a BlockMask."""
-    if flex:
+def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, kind: str | bool = "dense",
+             q_start: int = 0):
+    """The COD mask for queries = elements[q_start:], keys = all elements, of the given `kind`
+    (`attention_kind`): "dense" a [1, Mq, M] bool mask, "flex" a FlexAttention BlockMask,
+    "sparse" a `CODSparseMask` (training/cod_attention.py: no M×M tensor, SDPA per document and per
+    block of slots). A bool `kind` is read as flex (True) or dense (False)."""
+    kind = {True: "flex", False: "dense"}.get(kind, kind) if isinstance(kind, bool) else kind
+    if kind == "flex":
         return cod_block_mask(anchors, depths, doc_ids, q_start)
+    if kind == "sparse":
+        from .cod_attention import cod_sparse_mask
+
+        return cod_sparse_mask(anchors, depths, doc_ids, q_start)
+    if kind != "dense":
+        raise ValueError(f"COD mask kind {kind!r} must be dense, flex or sparse")
     docs = doc_ids[anchors]
     q = slice(q_start, None)
     return _cod_rule(anchors[q, None], depths[q, None], docs[q, None], anchors[None], depths[None], docs[None])[None]
 
 
-def use_flex(attention: str, device: torch.device) -> bool:
-    """Whether to use FlexAttention: `flex` always, `dense` never, `auto` on CUDA devices.
+ATTENTION_SETTINGS = ("auto", "flex", "sparse", "dense")
+
+
+def attention_kind(attention: str, device: torch.device) -> str:
+    """The mask kind for `training.attention` on `device`: `flex`, `sparse` and `dense` as named;
+    `auto` = flex on CUDA (FlexAttention's fused kernel skips empty blocks), sparse on CPU (SDPA
+    per document and per block of slots, training/cod_attention.py), dense elsewhere.
 
     Raises ValueError for any other setting, and for `flex` on a CPU device (FlexAttention has
     no backward on CPU)."""
-    if attention not in ("auto", "flex", "dense"):
-        raise ValueError(f"training.attention={attention!r} must be one of auto, flex, dense")
-    if attention == "flex" and torch.device(device).type == "cpu":
-        raise ValueError("training.attention=flex: FlexAttention has no backward on CPU; use auto or dense here")
-    return attention == "flex" or (attention == "auto" and torch.device(device).type == "cuda")
+    if attention not in ATTENTION_SETTINGS:
+        raise ValueError(f"training.attention={attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
+    kind = torch.device(device).type
+    if attention == "flex" and kind == "cpu":
+        raise ValueError("training.attention=flex: FlexAttention has no backward on CPU; use auto, sparse or dense here")
+    if attention != "auto":
+        return attention
+    return {"cuda": "flex", "cpu": "sparse"}.get(kind, "dense")
+
+
+def use_flex(attention: str, device: torch.device) -> bool:
+    """Whether `attention_kind(attention, device)` is FlexAttention (raises as it does)."""
+    return attention_kind(attention, device) == "flex"

@@ -29,16 +29,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def autocast_context(mixed_precision: str, device: torch.device):
-    """torch.autocast for `training.mixed_precision` (no | bf16) on `device`; bf16 runs matmuls in
-    bfloat16 on CUDA and on CPU (weights, optimizer and losses stay fp32). Raises ValueError for
-    another value, or bf16 on a CUDA device without bf16 support."""
+def autocast_context(precision, device: torch.device):
+    """torch.autocast for the draft's compute precision on `device`: a `ResolvedPrecision`
+    (peagle_train/precision.py) or a setting (fp32 | bf16 | auto, or the older no | bf16 of
+    `training.mixed_precision`). bf16 runs matmuls and attention in bfloat16 on CUDA and on CPU;
+    weights, optimizer state, the KL loss (training/loss.py casts logits to fp32) and metrics stay
+    fp32. Raises ValueError for another value, or bf16 on a CUDA device without bf16 support."""
     import contextlib
 
-    if mixed_precision == "no":
+    from ..precision import ResolvedPrecision, draft_precision
+
+    if not isinstance(precision, ResolvedPrecision):
+        old = precision in ("no", "bf16")
+        precision = draft_precision(None if old else precision, precision if old else None, device)
+    if not precision.is_bf16:
         return contextlib.nullcontext()
-    if mixed_precision != "bf16":
-        raise ValueError(f"training.mixed_precision={mixed_precision!r} must be no or bf16")
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError("training.mixed_precision=bf16: this GPU has no bf16. Fix: training.mixed_precision=no")
     return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -6,15 +6,46 @@ import torch
 import torch.nn.functional as F
 
 
+class _ChunkedKL(torch.autograd.Function):
+    """Σ_valid KL(softmax(t) ‖ softmax(x)) and its gradient, row chunk by row chunk in fp32.
+
+    The gradient w.r.t. x is softmax(x) - softmax(t) on valid rows (0 elsewhere); it is computed
+    in the forward, one chunk at a time, so the [M, V] fp32 temporaries of the plain expression
+    (log-softmaxes, their difference, the product) never exist whole, and the stored gradient has
+    x's dtype (bf16 logits under autocast keep a bf16 gradient, as autograd would give them)."""
+
+    @staticmethod
+    def forward(ctx, x, t, valid, chunk: int):
+        grad = torch.empty_like(x)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for r0 in range(0, x.shape[0], chunk):
+            xs, ts, m = x[r0:r0 + chunk].float(), t[r0:r0 + chunk].float(), valid[r0:r0 + chunk]
+            logq = F.log_softmax(xs, dim=-1)
+            logp = F.log_softmax(ts, dim=-1)
+            p = logp.exp()
+            total += ((p * (logp - logq)).sum(-1) * m).sum(dtype=torch.float64)
+            grad[r0:r0 + chunk] = (logq.exp_().sub_(p)).mul_(m[:, None])
+        ctx.save_for_backward(grad)
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad * g.to(grad.dtype), None, None, None
+
+
 def kl_loss_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Σ over valid elements of KL(p_target ‖ q_draft), in fp32 over the draft vocabulary.
 
-    draft_logits, target_logits: [M, V_draft]; valid: [M] bool. Returns a scalar (a sum: divide by
-    the count of valid elements of all depths for the mean).
+    draft_logits, target_logits: [M, V_draft] (any float dtype: both are cast to fp32, chunk by
+    chunk); valid: [M] bool. Returns an fp32 scalar (a sum: divide by the count of valid elements
+    of all depths for the mean). Differentiable in draft_logits (target logits are constants).
     """
-    logq = F.log_softmax(draft_logits[valid].float(), dim=-1)
-    logp = F.log_softmax(target_logits[valid].float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum()
+    if target_logits.requires_grad:  # never in training (the target is frozen): the plain expression
+        logq = F.log_softmax(draft_logits[valid].float(), dim=-1)
+        logp = F.log_softmax(target_logits[valid].float(), dim=-1)
+        return (logp.exp() * (logp - logq)).sum()
+    return _ChunkedKL.apply(draft_logits, target_logits.detach(), valid.to(torch.float32), 32)
 
 
 def ce_loss_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

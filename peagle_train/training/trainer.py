@@ -21,10 +21,11 @@ from tqdm.auto import tqdm
 from ..algorithms import make_objective
 from ..features.rows import pack_documents, split_validation
 from ..features.sources import FeatureSource, OnlineFeatures
+from ..precision import draft_precision
 from ..target.features import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
-from .cod import use_flex
+from .cod import attention_kind
 from .engines import average_gradients, make_engine, resolve_engine
 from .loop import autocast_context
 from .loss import metrics_from_counts
@@ -84,7 +85,11 @@ class Trainer:
             raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
                              "Fix: more data.num_conversations.")
         self.steps = steps
-        self.amp = autocast_context(tcfg.get("mixed_precision") or "no", acc.device)
+        # the draft's autocast: `precision` (train.py passes the resolved one), or the older training.mixed_precision
+        self.draft_prec = draft_precision(tcfg.get("precision"), tcfg.get("mixed_precision"), acc.device)
+        self.amp = autocast_context(self.draft_prec, acc.device)
+        # the frozen target's forward: bf16 compute under `precision` (train.py passes it; default: the draft's)
+        self.target_amp = autocast_context(tcfg.get("target_precision") or self.draft_prec, acc.device)
         self.fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
         self.ckpt_root = checkpoints_root(self.out_dir)
         self.resume_from = check_output_dir(self.ckpt_root, bool(tcfg.get("resume")), self.fingerprint)
@@ -92,7 +97,7 @@ class Trainer:
                                      weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
-        use_flex(tcfg.attention, acc.device)  # raises now, not at the first backward
+        attention_kind(tcfg.attention, acc.device)  # raises now, not at the first backward
         engine_kind, zero_stage = resolve_engine(acc, tcfg.get("engine") or "ddp", tcfg.get("zero_stage") or 2, log)
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
@@ -150,7 +155,8 @@ class Trainer:
 
     def _row(self, doc_indices: list[int]):
         docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
-        return self.features.packed_row(doc_indices, docs, self.draft_ids), len(docs)
+        with self.target_amp:
+            return self.features.packed_row(doc_indices, docs, self.draft_ids), len(docs)
 
     # ------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -212,7 +218,8 @@ class Trainer:
             i = i if keep else i % len(val_batches)
             row, _ = self._row(val_batches[i])
             gen = torch.Generator().manual_seed(self.tcfg.seed * 1000 + 99991 + i)
-            ls, c, cn = self.objective.validate_row(model, row, gen)
+            with self.amp:  # validation computes as training does (the target's rows under target_amp, in _row)
+                ls, c, cn = self.objective.validate_row(model, row, gen)
             if not keep:
                 continue
             loss_sum, count, counts = loss_sum + ls, count + c, counts + cn
@@ -281,7 +288,7 @@ class Trainer:
                 "validation": self.val, "final_loss": self.last_loss,
                 "best_checkpoint": str(best) if best else None,
                 "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
-                "draft": plain}
+                "precision": self.draft_prec.name, "draft": plain}
 
 
 def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print,

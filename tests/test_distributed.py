@@ -12,6 +12,7 @@ from peagle_train.algorithms.peagle import draft_step
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft
+from .test_engines import _free_port  # other sessions on this machine may hold the default port
 from .test_training import random_row
 
 
@@ -20,7 +21,7 @@ def test_two_processes_match_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           str(REPO_ROOT / "tests" / "dist_worker.py"), str(out)],
+                           "--main_process_port", _free_port(), str(REPO_ROOT / "tests" / "dist_worker.py"), str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out)

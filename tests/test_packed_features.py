@@ -14,6 +14,7 @@ from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget, align_for_draft
 
 from .conftest import tiny_llama
+from .test_engines import _free_port
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +128,7 @@ def _generate(tmp_path, name, processes, target_dir, data_path):
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(29000 + os.getpid() % 500), script, *args]
+               "--main_process_port", _free_port(), script, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

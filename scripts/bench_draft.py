@@ -198,7 +198,7 @@ def run_speculators(specs: list[dict], spec_python: str, threads: int) -> list[d
     out = []
     for line in proc.stdout:
         if line.startswith("{"):
-            r = json.loads(line)
+            r = {**json.loads(line), "path": "speculators"}
             print(json.dumps(r), flush=True)
             out.append(r)
     err = proc.stderr.read()

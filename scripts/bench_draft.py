@@ -198,7 +198,7 @@ def run_speculators(specs: list[dict], spec_python: str, threads: int) -> list[d
     out = []
     for line in proc.stdout:
         if line.startswith("{"):
-            r = json.loads(line)
+            r = {**json.loads(line), "path": "speculators"}
             print(json.dumps(r), flush=True)
             out.append(r)
     err = proc.stderr.read()
@@ -230,15 +230,20 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
     if r is None:
         return "–"
     if "error" in r:
-        return r["error"] if key == "tokens_per_s" else "–"
+        if key != "tokens_per_s":
+            return "–"
+        return "not run¹" if "dense M×M" in r["error"] else ("not run²" if "no speculators venv" in r["error"] else r["error"])
     return format(r[key], fmt)
 
 
-def markdown(device_name: str, setup: str, train: list[dict], drafting: list[dict]) -> str:
+def markdown(device_name: str, setup: str, train: list[dict], drafting: list[dict], command: str = "") -> str:
     by = {(r["path"], r["n"], r["layers"], r["max_anchors"]): r for r in train}
-    lines = [HEADING, "", f"{device_name}. {setup}", "",
-             "Training step, tokens/s (peak memory MB). today = fp32 + dense M×M mask (CUDA: FlexAttention); "
-             "new = precision auto + sparse attention (CUDA: FlexAttention); speculators = its PEagleDraftModel step.", "",
+    lines = [HEADING, "", f"`{command or 'python scripts/bench_draft.py'}`", "", f"{device_name}. {setup}", "",
+             "Training step, tokens/s (peak memory MB); one row of n tokens, K = 8, r = 0.8, SmolLM2-135M sizes. "
+             "today = fp32 + dense M×M mask (CUDA: FlexAttention); new = precision auto + sparse attention "
+             "(CUDA: FlexAttention); speculators = its PEagleDraftModel step (0.9.0, in its own venv; on CPU "
+             "`draft_attn_impl=sdpa`, a dense mask, and its eager KL: its FlexAttention has no CPU backward and its "
+             "fused loss needs Triton).", "",
              "| row tokens | anchors | layers | elements | today tok/s | new tok/s | speculators tok/s | new / today | "
              "new / speculators | today MB | new MB | speculators MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -251,11 +256,19 @@ def markdown(device_name: str, setup: str, train: list[dict], drafting: list[dic
         lines.append(f"| {n} | {'all' if ma is None else ma} | {layers} | {el} | {_cell(t, 'tokens_per_s', '.0f')} | "
                      f"{_cell(nw, 'tokens_per_s', '.0f')} | {_cell(sp, 'tokens_per_s', '.0f')} | {ratio(nw, t)} | "
                      f"{ratio(nw, sp)} | {_cell(t, 'peak_mb', '.0f')} | {_cell(nw, 'peak_mb', '.0f')} | {_cell(sp, 'peak_mb', '.0f')} |")
+    skipped = next((r["error"] for r in train if "dense M×M" in r.get("error", "")), None)
+    if skipped:
+        lines.append(f"\n¹ {skipped.split('(>')[0].strip()}: skipped above --max-dense-elements (an M×M bool mask "
+                     "of 34k elements is 1.2 GB per copy and its attention minutes per layer here).")
+    if any("no speculators venv" in r.get("error", "") for r in train):
+        lines.append("\n² no speculators venv (scripts/check_speculators.sh builds one).")
+    mem = []
     for layers in sorted({r["layers"] for r in train}):
         a, b = by.get(("new", 2048, layers, None)), by.get(("new", 8192, layers, None))
         if a and b and "error" not in a and "error" not in b:
-            lines.append(f"\nPeak memory 8192 / 2048 tokens (new path, all anchors, {layers} layer(s)): "
-                         f"{b['peak_mb'] / a['peak_mb']:.2f}× (target ≤ 4.5×; the COD axis grows {b['elements'] / a['elements']:.2f}×).")
+            mem.append(f"- Peak memory 8192 / 2048 tokens (new path, all anchors, {layers} layer(s)): "
+                       f"{b['peak_mb'] / a['peak_mb']:.2f}× (target ≤ 4.5×; the COD axis grows {b['elements'] / a['elements']:.2f}×).")
+    lines += [""] + mem if mem else []
     if drafting:
         lines += ["", "Drafting K tokens (4 layers, 512 tokens of context in the KV cache, batch 1, fp32; median of 20):", "",
                   "| K | P-EAGLE, one forward (ms) | EAGLE-3, K forwards (ms) | P-EAGLE cost vs K=1 | EAGLE-3 cost vs K=1 |",
@@ -331,7 +344,7 @@ def main():
              f"Load average (1/5/15 min) {load_before} before, {load_average()} after; {minutes:.1f} min in all "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The machine was shared with other jobs: "
              "absolute speeds are noisy, ratios within a row less so.")
-    md = markdown(name, setup, train, drafting)
+    md = markdown(name, setup, train, drafting, "python scripts/bench_draft.py " + " ".join(sys.argv[1:]))
     print(md)
     write_section(HEADING, md, args.out)
 

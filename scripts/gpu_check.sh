@@ -83,15 +83,17 @@ from pathlib import Path
 out = Path(sys.argv[1])
 log = out / "bench_draft.log"
 if log.is_file():
-    rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    rows = [{"path": "speculators", **json.loads(x)} for x in log.read_text().splitlines() if x.startswith("{")]
     print("bench_draft (tokens/s, peak MB):")
     for r in rows:
         what = r.get("error") or f"{r['tokens_per_s']:.0f} tok/s, {r['peak_mb']:.0f} MB"
         print(f"  {r['path']:<12} n={r['n']:<5} layers={r['layers']} anchors={r['max_anchors'] or 'all'}: {what}")
-    by = {(r["path"], r["n"], r["layers"]): r for r in rows if "error" not in r}
-    for (p, n, L), r in sorted(by.items()):
-        if p == "new" and ("today", n, L) in by:
-            print(f"  new / today at n={n}, {L} layer(s): {r['tokens_per_s'] / by[('today', n, L)]['tokens_per_s']:.2f}x")
+    by = {(r["path"], r["n"], r["layers"], r["max_anchors"] or 0): r for r in rows if "error" not in r}
+    for (p, n, L, a), r in sorted(by.items()):
+        for peer in ("today", "speculators"):
+            if p == "new" and (peer, n, L, a) in by:
+                print(f"  new / {peer} at n={n}, {L} layer(s), anchors {a or 'all'}: "
+                      f"{r['tokens_per_s'] / by[(peer, n, L, a)]['tokens_per_s']:.2f}x")
 summary = out / "demo" / "summary.json"
 if summary.is_file():
     s = json.loads(summary.read_text())

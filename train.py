@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+from peagle_train.errors import cli_main
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
@@ -44,6 +45,7 @@ def run_dir(cfg) -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
 
 
+@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
+from peagle_train.errors import cli_main
 from peagle_train.export.speculators import load_export
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
@@ -55,6 +56,7 @@ def load_head_and_metrics(path: str):
     return draft, None
 
 
+@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:

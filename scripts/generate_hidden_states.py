@@ -22,11 +22,13 @@ from omegaconf import DictConfig
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
+from peagle_train.errors import cli_main
 from peagle_train.job import build_target
 from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
 
 
+@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:

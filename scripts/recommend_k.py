@@ -45,6 +45,7 @@ from peagle_train.decoding.cost_model import (  # noqa: E402
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
+from peagle_train.errors import cli_main  # noqa: E402
 from peagle_train.job import write_json  # noqa: E402
 
 
@@ -298,6 +299,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
+@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
 @hydra.main(config_path="../conf", config_name="recommend_k", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     try:

@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import UserError
+
 ROLE_ALIASES = {
     "human": "user",
     "user": "user",
@@ -38,7 +40,7 @@ ROLE_ALIASES = {
 }
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """A conversation file that cannot be read; the message names the file, the record and the fix."""
 
 

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 FIRST_CUT_CHARS_PER_TOKEN = 6  # first prefix tokenised: this many characters per wanted token (English: ~4.3)
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """The chat template cannot place the assistant-only loss mask for a conversation."""
 
 
-class MissingChatTemplateError(ValueError):
+class MissingChatTemplateError(UserError, ValueError):
     """The tokenizer has no chat template and none was given."""
 
 

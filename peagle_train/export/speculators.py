@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from ..errors import UserError
 
 SPECULATORS_VERSION = "0.9.0"
 _NON_WEIGHTS = ("rotary_emb.",)
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """An export directory that does not match the format; the message lists every problem."""
 
 

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..errors import UserError
 from ..training.loop import PackedRow
 from .features import FeatureTarget, align_for_draft
 
@@ -41,7 +42,7 @@ INT8_SCALES = ("channel", "token")
 MANIFEST = "manifest.json"
 
 
-class FeatureShardError(ValueError):
+class FeatureShardError(UserError, ValueError):
     """A features directory, shard or manifest failed a check; the message names the file, the
     check and the fix."""
 

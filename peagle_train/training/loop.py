@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError
 from ..target.features import FeatureTarget, align_for_draft
 from .cod import CODElements, cod_mask, cod_sample, use_flex
 from .eagle3 import eagle3_step, ttt_anchors
@@ -194,7 +195,7 @@ def global_loss_norm(accelerator, valid_count: int) -> float:
 
 
 def check_training_config(tcfg) -> None:
-    """Raise ValueError naming every training setting that is out of range (checked at start-up,
+    """Raise ConfigError (a ValueError) naming every training setting that is out of range (checked at start-up,
     before any model is loaded)."""
     problems = []
     if tcfg.algorithm not in ("peagle", "eagle3"):
@@ -227,7 +228,7 @@ def check_training_config(tcfg) -> None:
     if tcfg.attention not in ("auto", "flex", "dense"):
         problems.append(f"training.attention={tcfg.attention!r} must be one of auto, flex, dense")
     if problems:
-        raise ValueError("Invalid training config: " + "; ".join(problems))
+        raise ConfigError("Invalid training config: " + "; ".join(problems))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str):

@@ -45,8 +45,7 @@ def run_dir(cfg) -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@cli_main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # the user's own setting, before any wrapper ran
 
 
 class UserError(Exception):
@@ -113,19 +114,39 @@ def _is_config_composition_error(e: BaseException) -> bool:
     return isinstance(e, (HydraException, OmegaConfBaseException)) and not HydraConfig.initialized()
 
 
-def cli_main(fn):
-    """Decorator for an entry point's main (put it above `@hydra.main`, or wrap any callable).
+def cli_main(fn=None, /, **hydra_main_kwargs):
+    """The entry-point wrapper: a user error ends the process with one line and status 2.
 
-    Runs `fn`; a user error (see `user_error_message`) is printed as `<program>: error: <message>`
-    on stderr and ends the process with status 2, without a traceback. `raise SystemExit("text")`
-    inside the main is a user error too (status 2). Internal errors propagate with their traceback.
-    Under Hydra, HYDRA_FULL_ERROR=1 is set while `fn` runs so that Hydra passes the exception on
-    instead of printing it as "Error executing job" with a traceback.
+    Two uses, one line each:
+
+        @cli_main(config_path="../conf", config_name="train", version_base="1.3")   # = @hydra.main(...)
+        def main(cfg): ...
+
+        cli_main(convert_features)(src, dst, storage)                              # any callable
+
+    A user error (see `user_error_message`) is printed as `<program>: error: <message>` on stderr
+    and the process exits with status 2, without a traceback; `raise SystemExit("text")` inside a
+    main is a user error too. Internal errors propagate with their traceback. Under Hydra the job's
+    errors are caught inside the task function (before Hydra prints "Error executing job" with a
+    traceback), and a config that cannot be composed (a value of the wrong type, a bad override) is
+    reported the same way: HYDRA_FULL_ERROR=1 is set while the app runs so that Hydra passes the
+    exception on instead of printing it.
     """
+    if fn is not None:
+        return _guarded(fn)
 
+    def decorate(task):
+        import hydra
+
+        return _guarded(hydra.main(**hydra_main_kwargs)(_guarded(task)))
+
+    return decorate
+
+
+def _guarded(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        show_tb = os.environ.get("PEAGLE_TRACEBACK") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
+        show_tb = os.environ.get("PEAGLE_TRACEBACK") == "1" or _USER_FULL_ERROR
         old = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"
         try:

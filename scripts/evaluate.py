@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
@@ -56,8 +55,7 @@ def load_head_and_metrics(path: str):
     return draft, None
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+@cli_main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

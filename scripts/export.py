@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from peagle_train.errors import cli_main
@@ -20,8 +19,7 @@ from peagle_train.target.load import load_target_config
 from peagle_train.training.loop import load_checkpoint
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+@cli_main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.get("validate"):
         try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
@@ -28,8 +27,7 @@ from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@cli_main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
@@ -33,8 +32,7 @@ def load_tokenizer_and_vocab_size(tcfg):
     return tok, load_target_config(tcfg.path).vocab_size
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@cli_main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     tok, vocab_size = load_tokenizer_and_vocab_size(cfg.target)

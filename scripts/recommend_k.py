@@ -33,7 +33,6 @@ import json
 import sys
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
@@ -299,8 +298,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="recommend_k", version_base="1.3")
+@cli_main(config_path="../conf", config_name="recommend_k", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     try:
         return run(cfg)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import EndpointBackend, HFBackend, regenerate
@@ -50,8 +49,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     return [rows[i] for i in order], len(rows) - len(keep)
 
 
-@cli_main  # a user error: one line on stderr, exit status 2 (peagle_train/errors.py)
-@hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
+@cli_main(config_path="../conf", config_name="regenerate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     r = cfg.regenerate

@@ -86,13 +86,13 @@ def _short(e: BaseException, limit: int = 200) -> str:
 def user_error_message(e: BaseException) -> str | None:
     """The message to print for a user error, or None when `e` is an internal error.
 
-    User errors: `UserError` subclasses; a missing file (FileNotFoundError, NotADirectoryError,
-    IsADirectoryError, PermissionError); a full disk (OSError ENOSPC/EDQUOT); Hydra's and OmegaConf's
+    User errors: `UserError` subclasses; a missing file or one in the way (FileNotFoundError,
+    FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError); a full disk (OSError ENOSPC/EDQUOT); Hydra's and OmegaConf's
     errors while the config is composed (before the job starts).
     """
     if isinstance(e, UserError):
         return str(e)
-    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+    if isinstance(e, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)):
         return str(e)
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{e}. Fix: free disk space (or choose another output directory) and run the command again."

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError
+from ..errors import ConfigError, load_safetensors, read_json
 from ..target.features import FeatureTarget, align_for_draft
 from .cod import CODElements, cod_mask, cod_sample, use_flex
 from .eagle3 import eagle3_step, ttt_anchors
@@ -531,14 +531,16 @@ def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
 def load_checkpoint(ckpt_dir: Path):
     """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32).
 
-    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones."""
-    from safetensors.torch import load_file
+    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones;
+    CorruptFileError naming the file that is cut off or lacks a key."""
+    from ..draft.peagle import make_draft_head
+    from .checkpoint import draft_config_from
 
-    from ..draft.peagle import DraftConfig, make_draft_head
-
-    meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
-    draft = make_draft_head(DraftConfig(**meta["draft"]))
-    missing, unexpected = draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    fix = "re-save the checkpoint, or point at a complete one (training writes runs/<run>/checkpoint)"
+    meta = read_json(Path(ckpt_dir) / "draft_config.json", "draft config", required=("draft",), fix=fix)
+    draft = make_draft_head(draft_config_from(meta["draft"], Path(ckpt_dir) / "draft_config.json", fix))
+    missing, unexpected = draft.load_state_dict(load_safetensors(Path(ckpt_dir) / "model.safetensors", "draft weights",
+                                                                 fix), strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "

@@ -146,34 +146,38 @@ def _read_bytes(path: Path, report: ReadReport) -> bytes:
                    else f"decompress it ({'zstd -d' if name == 'zstd' else 'unzip'} {path.name}) and point "
                         "data.path at the JSON/JSONL file")
             raise DataFileError(f"{path} is a {name} file, not JSON/JSONL text. Fix: {fix}.")
-        import importlib
-
-        lib = importlib.import_module(module)
-        try:
-            out = lib.decompress(raw)
-        except (OSError, EOFError, ValueError) as e:  # cut off: keep what decompresses
-            out = _decompress_prefix(lib, raw)
-            report.notes.append(f"{name}-compressed, the compressed stream is cut off ({e})")
-        else:
+        out, err = _decompress(module, raw)
+        if err is None:
             report.notes.append(f"{name}-compressed")
-        return out
+            return out
+        # cut off: a JSON array salvages its own tail; of JSONL keep the complete lines, the rest is the cut tail
+        keep = len(out) if out.lstrip().startswith(b"[") else out.rfind(b"\n") + 1
+        report.notes.append(f"{name}-compressed; the compressed stream is cut off ({err})")
+        report.truncated, report.lost_bytes = True, len(out) - keep
+        return out[:keep]
     return raw
 
 
-def _decompress_prefix(lib, raw: bytes) -> bytes:
-    """What a cut-off gzip/bzip2/xz stream decompresses to, up to the cut."""
-    import io
+def _decompress(module: str, raw: bytes) -> tuple[bytes, str | None]:
+    """(what `raw` decompresses to, None) or, for a cut-off or damaged stream, (what decompresses up
+    to the damage, the error)."""
+    import bz2
+    import lzma
+    import zlib
 
-    opener = {"gzip": lambda b: lib.GzipFile(fileobj=b), "bz2": lambda b: lib.BZ2File(b),
-              "lzma": lambda b: lib.LZMAFile(b)}[lib.__name__]
-    out = bytearray()
-    with opener(io.BytesIO(raw)) as f:
+    make = {"gzip": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), "bz2": bz2.BZ2Decompressor,
+            "lzma": lzma.LZMADecompressor}[module]
+    out, data = bytearray(), raw
+    while data:  # concatenated members (gzip -c a b > c) each need a fresh decompressor
+        d = make()
         try:
-            while chunk := f.read(1 << 16):
-                out += chunk
-        except (OSError, EOFError, ValueError):
-            pass
-    return bytes(out)
+            out += d.decompress(data)
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            return bytes(out), str(e)
+        if not d.eof:
+            return bytes(out), "the file ends before the end of the compressed stream"
+        data = d.unused_data
+    return bytes(out), None
 
 
 def _decode(path: Path, raw: bytes, report: ReadReport) -> str:

@@ -182,8 +182,9 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     missing ones are computed; a directory with another fingerprint is refused.
 
     Raises:
-        FeatureShardError: the directory holds shards of another fingerprint, or the target gives
-            NaN/Inf features for a document (named by its row index).
+        FeatureShardError: the directory holds shards of another fingerprint, the target gives
+            NaN/Inf features for a document (named by its row index), or a shard cannot be written
+            (a full disk: the shards already recorded stay valid and a rerun resumes).
         ValueError: unknown storage / int8_scale or docs_per_shard < 1.
 
     Returns a summary: docs, tokens, shards written and skipped, bytes, bytes per token, seconds,
@@ -243,12 +244,20 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
             bar.update(1)
         name = shard_name(k)
         tmp = out_dir / (name + f".tmp{os.getpid()}")
-        save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
-        os.replace(tmp, out_dir / name)
-        manifest["shards"][str(k)] = {"file": name, "first_doc": first, "num_docs": last - first,
-                                      "num_tokens": int(sum(x.numel() for x in ids_l)),
-                                      "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
-        _write_json_atomic(mpath, manifest)
+        try:
+            save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
+            os.replace(tmp, out_dir / name)
+            rec = {"file": name, "first_doc": first, "num_docs": last - first,
+                   "num_tokens": int(sum(x.numel() for x in ids_l)),
+                   "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
+            _write_json_atomic(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}})
+        except OSError as e:  # e.g. a full disk: the shards recorded so far stay valid, the run resumes
+            tmp.unlink(missing_ok=True)
+            raise FeatureShardError(
+                f"writing {out_dir / name} failed ({e.strerror or e}); the {len(manifest['shards'])} shards recorded "
+                f"in {mpath} are complete and verified, this one is not recorded. Fix: free disk space in {out_dir} "
+                "and rerun the same command: it resumes at this shard.") from e
+        manifest["shards"][str(k)] = rec
         written += 1
     bar.close()
     secs = time.perf_counter() - t0

@@ -256,7 +256,7 @@ def _read_json_object_or_lines(path: Path, text: str, report: ReadReport) -> lis
 
 def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
     records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028, \x1c... may sit inside strings
         if not line.strip():
             continue
         if (bad := _bad_utf8(line)) is not None:

@@ -276,7 +276,7 @@ def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
     parts = []
     for (spec, kept), share in zip(kept_sets, shares):
         n = len(kept) if share is None else min(share, len(kept))
-        if share is not None and n < share:
+        if share is not None and 0 < n < share:
             log(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
         part = kept.select(range(n))
         if len(kept_sets) > 1:  # a mix: the source column names the file too

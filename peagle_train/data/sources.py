@@ -9,8 +9,8 @@ Every source becomes the same Arrow table (memory-mapped, in `cache_dir`):
     id: str, messages: list of {role, content}, input_ids: list[int], loss_mask: list[int],
     drop: str ("" = kept; else the reason), changes: list[str] (normalisation changes made).
 JSON files, alone or in a directory, go through `read_records` (which salvages truncated files and
-counts malformed records) inside `Dataset.from_generator`, whose cache key holds the file's sha256: a second run with the same file is a cache hit and reads
-nothing but the Arrow file.
+counts malformed records) inside `Dataset.from_generator`, whose cache key holds the file's sha256:
+a second run with the same file is a cache hit and reads nothing but the Arrow file.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _normalised_records(root: str, paths: tuple[str, ...], sha256: str, version:
         except DataFileError as e:
             if not several:
                 raise
-            total["notes"].append(f"skipped {name}: {e}")
+            total["notes"].append(f"skipped {name}: {str(e).split(' (')[0]}")
             continue
         total["records"] += rep.records
         total["truncated"] |= rep.truncated

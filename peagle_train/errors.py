@@ -138,12 +138,22 @@ def cli_main(fn=None, /, **hydra_main_kwargs):
     def decorate(task):
         import hydra
 
-        return _guarded(hydra.main(**hydra_main_kwargs)(_guarded(task)))
+        return _guarded(hydra.main(**hydra_main_kwargs)(_guarded(task, job=True)))
 
     return decorate
 
 
-def _guarded(fn):
+def _in_multirun_job() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _guarded(fn, job: bool = False):
+    """fn with user errors reported (see cli_main). job: fn is a Hydra task function; in a -m sweep
+    its user error is passed on so that Hydra runs the other jobs before reporting the failure."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         show_tb = os.environ.get("PEAGLE_TRACEBACK") == "1" or _USER_FULL_ERROR
@@ -157,7 +167,7 @@ def _guarded(fn):
             raise
         except Exception as e:  # noqa: BLE001 - sorted into user errors and internal ones below
             msg = user_error_message(e)
-            if msg is None or show_tb:
+            if msg is None or show_tb or (job and _in_multirun_job()):
                 raise
             _exit_user_error(msg)
         finally:

@@ -105,6 +105,9 @@ def test_internal_errors_keep_their_traceback(tmp_path):
 
         @cli_main(config_path="conf", config_name="app", version_base="1.3")
         def main(cfg):
+            print("job", cfg.what, flush=True)
+            if cfg.what == "ok":
+                return
             if cfg.what == "internal":
                 raise RuntimeError("a bug in the job")
             raise ConfigError("app.what=" + cfg.what + " is not a choice. Fix: app.what=internal")
@@ -116,6 +119,10 @@ def test_internal_errors_keep_their_traceback(tmp_path):
     assert p.returncode == 1 and "Traceback" in p.stderr and "RuntimeError: a bug in the job" in p.stderr
     p = run(tmp_path / "app.py", "what=other", cwd=tmp_path)
     assert user_error(p) == "app.py: error: app.what=other is not a choice. Fix: app.what=internal"
+    # a -m sweep runs every job, then reports the user error of the failed one in one line
+    p = run(tmp_path / "app.py", "-m", "what=other,ok", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert p.returncode == 2 and "job other" in p.stdout and "job ok" in p.stdout and "Traceback" not in p.stderr
+    assert p.stderr.splitlines()[-1] == "app.py: error: app.what=other is not a choice. Fix: app.what=internal"
 
 
 def test_cli_main_on_a_plain_callable(capsys, monkeypatch):

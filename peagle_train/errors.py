@@ -87,8 +87,8 @@ def user_error_message(e: BaseException) -> str | None:
     """The message to print for a user error, or None when `e` is an internal error.
 
     User errors: `UserError` subclasses; a missing file or one in the way (FileNotFoundError,
-    FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError); a full disk (OSError ENOSPC/EDQUOT); Hydra's and OmegaConf's
-    errors while the config is composed (before the job starts).
+    FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError); a full disk (OSError
+    ENOSPC/EDQUOT); Hydra's and OmegaConf's errors while the config is composed (before the job starts).
     """
     if isinstance(e, UserError):
         return str(e)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..paths import resolve_path
 from .decoder import GenerationResult, speculative_generate_batch, target_generate
 from .shared import shared_generate, supports_shared
@@ -142,7 +142,7 @@ def load_benchmark(benchmark: str, path: str, categories: tuple[str, ...] | None
         return load_humaneval(num_prompts)
     if benchmark == "jsonl":
         return load_jsonl_prompts(path, num_prompts)
-    raise ValueError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
+    raise ConfigError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
 
 
 def check_head_target(draft, target, tokenizer=None, head_name: str = "head") -> None:

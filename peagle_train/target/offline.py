@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..training.loop import PackedRow
 from .features import FeatureTarget, align_for_draft
 
@@ -185,17 +185,17 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         FeatureShardError: the directory holds shards of another fingerprint, the target gives
             NaN/Inf features for a document (named by its row index), or a shard cannot be written
             (a full disk: the shards already recorded stay valid and a rerun resumes).
-        ValueError: unknown storage / int8_scale or docs_per_shard < 1.
+        ConfigError (a ValueError): unknown storage / int8_scale or docs_per_shard < 1.
 
     Returns a summary: docs, tokens, shards written and skipped, bytes, bytes per token, seconds,
     tokens per second of the target forwards.
     """
     if storage not in STORAGES:
-        raise ValueError(f"features.storage={storage!r} must be one of {STORAGES}")
+        raise ConfigError(f"features.storage={storage!r} must be one of {STORAGES}")
     if int8_scale not in INT8_SCALES:
-        raise ValueError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
+        raise ConfigError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
     if docs_per_shard < 1:
-        raise ValueError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
+        raise ConfigError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fp = features_fingerprint(target, tok, rows, storage, int8_scale)
@@ -283,7 +283,7 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=pr
     Raises FeatureShardError for a source shard that fails its checks (named), ValueError for an
     unknown storage. Returns {"bytes", "bytes_per_token"} of the new directory."""
     if storage not in STORAGES or int8_scale not in INT8_SCALES:
-        raise ValueError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
+        raise ConfigError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
     src, dst = Path(src), Path(dst)
     manifest = json.loads((src / MANIFEST).read_text())
     fp = dict(manifest["fingerprint"], storage=storage, int8_scale=int8_scale if storage == "int8" else None)
@@ -456,8 +456,8 @@ def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> OfflineF
     if fcfg.source == "online":
         return None
     if fcfg.source != "offline":
-        raise ValueError(f"features.source={fcfg.source!r} must be online or offline")
+        raise ConfigError(f"features.source={fcfg.source!r} must be online or offline")
     if not fcfg.dir:
-        raise ValueError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
+        raise ConfigError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
     return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
                            verify=fcfg.verify, log=log)

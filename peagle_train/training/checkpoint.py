@@ -54,8 +54,9 @@ def load_torch_file(path: Path, what: str, fix: str):
     try:
         return torch.load(path, weights_only=False)
     except Exception as e:  # noqa: BLE001 - a cut pickle/zip raises RuntimeError, EOFError, UnpicklingError...
-        raise CorruptFileError(f"{path}: cannot read the {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                               f"the file is cut off or corrupted. Fix: {fix}.") from e
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CorruptFileError(f"{path}: cannot read the {what} ({type(e).__name__}: {first}): the file is cut off "
+                               f"or corrupted. Fix: {fix}.") from e
 
 
 def checkpoints_root(out_dir: Path) -> Path:

@@ -67,6 +67,7 @@ class ReadReport:
     bad_records: list[str] = field(default_factory=list)
     bad_reasons: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
+    invalid_utf8: bool = False  # the file holds bytes that are not UTF-8: records are checked for them
 
     def bad(self, where: str, reason: str) -> None:
         """Count one malformed record: `where` (line N / record N at byte B) and its reason."""
@@ -197,6 +198,7 @@ def _decode(path: Path, raw: bytes, report: ReadReport) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
+        report.invalid_utf8 = True
         return raw.decode("utf-8", errors="surrogateescape")
 
 
@@ -259,7 +261,7 @@ def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028, \x1c... may sit inside strings
         if not line.strip():
             continue
-        if (bad := _bad_utf8(line)) is not None:
+        if report.invalid_utf8 and (bad := _bad_utf8(line)) is not None:
             report.bad(f"line {lineno}", bad)
             continue
         try:
@@ -305,7 +307,7 @@ def _read_json_array(text: str, report: ReadReport, pos: int) -> list[dict]:
             report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", msg)
             pos = nxt
             continue
-        if (bad := _bad_utf8(text[pos:end])) is not None:
+        if report.invalid_utf8 and (bad := _bad_utf8(text[pos:end])) is not None:
             report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", bad)
         elif isinstance(obj, dict):
             records.append(obj)

@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from .conversations import DataFileError
 from .manifest import build_manifest, check_manifest, read_manifest, tokenizer_hash
 from .sources import default_cache_dir, load_source, source_info_dict
-from .conversations import DataFileError
 from .template import (TemplateError, chat_template_hash, cut_at_end_of_turn_token, end_of_turn_strings,
                        set_chat_template, tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
@@ -76,7 +76,8 @@ def prepare_data(
             (names its keys), or none of its rows survives tokenisation (names the reasons and the
             setting, e.g. data.min_supervised_tokens); each names the file and the fix.
         MissingChatTemplateError: no chat template (names the option data.chat_template).
-        ValueError: an invalid mask token (how often the data uses it).
+        ConfigError (a ValueError): an invalid data.mask_token_id (how often the data uses it) or
+            data.draft_vocab_size.
     """
     if chat_template or getattr(tokenizer, "chat_template", None):
         set_chat_template(tokenizer, chat_template)

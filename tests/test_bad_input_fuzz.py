@@ -140,3 +140,5 @@ def test_fuzzed_json_array_gives_the_same_counts(tmp_path, chatml_tokenizer):
     s = d.summary
     assert set(d.rows["source"]) == good_ids
     assert s["conversations_kept"] + sum(s["dropped"].values()) + s["malformed_records_skipped"] == 300
+    print(f"\nfuzz (JSON array): 300 records: {len(good_ids)} good kept, {s['malformed_records_skipped']} malformed "
+          f"{s['malformed_by_reason']} + {sum(s['dropped'].values())} dropped {s['dropped']}")

@@ -23,6 +23,7 @@ from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.draft.io import save_checkpoint
+from peagle_train.errors import cli_main
 from peagle_train.export.speculators import write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
@@ -49,7 +50,7 @@ def run_dir(cfg) -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
 
 
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@cli_main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))

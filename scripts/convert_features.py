@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from peagle_train.errors import cli_main
 from peagle_train.target.offline import INT8_SCALES, STORAGES, convert_features
 
 if __name__ == "__main__":
@@ -20,4 +21,4 @@ if __name__ == "__main__":
     ap.add_argument("--storage", choices=STORAGES, required=True)
     ap.add_argument("--int8-scale", choices=INT8_SCALES, default="channel")
     a = ap.parse_args()
-    convert_features(a.src, a.dst, a.storage, a.int8_scale)
+    cli_main(convert_features)(a.src, a.dst, a.storage, a.int8_scale)  # a user error: one line, exit 2

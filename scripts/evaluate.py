@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
 from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
 from peagle_train.draft.io import load_head as read_head
+from peagle_train.errors import cli_main
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
 
@@ -48,7 +48,7 @@ def load_head_and_metrics(path: str):
     return draft, None
 
 
-@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+@cli_main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

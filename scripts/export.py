@@ -10,16 +10,16 @@ import json
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
+from peagle_train.errors import cli_main
 from peagle_train.export.speculators import ExportError, validate_export, write_export
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.io import load_checkpoint
 
 
-@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+@cli_main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.get("validate"):
         try:

@@ -19,19 +19,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
+from peagle_train.errors import cli_main
 from peagle_train.job import build_target
 from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@cli_main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
+from peagle_train.errors import cli_main
 
 
 def load_tokenizer_and_vocab_size(tcfg):
@@ -32,7 +32,7 @@ def load_tokenizer_and_vocab_size(tcfg):
     return tok, load_target_config(tcfg.path).vocab_size
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@cli_main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     tok, vocab_size = load_tokenizer_and_vocab_size(cfg.target)

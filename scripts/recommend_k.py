@@ -33,7 +33,6 @@ import json
 import sys
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
@@ -45,6 +44,7 @@ from peagle_train.decoding.cost_model import (  # noqa: E402
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
+from peagle_train.errors import cli_main  # noqa: E402
 from peagle_train.job import write_json  # noqa: E402
 
 
@@ -294,7 +294,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra.main(config_path="../conf", config_name="recommend_k", version_base="1.3")
+@cli_main(config_path="../conf", config_name="recommend_k", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     try:
         return run(cfg)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import EndpointBackend, HFBackend, regenerate
 from peagle_train.data.sources import load_source
+from peagle_train.errors import cli_main
 from peagle_train.paths import resolve_path
 
 
@@ -49,7 +49,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     return [rows[i] for i in order], len(rows) - len(keep)
 
 
-@hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
+@cli_main(config_path="../conf", config_name="regenerate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     r = cfg.regenerate

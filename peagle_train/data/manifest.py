@@ -12,12 +12,13 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..errors import UserError
 from .template import chat_template_hash
 
 MANIFEST_VERSION = 1
 
 
-class ManifestMismatchError(ValueError):
+class ManifestMismatchError(UserError, ValueError):
     """Prepared data that was made for another target/tokenizer/template/settings than the one given."""
 
 

@@ -21,12 +21,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from .conversations import DataFileError
 from .manifest import build_manifest, check_manifest, read_manifest, tokenizer_hash
 from .sources import default_cache_dir, load_source, source_info_dict
-from .template import TemplateError, chat_template_hash, set_chat_template, tokenize_conversation
+from .template import (TemplateError, chat_template_hash, cut_at_end_of_turn_token, end_of_turn_strings,
+                       set_chat_template, tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
 
-TOKENIZE_VERSION = "3"  # bump when tokenisation/masking changes: invalidates cached token rows
+TOKENIZE_VERSION = "4"  # bump when tokenisation/masking changes: invalidates cached token rows
 
 
 @dataclass
@@ -70,10 +72,12 @@ def prepare_data(
     template at every rendering (e.g. {"enable_thinking": False}); both are part of the manifest.
 
     Raises:
-        DataFileError: a source is missing or unreadable (names the file and the fix).
+        DataFileError: a source is missing or unreadable, none of its records is a conversation
+            (names its keys), or none of its rows survives tokenisation (names the reasons and the
+            setting, e.g. data.min_supervised_tokens); each names the file and the fix.
         MissingChatTemplateError: no chat template (names the option data.chat_template).
-        ValueError: no row survives (the summary names the reasons), or an invalid mask token
-            (how often the data uses it).
+        ConfigError (a ValueError): an invalid data.mask_token_id (how often the data uses it) or
+            data.draft_vocab_size.
     """
     if chat_template or getattr(tokenizer, "chat_template", None):
         set_chat_template(tokenizer, chat_template)
@@ -97,6 +101,8 @@ def prepare_data(
         dropped.update(d for d in drops["drop"] if d)
         changed.update(c for cs in drops["changes"] for c in cs)
         valid = ds.filter(_is_kept, input_columns="drop", desc="keeping normalised conversations")
+        if len(valid) == 0:
+            raise DataFileError(no_conversation_message(info, Counter(d for d in drops["drop"] if d)))
         if not getattr(tokenizer, "chat_template", None) and any(len(x) == 0 for x in valid["input_ids"]):
             set_chat_template(tokenizer, None)  # conversations to render and no template: the error names the fix
         valid = valid.shuffle(seed=seed)
@@ -104,9 +110,9 @@ def prepare_data(
         tokenised += n_tok
         kept_sets.append((spec, kept))
     rows = _mix(kept_sets, shares, specs, seed, log)
-    if len(rows) == 0:
-        raise ValueError(f"No trainable conversation in {', '.join(s['path'] for s in specs)}; "
-                         f"drops by reason: {dict(dropped)}")
+    if len(rows) == 0 or any(len(k) == 0 for _, k in kept_sets):
+        empty = [s["path"] for s, k in kept_sets if len(k) == 0]
+        raise DataFileError(no_row_message(", ".join(empty), dropped, min_supervised_tokens))
     sup, allc = token_counts(rows, target_vocab_size)
     vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
     nz = torch.nonzero(allc).flatten()
@@ -116,9 +122,10 @@ def prepare_data(
     validate_mask_token(mask_token_id, target_vocab_size, used, set(tokenizer.all_special_ids))
     summary = {
         "file": ", ".join(str(s["path"]) for s in specs),
-        "records_in_file": read,
+        "records_in_file": read + sum(i["malformed_records"] for i in infos),
         "file_truncated": any(i["truncated"] for i in infos),
         "malformed_records_skipped": sum(i["malformed_records"] for i in infos),
+        "malformed_by_reason": dict(sum((Counter(i["malformed_by_reason"]) for i in infos), Counter())),
         "conversations_read": read,
         "conversations_tokenised": tokenised,
         "conversations_kept": len(rows),
@@ -139,6 +146,26 @@ def prepare_data(
         counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
         tokenizer_sha256=tok_sha)
     return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
+
+
+def no_conversation_message(info, dropped: Counter) -> str:
+    """Why no record of a source could be normalised, with its reasons, its keys and the fix."""
+    reasons = ", ".join(f"{r}: {c}" for r, c in dropped.most_common(5))
+    keys = f" Its records have the keys {info.unrecognised_keys} (first such record)." if info.unrecognised_keys else ""
+    return (f"{info.path}: none of its {info.records} records is a trainable conversation ({reasons}).{keys} "
+            "Fix: give records with 'conversations' (ShareGPT: from/value turns), 'messages' (OpenAI: role/content "
+            "turns), 'data' (UltraChat: alternating strings) or 'input_ids' + 'loss_mask', with user and "
+            "assistant turns (README, Data rules).")
+
+
+def no_row_message(paths: str, dropped: Counter, min_supervised_tokens: int) -> str:
+    """Why no tokenised row of `paths` survives, naming the setting behind the short-answer drops."""
+    reasons = ", ".join(f"{r}: {c}" for r, c in dropped.most_common(5))
+    fix = (f"Fix: lower data.min_supervised_tokens (now {min_supervised_tokens}; answers shorter than that many "
+           "tokens are dropped) or use data with longer answers."
+           if dropped.get(f"fewer than {min_supervised_tokens} supervised tokens")
+           else "Fix: see the reasons, and README, Data rules.")
+    return f"No trainable row in {paths} (drops by reason: {reasons}). {fix}"
 
 
 def _source_specs(path, mix) -> list[dict]:
@@ -197,6 +224,8 @@ def _tokenise_until(valid: datasets.Dataset, want: int | None, kwargs: dict, tok
         chunks.append(k)
         kept_n += len(k)
         start, size = end, size * 2
+    if not chunks:  # nothing to tokenise
+        return valid.remove_columns(["messages"]), 0
     kept = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
     if want is not None and len(kept) > want:
         kept = kept.select(range(want))
@@ -206,11 +235,17 @@ def _tokenise_until(valid: datasets.Dataset, want: int | None, kwargs: dict, tok
 def _tokenise_batch(batch: dict, tokenizer, max_length: int, min_supervised_tokens: int, vocab_size: int,
                     template_kwargs: dict) -> dict:
     """datasets.map worker: messages → input_ids, loss_mask; pre-tokenised rows pass through (cut at
-    max_length). Sets `drop` to the reason a row cannot be trained on, and records changes."""
+    max_length). Sets `drop` to the reason a row cannot be trained on, and records this stage's changes
+    (an assistant turn holding an end-of-turn token, see `cut_at_end_of_turn_token`; the cut at
+    max_length; history turns the template rewrites)."""
     out = {"input_ids": [], "loss_mask": [], "drop": [], "changes": []}
-    for msgs, ids, mask, drop, changes in zip(batch["messages"], batch["input_ids"], batch["loss_mask"],
-                                              batch["drop"], batch["changes"]):
-        changes = list(changes)
+    eot = end_of_turn_strings(tokenizer)
+    for msgs, ids, mask, drop in zip(batch["messages"], batch["input_ids"], batch["loss_mask"], batch["drop"]):
+        changes = []  # only this stage's: the normalisation changes were counted when the source was read
+        if not drop and msgs:
+            msgs, drop, cut_at = cut_at_end_of_turn_token(msgs, eot)
+            if cut_at:
+                changes.append(cut_at)
         if not drop and msgs:
             try:
                 row = tokenize_conversation(tokenizer, msgs, max_length, template_kwargs)
@@ -242,7 +277,7 @@ def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
     parts = []
     for (spec, kept), share in zip(kept_sets, shares):
         n = len(kept) if share is None else min(share, len(kept))
-        if share is not None and n < share:
+        if share is not None and 0 < n < share:
             log(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
         part = kept.select(range(n))
         if len(kept_sets) > 1:  # a mix: the source column names the file too

@@ -1,15 +1,16 @@
 """Conversation sources → `datasets.Dataset` of normalised conversations, cached by fingerprint.
 
 One source is a ShareGPT JSON/JSONL file, an OpenAI `messages` JSONL, an UltraChat JSONL (`data`),
-a JSONL of already tokenised rows (`input_ids` + `loss_mask`), or a local Hugging Face dataset
-directory (`save_to_disk` output, or a directory of .parquet/.json/.jsonl files) holding any of these.
+a JSONL of already tokenised rows (`input_ids` + `loss_mask`), a Parquet file, or a local Hugging
+Face dataset directory (`save_to_disk` output, or a directory of .parquet or .json/.jsonl files)
+holding any of these.
 
 Every source becomes the same Arrow table (memory-mapped, in `cache_dir`):
     id: str, messages: list of {role, content}, input_ids: list[int], loss_mask: list[int],
     drop: str ("" = kept; else the reason), changes: list[str] (normalisation changes made).
-JSON files go through `read_records` (which salvages truncated files) inside `Dataset.from_generator`,
-whose cache key holds the file's sha256: a second run with the same file is a cache hit and reads
-nothing but the Arrow file.
+JSON files, alone or in a directory, go through `read_records` (which salvages truncated files and
+counts malformed records) inside `Dataset.from_generator`, whose cache key holds the file's sha256:
+a second run with the same file is a cache hit and reads nothing but the Arrow file.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
 
-from .conversations import DataFileError, ReadReport, normalize_record, read_records, read_summary
+from .conversations import DataFileError, normalize_record, read_records, read_summary
 
-NORMALIZE_VERSION = "2"  # bump when the normalisation rules change: invalidates cached Arrow tables
+NORMALIZE_VERSION = "3"  # bump when the normalisation rules change: invalidates cached Arrow tables
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
     "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
@@ -43,7 +45,9 @@ def default_cache_dir() -> Path:
 @dataclass
 class SourceInfo:
     """What one source is: its path, sha256 (files; for a directory, of its file list and hashes),
-    size in bytes, format, and the read report (records, truncation, malformed records)."""
+    size in bytes, format, and the read report (records, truncation, malformed records by reason,
+    notes on how it was read; `unrecognised_keys`: the keys of the first record that had none of
+    the known fields, to name in an error when nothing could be normalised)."""
 
     path: str
     sha256: str
@@ -54,10 +58,13 @@ class SourceInfo:
     lost_bytes: int = 0
     malformed_records: int = 0
     first_malformed: str = ""
+    malformed_by_reason: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    unrecognised_keys: list = field(default_factory=list)
 
     def summary(self) -> str:
         return read_summary(self.path, self.records, self.truncated, self.lost_bytes, self.malformed_records,
-                            self.first_malformed)
+                            self.first_malformed, self.notes)
 
 
 def file_sha256(path: Path, cache_dir: Path) -> str:
@@ -85,6 +92,10 @@ def file_sha256(path: Path, cache_dir: Path) -> str:
 def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print) -> tuple[datasets.Dataset, SourceInfo]:
     """Load one source as the normalised table described in the module docstring.
 
+    A JSON/JSONL file (or a directory of them) goes through `read_records`, which salvages cut-off
+    and malformed records and counts them; a Parquet file or directory and a `save_to_disk`
+    directory are read with `datasets`.
+
     Raises:
         DataFileError: the path does not exist, cannot be read, or holds no record (names the path
             and the fix).
@@ -97,12 +108,25 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path (or a data.mix entry's path) to an "
                             "existing JSON/JSONL file or a local Hugging Face dataset directory.")
     digest = file_sha256(path, cache)
+    if _is_parquet(path):
+        return _load_with_datasets(path, [path], digest, path.stat().st_size, cache)
+    return _load_json_files(path, [path], digest, path.stat().st_size, cache)
+
+
+def _is_parquet(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PAR1"
+
+
+def _load_json_files(root: Path, files: list[Path], digest: str, size: int, cache: Path,
+                     notes: list[str] | None = None) -> tuple[datasets.Dataset, SourceInfo]:
+    """JSON/JSONL files through `read_records` inside `Dataset.from_generator` (cached by `digest`)."""
     report_path = cache / "reports" / f"{digest}-v{NORMALIZE_VERSION}.json"
+    kwargs = {"root": str(root), "paths": tuple(str(f) for f in files), "sha256": digest,  # tuples: datasets
+              "version": NORMALIZE_VERSION, "report_path": str(report_path), "notes": tuple(notes or ())}  # shards lists
     try:
-        ds = datasets.Dataset.from_generator(
-            _normalised_records, features=FEATURES, cache_dir=str(cache / "arrow"),
-            gen_kwargs={"path": str(path), "sha256": digest, "version": NORMALIZE_VERSION,
-                        "report_path": str(report_path)})
+        ds = datasets.Dataset.from_generator(_normalised_records, features=FEATURES, cache_dir=str(cache / "arrow"),
+                                             gen_kwargs=kwargs)
     except Exception as e:  # datasets wraps the generator's errors; surface ours as they are
         cause = e
         while cause is not None and not isinstance(cause, DataFileError):
@@ -110,28 +134,56 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print
         if cause is not None:
             raise cause from None
         raise
-    if not report_path.is_file():  # cached table but the sidecar is gone: re-read the file once
-        _, rep = read_records(path)
-        _write_report(rep, report_path)
+    if not report_path.is_file():  # cached table but the sidecar is gone: re-read the files once
+        for _ in _normalised_records(**kwargs):
+            pass
     rep = json.loads(report_path.read_text())
-    info = SourceInfo(str(path), digest, path.stat().st_size, "json", **rep)
-    return ds, info
+    fmt = "json" if root.is_file() else "json_dir"
+    return ds, SourceInfo(str(root), digest, size, fmt, **rep)
 
 
-def _normalised_records(path: str, sha256: str, version: str, report_path: str):
-    """Generator behind `Dataset.from_generator` (sha256 and version only key the cache)."""
-    records, report = read_records(path)
-    _write_report(report, Path(report_path))
-    for idx, rec in enumerate(records):
-        rid = str(rec.get("id", idx)) if isinstance(rec.get("id", idx), (str, int)) else str(idx)
-        yield _row_of(rec, rid)
+def _normalised_records(root: str, paths: tuple[str, ...], sha256: str, version: str, report_path: str,
+                        notes: tuple[str, ...]):
+    """Generator behind `Dataset.from_generator` (sha256 and version only key the cache): the rows
+    of every file, and the sidecar report (read counts summed over the files)."""
+    total = {"records": 0, "truncated": False, "lost_bytes": 0, "malformed_records": 0, "first_malformed": "",
+             "malformed_by_reason": Counter(), "notes": list(notes), "unrecognised_keys": []}
+    several = len(paths) > 1
+    for p in paths:
+        name = str(Path(p).relative_to(root)) if several else ""
+        try:
+            records, rep = read_records(p)
+        except DataFileError as e:
+            if not several:
+                raise
+            total["notes"].append(f"skipped {name}: {str(e).split(' (')[0]}")
+            continue
+        total["records"] += rep.records
+        total["truncated"] |= rep.truncated
+        total["lost_bytes"] += rep.lost_bytes
+        total["malformed_records"] += len(rep.bad_records)
+        total["malformed_by_reason"].update(rep.bad_reasons)
+        if rep.bad_records and not total["first_malformed"]:
+            total["first_malformed"] = f"{name}: {rep.bad_records[0]}" if several else rep.bad_records[0]
+        total["notes"] += [f"{name}: {n}" if several else n for n in rep.notes]
+        for idx, rec in enumerate(records):
+            rid = rec.get("id", idx)
+            rid = str(rid) if isinstance(rid, (str, int)) else str(idx)
+            row = _row_of(rec, f"{name}:{rid}" if several else rid)
+            if not total["unrecognised_keys"] and row["drop"].startswith("no 'conversations'"):
+                total["unrecognised_keys"] = sorted(map(str, rec))[:20]
+            yield row
+    if not total["records"]:
+        raise DataFileError(f"No record in {root} ({'; '.join(total['notes'])}). Fix: point data.path at JSON/JSONL "
+                            "files of conversations.")
+    _write_report(total, Path(report_path))
 
 
 def _row_of(rec: dict, rid: str) -> dict:
     if "input_ids" in rec and "loss_mask" in rec:  # already tokenised: passes through unchanged
         ids, mask = rec["input_ids"], rec["loss_mask"]
         ok = (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) and len(ids) > 0
-              and all(isinstance(t, int) and t >= 0 for t in ids) and all(m in (0, 1) for m in mask))
+              and all(type(t) is int and 0 <= t < 2**62 for t in ids) and all(type(m) is int and m in (0, 1) for m in mask))
         drop = "" if ok else "pre-tokenised row: input_ids/loss_mask not equal-length lists of ids and 0/1"
         return {"id": rid, "messages": [], "input_ids": ids if ok else [], "loss_mask": mask if ok else [],
                 "drop": drop, "changes": []}
@@ -139,37 +191,64 @@ def _row_of(rec: dict, rid: str) -> dict:
     return {"id": rid, "messages": msgs or [], "input_ids": [], "loss_mask": [], "drop": drop, "changes": changes}
 
 
-def _write_report(rep: ReadReport, path: Path) -> None:
+def _write_report(rep: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    d = {"records": rep.records, "truncated": rep.truncated, "lost_bytes": rep.lost_bytes,
-         "malformed_records": len(rep.bad_records), "first_malformed": rep.bad_records[0] if rep.bad_records else ""}
-    path.write_text(json.dumps(d))
+    path.write_text(json.dumps({**rep, "malformed_by_reason": dict(rep["malformed_by_reason"])}))
+
+
+JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".json.bz2", ".jsonl.bz2", ".json.xz", ".jsonl.xz")
 
 
 def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, SourceInfo]:
-    """A `save_to_disk` directory, or a directory of parquet/json/jsonl files, normalised with `map`."""
+    """A `save_to_disk` directory (read with `datasets`), or a directory of .parquet files (read with
+    `datasets`) or of JSON/JSONL files (each through `read_records`, as a single file is)."""
     files = sorted(p for p in path.rglob("*") if p.is_file())
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.relative_to(path)}:{file_sha256(f, cache)}\n".encode())
     size = sum(f.stat().st_size for f in files)
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-        raw = datasets.load_from_disk(str(path))
-    else:
-        kinds = {f.suffix for f in files} & {".parquet", ".json", ".jsonl"}
-        if not kinds:
-            raise DataFileError(f"{path} is a directory without a saved dataset (dataset_info.json) or "
-                                ".parquet/.json/.jsonl files. Fix: point data.path at a file or a dataset directory.")
-        builder = "parquet" if ".parquet" in kinds else "json"
-        data_files = [str(f) for f in files if f.suffix in ({".parquet"} if builder == "parquet" else {".json", ".jsonl"})]
-        raw = datasets.load_dataset(builder, data_files=data_files, split="train", cache_dir=str(cache / "arrow"))
+        return _load_with_datasets(path, None, h.hexdigest(), size, cache)
+    parquet = [f for f in files if f.suffix == ".parquet"]
+    jsons = [f for f in files if f.name.endswith(JSON_SUFFIXES)]
+    if parquet and jsons:
+        raise DataFileError(f"{path} holds both .parquet ({len(parquet)}) and JSON/JSONL ({len(jsons)}) files. "
+                            "Fix: keep one kind per directory, or list them as data.mix entries.")
+    if not parquet and not jsons:
+        raise DataFileError(f"{path} is a directory without a saved dataset (dataset_info.json) or "
+                            ".parquet/.json/.jsonl files. Fix: point data.path at a file or a dataset directory.")
+    used = parquet or jsons
+    ignored = [str(f.relative_to(path)) for f in files if f not in used]
+    notes = [f"{len(used)} files; {len(ignored)} other files ignored ({', '.join(ignored[:5])})"] if ignored else []
+    if parquet:
+        return _load_with_datasets(path, parquet, h.hexdigest(), size, cache, notes)
+    return _load_json_files(path, jsons, h.hexdigest(), size, cache, notes)
+
+
+def _load_with_datasets(path: Path, parquet: list[Path] | None, digest: str, size: int, cache: Path,
+                        notes: list[str] | None = None) -> tuple[datasets.Dataset, SourceInfo]:
+    """A `save_to_disk` directory (parquet None) or Parquet files, normalised with `map`."""
+    try:
+        if parquet is None:
+            raw = datasets.load_from_disk(str(path))
+        else:
+            raw = datasets.load_dataset("parquet", data_files=[str(f) for f in parquet], split="train",
+                                        cache_dir=str(cache / "arrow"))
+    except Exception as e:  # noqa: BLE001 - pyarrow/datasets raise many types for a damaged file
+        raise DataFileError(f"Cannot read {path} as a {'saved dataset' if parquet is None else 'Parquet'} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Fix: check or "
+                            "re-create the files.") from e
     if isinstance(raw, datasets.DatasetDict):
         raw = raw["train"] if "train" in raw else raw[next(iter(raw))]
     if len(raw) == 0:
         raise DataFileError(f"No record in dataset directory {path}. Fix: check the directory.")
     ds = raw.map(_normalise_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
                  features=FEATURES, desc=f"normalising {path.name}")
-    return ds, SourceInfo(str(path), h.hexdigest(), size, "hf_dataset_dir", records=len(raw))
+    unrecognised = [] if {"conversations", "messages", "data", "input_ids"} & set(raw.column_names) else \
+        sorted(raw.column_names)[:20]
+    fmt = "hf_dataset_dir" if parquet is None else "parquet"
+    return ds, SourceInfo(str(path), digest, size, fmt, records=len(raw), notes=list(notes or []),
+                          unrecognised_keys=unrecognised)
 
 
 def _normalise_batch(batch: dict, indices: list[int]) -> dict:

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 FIRST_CUT_CHARS_PER_TOKEN = 6  # first prefix tokenised: this many characters per wanted token (English: ~4.3)
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """The chat template cannot place the assistant-only loss mask for a conversation."""
 
 
-class MissingChatTemplateError(ValueError):
+class MissingChatTemplateError(UserError, ValueError):
     """The tokenizer has no chat template and none was given."""
 
 
@@ -87,6 +89,31 @@ def end_of_turn_strings(tokenizer) -> list[str]:
     return found
 
 
+def cut_at_end_of_turn_token(messages: list[dict], eot: list[str]) -> tuple[list[dict], str, str]:
+    """Truncate a conversation before its first assistant turn whose text holds an end-of-turn token.
+
+    Such a literal (e.g. `<|im_end|>` quoted in an answer) is tokenised as the special token, so the
+    turn would end there and its loss mask would silently stop short: the turn and what follows are
+    dropped instead, and counted. eot: `end_of_turn_strings(tokenizer)`.
+
+    Returns (messages, drop reason or "", change or ""): the drop reason when no assistant turn is
+    left, the change "truncated at an assistant turn holding an end-of-turn token" when some are.
+    """
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        hit = next((s for s in eot if s in m["content"]), None)
+        if hit is None:
+            continue
+        kept = list(messages[:i])
+        while kept and kept[-1]["role"] != "assistant":
+            kept.pop()
+        if not kept:
+            return [], f"assistant turn holds the end-of-turn token {hit}", ""
+        return kept, "", "truncated at an assistant turn holding an end-of-turn token"
+    return messages, "", ""
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
                          ) -> tuple[str, list[tuple[int, int]], int]:
     """Render `messages` and find, in characters, what serving would have the target generate.
@@ -97,7 +124,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], template_kwargs: dict 
 
     Raises:
         TemplateError: an earlier-turn rendering is not a prefix of the full rendering and the turn
-            cannot be found in it; the message names the turn and the fix.
+            cannot be found in it, or an assistant turn's text holds an end-of-turn token; the
+            message names the turn and the fix.
     """
     kw = template_kwargs or {}
 
@@ -110,6 +138,10 @@ def assistant_char_spans(tokenizer, messages: list[dict], template_kwargs: dict 
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if any(s in m["content"] for s in eot):  # its span would end at the literal: see cut_at_end_of_turn_token
+            raise TemplateError(f"assistant turn {i} holds an end-of-turn token ({', '.join(s for s in eot if s in m['content'])}) "
+                                "in its text; the loss mask would stop there. Fix: cut the conversation before it "
+                                "(cut_at_end_of_turn_token) or remove the token from the text.")
         prefix = render(messages[:i], True)
         if text.startswith(prefix) and len(prefix) >= cursor:
             start = len(prefix)

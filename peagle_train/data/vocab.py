@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
 
 @dataclass
 class DraftVocab:
@@ -42,7 +44,7 @@ def build_draft_vocab(
         ValueError: draft_vocab_size is not in 1..target_vocab_size.
     """
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
+        raise ConfigError(f"data.draft_vocab_size={draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
     sup = torch.zeros(target_vocab_size, dtype=torch.long)
     allc = torch.zeros(target_vocab_size, dtype=torch.long)
     for ids, mask in zip(input_ids, loss_masks):
@@ -62,7 +64,7 @@ def draft_vocab_from_counts(sup: torch.Tensor, allc: torch.Tensor, draft_vocab_s
     """
     target_vocab_size = len(sup)
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
+        raise ConfigError(f"data.draft_vocab_size={draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
     # score: supervised count first, then unsupervised count, then smaller id (stable sort)
     order = torch.argsort(sup * (allc.max() + 1) + allc, descending=True, stable=True)
     chosen = order[:draft_vocab_size]
@@ -137,11 +139,11 @@ def validate_mask_token(mask_token_id: int, vocab_size: int, used_ids, special_i
     the id occurs, e.g. "occurs 1,234 times in the training data").
     """
     if not 0 <= mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id={mask_token_id} is outside the target vocabulary [0, {vocab_size})")
+        raise ConfigError(f"data.mask_token_id={mask_token_id} is outside the target vocabulary [0, {vocab_size})")
     if mask_token_id in used_ids:
         n = used_ids[mask_token_id] if hasattr(used_ids, "__getitem__") and not isinstance(used_ids, set) else None
         how = f"occurs {n:,} times" if n is not None else "appears"
-        raise ValueError(f"mask_token_id={mask_token_id} {how} in the training data; a mask token must be an id real "
+        raise ConfigError(f"data.mask_token_id={mask_token_id} {how} in the training data; a mask token must be an id real "
                          "data never uses. Fix: pick an unused id (or leave data.mask_token_id null to choose one)")
     if mask_token_id in special_ids:
-        raise ValueError(f"mask_token_id={mask_token_id} is a special token in use; pick an unused id (or leave it null)")
+        raise ConfigError(f"data.mask_token_id={mask_token_id} is a special token in use; pick an unused id (or leave it null)")

@@ -26,10 +26,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
+
 COST_COLUMNS = ("batch", "K", "draft_ms", "verify_ms", "target_ms")
 
 
-class CostModelError(ValueError):
+class CostModelError(UserError, ValueError):
     """Unusable input to the cost model; the message names the source, the entry and the fix."""
 
 

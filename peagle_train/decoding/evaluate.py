@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError, UserError
 from ..paths import resolve_path
 from .decoder import GenerationResult, speculative_generate_batch, target_generate
 from .shared import shared_generate, supports_shared
@@ -25,11 +26,11 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 BENCHMARKS = ("spec_bench", "mt_bench", "humaneval", "jsonl")
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(UserError, ValueError):
     """A prompt file that cannot be used; the message names the file, the line and the fix."""
 
 
-class HeadMismatchError(ValueError):
+class HeadMismatchError(UserError, ValueError):
     """A draft head that was trained for another target; the message names every mismatch."""
 
 
@@ -141,7 +142,7 @@ def load_benchmark(benchmark: str, path: str, categories: tuple[str, ...] | None
         return load_humaneval(num_prompts)
     if benchmark == "jsonl":
         return load_jsonl_prompts(path, num_prompts)
-    raise ValueError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
+    raise ConfigError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
 
 
 def check_head_target(draft, target, tokenizer=None, head_name: str = "head") -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from ..errors import CorruptFileError, load_safetensors, read_json
 from .peagle import DraftConfig, make_draft_head
 
 
@@ -26,13 +27,28 @@ def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
     return out_dir
 
 
+def draft_config_from(d, path: Path, fix: str):
+    """DraftConfig(**d) for the "draft" entry of `path`; CorruptFileError naming the file and the
+    missing or unknown key when the entry does not fit (a cut or hand-edited file)."""
+    if not isinstance(d, dict):
+        raise CorruptFileError(f"{path}: 'draft' is not an object. Fix: {fix}.")
+    try:
+        return DraftConfig(**d)
+    except TypeError as e:
+        detail = str(e).split("__init__() ")[-1]
+        raise CorruptFileError(f"{path}: the 'draft' entry does not describe a head ({detail}). Fix: {fix}.") from e
+
+
 def load_checkpoint(ckpt_dir: Path):
     """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32).
 
-    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones."""
-    meta = json.loads((Path(ckpt_dir) / "draft_config.json").read_text())
-    draft = make_draft_head(DraftConfig(**meta["draft"]))
-    missing, unexpected = draft.load_state_dict(load_file(str(Path(ckpt_dir) / "model.safetensors")), strict=False)
+    Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones;
+    CorruptFileError naming the file that is cut off or lacks a key."""
+    fix = "re-save the checkpoint, or point at a complete one (training writes runs/<run>/checkpoint)"
+    meta = read_json(Path(ckpt_dir) / "draft_config.json", "draft config", required=("draft",), fix=fix)
+    draft = make_draft_head(draft_config_from(meta["draft"], Path(ckpt_dir) / "draft_config.json", fix))
+    missing, unexpected = draft.load_state_dict(load_safetensors(Path(ckpt_dir) / "model.safetensors", "draft weights",
+                                                                 fix), strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "

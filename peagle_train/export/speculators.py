@@ -13,15 +13,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from ..errors import UserError, load_safetensors, read_json
 
 SPECULATORS_VERSION = "0.9.0"
 _NON_WEIGHTS = ("rotary_emb.",)
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """An export directory that does not match the format; the message lists every problem."""
 
 
@@ -149,12 +150,32 @@ def model_card(cfg: dict, card: dict) -> str:
 
 
 def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
-    """Read an export back into a PEagleDraft (weights cast to `dtype`)."""
+    """Read an export back into a PEagleDraft (weights cast to `dtype`).
+
+    Raises FileNotFoundError (no config.json / model.safetensors), CorruptFileError (a file cut off
+    or corrupted) and ExportError (a required config key missing, or tensors that do not fit)."""
     d = Path(export_dir)
-    cfg = json.loads((d / "config.json").read_text())
+    fix = "re-export it with scripts/export.py checkpoint=<run>/checkpoint"
+    cfg = read_json(d / "config.json", "export config", fix=fix)
+    try:
+        dc = _draft_config_of(cfg)
+    except (KeyError, IndexError, TypeError) as e:
+        raise ExportError(f"{d / 'config.json'}: a required key is missing or malformed ({type(e).__name__}: {e}). "
+                          f"Fix: {fix}.") from e
+    draft = make_draft_head(dc)
+    weights = load_safetensors(d / "model.safetensors", "export weights", fix)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}
+    missing, unexpected = draft.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
+    if missing or unexpected:
+        raise ExportError(f"{d}: missing tensors {missing}, unexpected tensors {unexpected}")
+    return draft.to(dtype)
+
+
+def _draft_config_of(cfg: dict) -> DraftConfig:
     lc = cfg["transformer_layer_config"]
     algorithm = cfg.get("speculators_model_type", "peagle")
-    dc = DraftConfig(
+    return DraftConfig(
         vocab_size=lc["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], hidden_size=lc["hidden_size"],
         intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
         num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
@@ -166,13 +187,6 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
         norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
         qk_norm=cfg.get("qk_norm", False),
     )
-    draft = make_draft_head(dc)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(d / "model.safetensors")).items()}
-    missing, unexpected = draft.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
-    if missing or unexpected:
-        raise ExportError(f"{d}: missing tensors {missing}, unexpected tensors {unexpected}")
-    return draft.to(dtype)
 
 
 def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None,
@@ -186,9 +200,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     d = Path(export_dir)
     problems = []
     try:
-        cfg = json.loads((d / "config.json").read_text())
-        sd = load_file(str(d / "model.safetensors"))
-    except Exception as e:  # missing files, bad JSON, a corrupt safetensors header
+        cfg = read_json(d / "config.json", "export config")
+        sd = load_safetensors(d / "model.safetensors", "export weights")
+    except (OSError, ValueError) as e:  # missing files, bad JSON, a cut-off or corrupt safetensors file
         raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
     required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
                 "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_version"]

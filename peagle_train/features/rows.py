@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..target.features import align_for_draft
 
 
@@ -59,7 +60,7 @@ def pack_row(docs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
     """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
     if not 0 <= n_val < n:
-        raise ValueError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
+        raise ConfigError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
     order = list(range(n))
     random.Random(seed + 7919).shuffle(order)
     return sorted(order[n_val:]), sorted(order[:n_val])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..target.features import FeatureTarget
 from .rows import PackedRow, pack_row
 
@@ -51,14 +52,14 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
 
 def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> FeatureSource:
     """From the `features` config group: `OnlineFeatures` for `source=online` (the training step runs
-    the target), an `OfflineFeatures` reader for `source=offline`. Raises ValueError for an unknown
+    the target), an `OfflineFeatures` reader for `source=offline`. Raises ConfigError (a ValueError) for an unknown
     source or a missing `features.dir`, FeatureShardError for a directory that fails its checks."""
     if fcfg.source == "online":
         return OnlineFeatures(target)
     if fcfg.source != "offline":
-        raise ValueError(f"features.source={fcfg.source!r} must be online or offline")
+        raise ConfigError(f"features.source={fcfg.source!r} must be online or offline")
     if not fcfg.dir:
-        raise ValueError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
+        raise ConfigError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
     from .offline import OfflineFeatures
 
     return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError, UserError
 from .features import FeatureTarget
 
 FORMAT_VERSION = 1
@@ -40,7 +41,7 @@ INT8_SCALES = ("channel", "token")
 MANIFEST = "manifest.json"
 
 
-class FeatureShardError(ValueError):
+class FeatureShardError(UserError, ValueError):
     """A features directory, shard or manifest failed a check; the message names the file, the
     check and the fix."""
 
@@ -222,24 +223,25 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     checks, the work and the merge, which process 0 does. The shards equal a one-process run's.
 
     Raises:
-        FeatureShardError: the directory holds shards of another fingerprint, or the target gives
-            NaN/Inf features for a document (named by its row index).
-        ValueError: unknown storage / int8_scale, docs_per_shard or tokens_per_forward < 1, or
-            world > 1 without a barrier.
+        FeatureShardError: the directory holds shards of another fingerprint, the target gives
+            NaN/Inf features for a document (named by its row index), or a shard cannot be written
+            (a full disk: the shards already recorded stay valid and a rerun resumes).
+        ConfigError (a ValueError): unknown storage / int8_scale, docs_per_shard or
+            tokens_per_forward < 1, or world > 1 without a barrier.
 
     Returns a summary: docs, tokens, shards written (by all processes) and skipped, bytes, bytes per
     token, seconds, tokens per second of the target forwards (all processes), processes.
     """
     if storage not in STORAGES:
-        raise ValueError(f"features.storage={storage!r} must be one of {STORAGES}")
+        raise ConfigError(f"features.storage={storage!r} must be one of {STORAGES}")
     if int8_scale not in INT8_SCALES:
-        raise ValueError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
+        raise ConfigError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
     if docs_per_shard < 1:
-        raise ValueError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
+        raise ConfigError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
     if tokens_per_forward < 1:
-        raise ValueError(f"tokens_per_forward={tokens_per_forward} must be ≥ 1")
+        raise ConfigError(f"tokens_per_forward={tokens_per_forward} must be ≥ 1")
     if world > 1 and barrier is None:
-        raise ValueError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
+        raise ConfigError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
     barrier = barrier or (lambda: None)
     out_dir = Path(out_dir)
     fp = features_fingerprint(target, tok, rows, storage, int8_scale)
@@ -294,16 +296,25 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
             bar.update(len(group))
         name = shard_name(k)
         tmp = out_dir / (name + f".tmp{os.getpid()}")
-        save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
-        os.replace(tmp, out_dir / name)
-        records[str(k)] = {"file": name, "first_doc": first, "num_docs": last - first,
-                           "num_tokens": int(sum(x.numel() for x in ids_l)),
-                           "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
+        try:
+            save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
+            os.replace(tmp, out_dir / name)
+            rec = {"file": name, "first_doc": first, "num_docs": last - first,
+                   "num_tokens": int(sum(x.numel() for x in ids_l)),
+                   "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
+            if world == 1:
+                _write_json_atomic(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}})
+            else:
+                _write_json_atomic(_part_path(out_dir, rank), {**records, str(k): rec})
+        except OSError as e:  # e.g. a full disk: the shards recorded so far stay valid, the run resumes
+            tmp.unlink(missing_ok=True)
+            raise FeatureShardError(
+                f"writing {out_dir / name} failed ({e.strerror or e}); the {len({**manifest['shards'], **records})} "
+                f"shards recorded in {mpath} are complete and verified, this one is not recorded. Fix: free disk "
+                f"space in {out_dir} and rerun the same command: it resumes at this shard.") from e
+        records[str(k)] = rec
         if world == 1:
-            manifest["shards"][str(k)] = records[str(k)]
-            _write_json_atomic(mpath, manifest)
-        else:
-            _write_json_atomic(_part_path(out_dir, rank), records)
+            manifest["shards"][str(k)] = rec
     bar.close()
     barrier()
     secs = time.perf_counter() - t0
@@ -340,7 +351,7 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=pr
     Raises FeatureShardError for a source shard that fails its checks (named), ValueError for an
     unknown storage. Returns {"bytes", "bytes_per_token"} of the new directory."""
     if storage not in STORAGES or int8_scale not in INT8_SCALES:
-        raise ValueError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
+        raise ConfigError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
     src, dst = Path(src), Path(dst)
     manifest = json.loads((src / MANIFEST).read_text())
     fp = dict(manifest["fingerprint"], storage=storage, int8_scale=int8_scale if storage == "int8" else None)

@@ -22,12 +22,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from ..errors import ConfigError, CorruptFileError, load_safetensors, read_json
 
 CKPT_PREFIX = "step_"
 # settings that may change between a run and its resumption (they do not change the trajectory)
 RESUME_FREE_KEYS = {"training.resume", "training.max_minutes", "training.save_every", "training.keep_last",
                     "training.tracker", "training.progress"}
+
+
+def load_torch_file(path: Path, what: str, fix: str):
+    """torch.load(path) of a checkpoint's own pickle (state.pt, rng_rank*.pt); CorruptFileError naming a
+    missing, cut-off or corrupted file."""
+    if not Path(path).is_file():
+        raise CorruptFileError(f"{path}: missing ({what}). Fix: {fix}.")
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a cut pickle/zip raises RuntimeError, EOFError, UnpicklingError...
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CorruptFileError(f"{path}: cannot read the {what} ({type(e).__name__}: {first}): the file is cut off "
+                               f"or corrupted. Fix: {fix}.") from e
 
 
 def checkpoints_root(out_dir: Path) -> Path:
@@ -191,8 +206,8 @@ def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None
     """The checkpoint to resume from, or None for a fresh run.
 
     Raises FileExistsError when `root` holds checkpoints and resume is false (they belong to
-    another run: refuse to overwrite), and ValueError naming the differing keys when the latest
-    checkpoint was made with a different config (DESIGN: resume only what is the same run).
+    another run: refuse to overwrite), and ConfigError (a ValueError) naming the differing keys
+    when the latest checkpoint was made with a different config (DESIGN: resume only what is the same run).
     """
     ckpts = list_checkpoints(root)
     if not ckpts:
@@ -201,36 +216,45 @@ def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None
         raise FileExistsError(f"{root} holds checkpoints of another run (latest {ckpts[-1].name}). Fix: resume it "
                               "with training.resume=true, or choose a new output_dir.")
     latest = ckpts[-1]
-    saved = json.loads((latest / "fingerprint.json").read_text())
+    saved = read_json(latest / "fingerprint.json", "checkpoint fingerprint", fix=_resume_fix(latest, ckpts))
     diff = differing_keys(saved, fingerprint)
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k, '<absent>')!r} → {fingerprint.get(k, '<absent>')!r}" for k in diff)
-        raise ValueError(f"checkpoint {latest} was made with a different config ({detail}). Fix: resume with the "
-                         "run's original settings, or start a new output_dir.")
+        raise ConfigError(f"checkpoint {latest} was made with a different config ({detail}). Fix: resume with the "
+                          "run's original settings, or start a new output_dir.")
     return latest
+
+
+def _resume_fix(ckpt: Path, ckpts: list[Path]) -> str:
+    prev = [p for p in ckpts if p != ckpt]
+    return (f"delete {ckpt} and resume again (from the previous checkpoint {prev[-1].name})" if prev
+            else f"delete {ckpt} and start the run again")
 
 
 def load_training_checkpoint(accelerator, ckpt: Path, draft, opt, sched, gen: torch.Generator, engine=None) -> dict:
     """Restore weights, optimizer, scheduler and this process's RNG from `ckpt`; return the loop
-    state saved with it. Raises ValueError when the process count differs (the data cursor and
-    RNG streams are per process). `engine`: weights and optimizer come from its `engine/` folder."""
+    state saved with it. Raises ConfigError (a ValueError) when the process count differs (the
+    data cursor and RNG streams are per process), CorruptFileError naming a cut-off or corrupted file (and the
+    checkpoint to fall back to). `engine`: weights and optimizer come from its `engine/` folder."""
     ckpt = Path(ckpt)
-    state = torch.load(ckpt / "state.pt", weights_only=False)
+    fix = _resume_fix(ckpt, list_checkpoints(ckpt.parent))
+    state = load_torch_file(ckpt / "state.pt", "training state", fix)
     if state["num_processes"] != accelerator.num_processes:
-        raise ValueError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "
-                         f"{accelerator.num_processes}. Fix: relaunch with --num_processes {state['num_processes']}.")
+        raise ConfigError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "
+                          f"{accelerator.num_processes}. Fix: relaunch with --num_processes {state['num_processes']}.")
     if engine is not None:
         engine.load(ckpt / "engine")
         state.pop("optimizer")
     else:
-        missing, unexpected = draft.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+        missing, unexpected = draft.load_state_dict(load_safetensors(ckpt / "model.safetensors", "draft weights", fix),
+                                                    strict=False)
         missing = [k for k in missing if not k.startswith("rotary_emb.")]
         if missing or unexpected:
-            raise ValueError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights")
+            raise CorruptFileError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights. Fix: {fix}.")
         if state["optimizer"] is None:
-            raise ValueError(f"checkpoint {ckpt} was written by a DeepSpeed/FSDP run (optimizer state in engine/). "
-                             "Fix: resume with the run's distributed.engine.")
+            raise ConfigError(f"checkpoint {ckpt} was written by a DeepSpeed/FSDP run (optimizer state in engine/). "
+                              "Fix: resume with the run's distributed.engine.")
         opt.load_state_dict(state.pop("optimizer"))
     sched.load_state_dict(state.pop("scheduler"))
-    set_rng_state(torch.load(ckpt / f"rng_rank{accelerator.process_index}.pt", weights_only=False), gen)
+    set_rng_state(load_torch_file(ckpt / f"rng_rank{accelerator.process_index}.pt", "RNG state", fix), gen)
     return state

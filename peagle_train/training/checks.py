@@ -4,12 +4,13 @@ model is loaded."""
 from __future__ import annotations
 
 from ..algorithms import OBJECTIVES
+from ..errors import ConfigError
 from .cod import ATTENTION_SETTINGS
 from .loss import LOSSES
 
 
 def check_training_config(tcfg) -> None:
-    """Raise ValueError naming every training setting that is out of range (checked at start-up,
+    """Raise ConfigError (a ValueError) naming every training setting that is out of range (checked at start-up,
     before any model is loaded)."""
     problems = []
     if tcfg.algorithm not in OBJECTIVES:
@@ -44,4 +45,4 @@ def check_training_config(tcfg) -> None:
     if tcfg.attention not in ATTENTION_SETTINGS:
         problems.append(f"training.attention={tcfg.attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
     if problems:
-        raise ValueError("Invalid training config: " + "; ".join(problems))
+        raise ConfigError("Invalid training config: " + "; ".join(problems))

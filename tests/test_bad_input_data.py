@@ -1,0 +1,278 @@
+"""Bad or unusual data files: each ends in counted handling (with the right count) or a clear
+DataFileError naming the file, the record and the fix. Every file is written by the test."""
+
+import bz2
+import gzip
+import json
+
+import pytest
+
+from peagle_train.data.conversations import DataFileError, read_records
+from peagle_train.data.prepare import prepare_data
+from peagle_train.errors import UserError
+
+ANSWER = "I am fine, thank you. The answer is 4."
+
+
+@pytest.fixture(autouse=True)
+def data_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEAGLE_DATA_CACHE", str(tmp_path / "cache"))
+
+
+def sg(i, q="hello there", a=ANSWER):
+    return {"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+def jsonl(records) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def prep(path, tok, **kw):
+    args = dict(num_conversations=None, max_length=64, min_supervised_tokens=1, draft_vocab_size=20, log=lambda *_: None)
+    return prepare_data(path, tok, len(tok), **{**args, **kw})
+
+
+def masked_texts(d, tok) -> list[str]:
+    return [tok.decode([t for t, m in zip(i, k) if m]) for i, k in zip(d.rows["input_ids"], d.rows["loss_mask"])]
+
+
+def test_user_errors_keep_their_value_error_ancestry():
+    assert issubclass(DataFileError, UserError) and issubclass(DataFileError, ValueError)
+
+
+# ---- the issue's cases, in its order ----
+
+def test_truncated_array(tmp_path, chatml_tokenizer):
+    full = json.dumps([sg(i) for i in range(4)], indent=2)
+    f = tmp_path / "cut.json"
+    f.write_text(full[: full.index('"3"') + 5])
+    s = prep(f, chatml_tokenizer).summary
+    assert s["file_truncated"] and s["records_in_file"] == 3 and s["conversations_kept"] == 3
+
+
+def test_broken_jsonl_line_is_counted_by_reason(tmp_path, chatml_tokenizer):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(jsonl([sg(0), sg(1)]) + "{not json\n" + jsonl([sg(2)]))
+    s = prep(f, chatml_tokenizer).summary
+    assert s["records_in_file"] == 4 and s["conversations_kept"] == 3
+    assert s["malformed_by_reason"] == {"Expecting property name enclosed in double quotes": 1}
+
+
+def test_invalid_utf8_skips_only_the_records_holding_it(tmp_path, chatml_tokenizer):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(jsonl([sg(0)]).encode() + '{"id": "x", "messages": "caf\xe9"}\n'.encode("latin-1") + jsonl([sg(1)]).encode())
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1"] and rep.bad_records == ["line 2: not valid UTF-8 (byte 0xe9)"]
+    arr = tmp_path / "latin1.json"
+    arr.write_bytes(b"[\n" + json.dumps(sg(0)).encode() + b",\n" + '{"id": "\xe9"}'.encode("latin-1") + b",\n"
+                    + json.dumps(sg(2)).encode() + b"\n]")
+    got, rep = read_records(arr)
+    assert [r["id"] for r in got] == ["0", "2"] and dict(rep.bad_reasons) == {"not valid UTF-8": 1}
+    s = prep(f, chatml_tokenizer).summary
+    assert s["malformed_by_reason"] == {"not valid UTF-8": 1} and s["conversations_kept"] == 2
+
+
+def test_empty_file_and_missing_path_name_the_file(tmp_path, chatml_tokenizer):
+    (tmp_path / "empty.json").write_text("")
+    with pytest.raises(DataFileError, match=r"No complete record in .*empty\.json.*Fix:"):
+        prep(tmp_path / "empty.json", chatml_tokenizer)
+    with pytest.raises(DataFileError, match=r"Data file not found: .*nope\.jsonl\. Fix: set data\.path"):
+        prep(tmp_path / "nope.jsonl", chatml_tokenizer)
+
+
+def test_fake_template_markers_in_user_text_leave_the_mask_intact(tmp_path, chatml_tokenizer):
+    f = tmp_path / "fake.jsonl"
+    f.write_text(jsonl([sg(0, q="<|im_start|>assistant\nI pretend<|im_end|> ok?")]))
+    d = prep(f, chatml_tokenizer)
+    assert masked_texts(d, chatml_tokenizer) == [ANSWER + "<|im_end|>"]
+
+
+def test_object_wrapping_the_records_under_one_key_is_read(tmp_path, chatml_tokenizer):
+    f = tmp_path / "wrapped.json"
+    f.write_text(json.dumps({"version": 2, "data": [sg(i) for i in range(3)]}, indent=2))
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1", "2"]
+    assert rep.notes == ["records read from the list under key 'data' of the top-level object"]
+    assert prep(f, chatml_tokenizer).summary["conversations_kept"] == 3
+    # cut off inside the list: the complete records are recovered, the cut is reported
+    full = json.dumps({"data": [sg(i) for i in range(3)]}, indent=2)
+    cut = tmp_path / "wrapped_cut.json"
+    cut.write_text(full[: full.index('"2"') + 5])
+    got, rep = read_records(cut)
+    assert [r["id"] for r in got] == ["0", "1"] and rep.truncated and "key 'data'" in rep.notes[0]
+
+
+def test_object_with_several_lists_or_none_names_its_keys(tmp_path):
+    f = tmp_path / "two.json"
+    f.write_text(json.dumps({"train": [sg(0), sg(1)], "test": [sg(2)]}))
+    with pytest.raises(DataFileError, match=r"two\.json is one JSON object with several lists of records: "
+                                            r"'train' \(2 items\), 'test' \(1 items\)\. Fix: keep the one"):
+        read_records(f)
+    g = tmp_path / "meta.json"
+    g.write_text(json.dumps({"name": "x", "count": 3}))
+    with pytest.raises(DataFileError, match=r"neither a conversation nor a list of them \(keys: 'name' \(str\)"):
+        read_records(g)
+
+
+def test_records_with_unknown_keys_say_why_nothing_is_kept(tmp_path, chatml_tokenizer):
+    f = tmp_path / "dialog.jsonl"
+    f.write_text(jsonl([{"dialog": [{"speaker": "user", "text": "hi"}, {"speaker": "bot", "text": ANSWER}]}] * 3))
+    with pytest.raises(DataFileError, match=r"dialog\.jsonl: none of its 3 records is a trainable conversation "
+                                            r"\(no 'conversations', 'messages' or 'data' field: 3\)\. Its records have "
+                                            r"the keys \['dialog'\].*Fix: give records with 'conversations'"):
+        prep(f, chatml_tokenizer)
+
+
+def test_directory_goes_through_the_salvaging_reader(tmp_path, chatml_tokenizer):
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.jsonl").write_text(jsonl([sg(0), sg(1)]))
+    (d / "b.jsonl").write_text(jsonl([sg(2)]) + "{broken\n")
+    (d / "c.jsonl").write_text("")            # empty: skipped and noted, the others still read
+    (d / "README.md").write_text("about")      # not data: ignored and noted
+    s = prep(d, chatml_tokenizer).summary
+    assert s["records_in_file"] == 4 and s["conversations_kept"] == 3 and s["malformed_records_skipped"] == 1
+    from peagle_train.data.sources import load_source
+
+    ds, info = load_source(d)
+    assert sorted(ds["id"]) == ["a.jsonl:0", "a.jsonl:1", "b.jsonl:2"]
+    assert info.first_malformed == "b.jsonl: line 2: Expecting property name enclosed in double quotes"
+    assert any(n.startswith("skipped c.jsonl: No complete record") for n in info.notes)
+    assert "1 other files ignored (README.md)" in info.notes[0]
+
+
+def test_utf8_and_utf16_byte_order_marks_are_read(tmp_path, chatml_tokenizer):
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + jsonl([sg(i) for i in range(3)]).encode())
+    s = prep(f, chatml_tokenizer).summary
+    assert s["records_in_file"] == 3 and s["conversations_kept"] == 3 and s["malformed_records_skipped"] == 0
+    u = tmp_path / "utf16.json"
+    u.write_text(json.dumps([sg(i) for i in range(2)]), encoding="utf-16")
+    got, rep = read_records(u)
+    assert len(got) == 2 and rep.notes == ["UTF-16 (read by its byte-order mark)"]
+
+
+def test_changes_are_counted_once(tmp_path, chatml_tokenizer):
+    rec = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"},
+                             {"from": "human", "value": "hello there"}, {"from": "gpt", "value": ANSWER}]}
+    f = tmp_path / "c.jsonl"
+    f.write_text(jsonl([rec] * 3))
+    s = prep(f, chatml_tokenizer).summary
+    assert s["conversations_kept"] == 3
+    assert s["changed"] == {"leading assistant turn dropped": 3, "consecutive same-role turns merged": 3}
+
+
+def test_tool_calls_and_tool_turns_are_counted(tmp_path, chatml_tokenizer):
+    call = {"id": "call", "messages": [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+        {"role": "tool", "content": "4"}, {"role": "assistant", "content": ANSWER}]}
+    later = {"id": "later", "messages": [
+        {"role": "user", "content": "hello there"}, {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "again?"}, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]}
+    text_and_call = {"id": "both", "messages": [
+        {"role": "user", "content": "hello there"}, {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": 1}]}]}
+    f = tmp_path / "tools.jsonl"
+    f.write_text(jsonl([call, later, text_and_call, sg("plain")]))
+    d = prep(f, chatml_tokenizer)
+    s = d.summary
+    assert s["changed"] == {"truncated at an assistant tool call": 2, "truncated at a tool turn": 1}
+    assert s["dropped"] == {"no assistant turn": 1}   # "call": nothing before its tool call is an answer
+    assert sorted(d.rows["source"]) == ["both", "later", "plain"]
+    assert masked_texts(d, chatml_tokenizer) == [ANSWER + "<|im_end|>"] * 3
+
+
+def test_end_of_turn_token_inside_an_answer_never_shrinks_the_mask(tmp_path, chatml_tokenizer):
+    quoted = "The token <|im_end|> ends a turn."
+    one = sg("one", a=quoted)
+    two = {"id": "two", "conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": ANSWER},
+                                          {"from": "human", "value": "and?"}, {"from": "gpt", "value": quoted}]}
+    f = tmp_path / "eot.jsonl"
+    f.write_text(jsonl([one, two, sg("ok")]))
+    d = prep(f, chatml_tokenizer)
+    s = d.summary
+    assert s["dropped"] == {"assistant turn holds the end-of-turn token <|im_end|>": 1}
+    assert s["changed"] == {"truncated at an assistant turn holding an end-of-turn token": 1}
+    assert sorted(d.rows["source"]) == ["ok", "two"]
+    # every kept row's mask is exactly its answers and their end-of-turn tokens
+    assert masked_texts(d, chatml_tokenizer) == [ANSWER + "<|im_end|>"] * 2
+    from peagle_train.data.template import TemplateError, tokenize_conversation
+
+    with pytest.raises(TemplateError, match="assistant turn 1 holds an end-of-turn token"):
+        tokenize_conversation(chatml_tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": quoted}])
+
+
+def test_compressed_files_are_read_or_named(tmp_path, chatml_tokenizer):
+    recs = [sg(i) for i in range(3)]
+    g = tmp_path / "d.jsonl.gz"
+    g.write_bytes(gzip.compress(jsonl(recs).encode()))
+    s = prep(g, chatml_tokenizer).summary
+    assert s["records_in_file"] == 3 and s["conversations_kept"] == 3
+    b = tmp_path / "d.json.bz2"
+    b.write_bytes(bz2.compress(json.dumps(recs).encode()))
+    assert read_records(b)[1].notes == ["bzip2-compressed"]
+    # a cut-off gzip stream: the complete lines before the cut are read, the cut is reported
+    many = [sg(i, q=f"question {i} " + " ".join(str(i * j % 89) for j in range(30))) for i in range(200)]
+    cut = tmp_path / "cut.jsonl.gz"
+    z = gzip.compress(jsonl(many).encode())
+    cut.write_bytes(z[: len(z) // 2])
+    got, rep = read_records(cut)
+    assert 0 < len(got) < 200 and [r["id"] for r in got] == [str(i) for i in range(len(got))]
+    assert rep.truncated and "cut off" in rep.notes[0]
+    z = tmp_path / "d.jsonl.zst"
+    z.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16)
+    with pytest.raises(DataFileError, match=r"d\.jsonl\.zst is a zstd file.*Fix: decompress it \(zstd -d d\.jsonl\.zst\)"):
+        read_records(z)
+
+
+def test_short_answers_name_the_setting(tmp_path, chatml_tokenizer):
+    f = tmp_path / "short.jsonl"
+    f.write_text(jsonl([sg(i, a="4") for i in range(5)]))
+    with pytest.raises(DataFileError, match=r"No trainable row in .*short\.jsonl \(drops by reason: fewer than 16 "
+                                            r"supervised tokens: 5\)\. Fix: lower data\.min_supervised_tokens \(now 16"):
+        prep(f, chatml_tokenizer, min_supervised_tokens=16)
+
+
+# ---- more cases ----
+
+def test_single_object_and_mixed_turn_keys(tmp_path, chatml_tokenizer):
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps(sg("solo"), indent=2))
+    assert prep(f, chatml_tokenizer).rows["source"] == ["solo"]
+    g = tmp_path / "mixed.jsonl"  # ShareGPT's list with OpenAI's turn keys
+    g.write_text(jsonl([{"id": "m", "conversations": [{"role": "user", "content": "hello there"},
+                                                      {"role": "assistant", "content": ANSWER}]}]))
+    assert masked_texts(prep(g, chatml_tokenizer), chatml_tokenizer) == [ANSWER + "<|im_end|>"]
+
+
+def test_deep_nesting_is_a_malformed_record_not_a_crash(tmp_path):
+    f = tmp_path / "deep.jsonl"
+    f.write_text('{"conversations": ' + "[" * 50000 + "]" * 50000 + "}\n" + jsonl([sg(0)]))
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0"] and rep.bad_records == ["line 1: nested too deeply to parse"]
+
+
+def test_single_parquet_file_and_mixed_directory(tmp_path, chatml_tokenizer):
+    import datasets
+
+    p = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([sg(i) for i in range(3)]).to_parquet(str(p))
+    assert sorted(prep(p, chatml_tokenizer).rows["source"]) == ["0", "1", "2"]
+    d = tmp_path / "mixed"
+    d.mkdir()
+    datasets.Dataset.from_list([sg(0)]).to_parquet(str(d / "a.parquet"))
+    (d / "b.jsonl").write_text(jsonl([sg(1)]))
+    with pytest.raises(DataFileError, match=r"holds both \.parquet \(1\) and JSON/JSONL \(1\) files"):
+        prep(d, chatml_tokenizer)
+
+
+def test_pretokenised_rows_with_bad_values_are_dropped_not_crashing(tmp_path, chatml_tokenizer):
+    f = tmp_path / "tok.jsonl"
+    f.write_text(jsonl([{"id": "ok", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+                        {"id": "huge", "input_ids": [10 ** 30, 6], "loss_mask": [0, 1]},
+                        {"id": "bool", "input_ids": [5, 6], "loss_mask": [False, True]},
+                        {"id": "float", "input_ids": [5, 6.0], "loss_mask": [0, 1]}]))
+    d = prep(f, chatml_tokenizer)
+    assert d.rows["source"] == ["ok"]
+    assert d.summary["dropped"] == {"pre-tokenised row: input_ids/loss_mask not equal-length lists of ids and 0/1": 3}

@@ -23,7 +23,7 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 @dataclass
 class TargetConfig:
     path: str = "pkg:smollm2"
-    name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    name_or_path: Optional[str] = None
     dtype: str = "float32"
     aux_layer_ids: Optional[list[int]] = None
 
@@ -64,6 +64,7 @@ class DraftSchema:
     fc_norm: bool = False
     norm_before_residual: bool = False
     gradient_checkpointing: bool = False
+    init_from: Optional[str] = None
 
 
 @dataclass

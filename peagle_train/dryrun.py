@@ -51,7 +51,7 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     from .target.features import FeatureTarget
     from .training.loop import check_training_config, load_checkpoint, save_checkpoint, train
 
-    family = family_of(cfg.target.name_or_path)
+    family = family_of(cfg.target.name_or_path or cfg.target.path)
     V = 256
     target = FeatureTarget(tiny_target(family, V))
     vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)

@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from peagle_train.export.speculators import ExportError, validate_export, write_export
+from peagle_train.export.speculators import ExportError, validate_export, verifier_name, write_export
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.training.loop import load_checkpoint
@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> None:
     if (run / "data" / "summary.json").is_file():
         card["data"] = json.loads((run / "data" / "summary.json").read_text())
     try:
-        write_export(draft, out, verifier_name_or_path=meta.get("verifier_name_or_path", cfg.target.name_or_path),
+        write_export(draft, out, verifier_name_or_path=meta.get("verifier_name_or_path") or verifier_name(cfg.target.name_or_path, cfg.target.path),
                      verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
                      dtype=dtype_of(cfg.dtype or cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
     except ExportError as e:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> dict:
                         draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
                         seed=cfg.seed, log=print)
     summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
-                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard)
+                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard, template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     Path(cfg.features.dir, "generation_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -14,7 +14,6 @@ nothing but the Arrow file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import datasets
 
+from ..io import atomic_write_json
+from ..provenance import digest, sha256_file
 from .conversations import DataFileError, ReadReport, normalize_record, read_records, read_summary
 
 NORMALIZE_VERSION = "2"  # bump when the normalisation rules change: invalidates cached Arrow tables
@@ -60,28 +61,6 @@ class SourceInfo:
                             self.first_malformed)
 
 
-def file_sha256(path: Path, cache_dir: Path) -> str:
-    """sha256 of a file, remembered per (path, size, mtime) in cache_dir/hashes.json."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo_path = cache_dir / "hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if key not in memo:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        memo[key] = h.hexdigest()
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
-    return memo[key]
-
-
 def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print) -> tuple[datasets.Dataset, SourceInfo]:
     """Load one source as the normalised table described in the module docstring.
 
@@ -96,12 +75,12 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print
     if not path.is_file():
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path (or a data.mix entry's path) to an "
                             "existing JSON/JSONL file or a local Hugging Face dataset directory.")
-    digest = file_sha256(path, cache)
-    report_path = cache / "reports" / f"{digest}-v{NORMALIZE_VERSION}.json"
+    sha = sha256_file(path, memo_dir=cache)
+    report_path = cache / "reports" / f"{sha}-v{NORMALIZE_VERSION}.json"
     try:
         ds = datasets.Dataset.from_generator(
             _normalised_records, features=FEATURES, cache_dir=str(cache / "arrow"),
-            gen_kwargs={"path": str(path), "sha256": digest, "version": NORMALIZE_VERSION,
+            gen_kwargs={"path": str(path), "sha256": sha, "version": NORMALIZE_VERSION,
                         "report_path": str(report_path)})
     except Exception as e:  # datasets wraps the generator's errors; surface ours as they are
         cause = e
@@ -114,7 +93,7 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print
         _, rep = read_records(path)
         _write_report(rep, report_path)
     rep = json.loads(report_path.read_text())
-    info = SourceInfo(str(path), digest, path.stat().st_size, "json", **rep)
+    info = SourceInfo(str(path), sha, path.stat().st_size, "json", **rep)
     return ds, info
 
 
@@ -140,18 +119,15 @@ def _row_of(rec: dict, rid: str) -> dict:
 
 
 def _write_report(rep: ReadReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     d = {"records": rep.records, "truncated": rep.truncated, "lost_bytes": rep.lost_bytes,
          "malformed_records": len(rep.bad_records), "first_malformed": rep.bad_records[0] if rep.bad_records else ""}
-    path.write_text(json.dumps(d))
+    atomic_write_json(path, d, indent=None)
 
 
 def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, SourceInfo]:
     """A `save_to_disk` directory, or a directory of parquet/json/jsonl files, normalised with `map`."""
     files = sorted(p for p in path.rglob("*") if p.is_file())
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.relative_to(path)}:{file_sha256(f, cache)}\n".encode())
+    listing = "".join(f"{f.relative_to(path)}:{sha256_file(f, memo_dir=cache)}\n" for f in files)
     size = sum(f.stat().st_size for f in files)
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
         raw = datasets.load_from_disk(str(path))
@@ -169,7 +145,7 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
         raise DataFileError(f"No record in dataset directory {path}. Fix: check the directory.")
     ds = raw.map(_normalise_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
                  features=FEATURES, desc=f"normalising {path.name}")
-    return ds, SourceInfo(str(path), h.hexdigest(), size, "hf_dataset_dir", records=len(raw))
+    return ds, SourceInfo(str(path), digest(listing), size, "hf_dataset_dir", records=len(raw))
 
 
 def _normalise_batch(batch: dict, indices: list[int]) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..paths import resolve_path
+from ..provenance import path_fingerprint
 
 CACHE_DIR = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
 
@@ -55,8 +55,7 @@ def model_source(path: str, log=print) -> str:
 
 
 def _dequantised_gguf_dir(gguf: Path, log) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    key = path_fingerprint(gguf)[:16]
     out = CACHE_DIR / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out

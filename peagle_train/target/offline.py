@@ -32,6 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .. import provenance
+from ..io import atomic_write_json
 from ..training.loop import PackedRow
 from .features import FeatureTarget, align_for_draft
 
@@ -84,20 +86,21 @@ def rows_fingerprint(rows) -> str:
     return h.hexdigest()
 
 
-def features_fingerprint(target: FeatureTarget, tok, rows, storage: str, int8_scale: str = "channel") -> dict:
+def features_fingerprint(target: FeatureTarget, tok, rows, storage: str, int8_scale: str = "channel",
+                         template_kwargs: dict | None = None) -> dict:
     """What a features directory must match to be used for a run: target weights, tokenizer,
     chat template, aux layer ids, storage dtype (and int8 scaling) and the data rows."""
     return {
         "format_version": FORMAT_VERSION,
-        "target": target_fingerprint(target.model),
+        "target": provenance.weights_fingerprint(target.model),
         "target_architectures": list(target.config.architectures or []),
-        "tokenizer": tokenizer_fingerprint(tok),
-        "template": _sha(getattr(tok, "chat_template", None) or ""),
+        "tokenizer": provenance.tokenizer_fingerprint(tok),
+        "template": provenance.chat_template_fingerprint(tok, template_kwargs),
         "aux_layer_ids": list(target.aux_layer_ids),
         "hidden_size": int(target.config.hidden_size),
         "storage": storage,
         "int8_scale": int8_scale if storage == "int8" else None,
-        "data": rows_fingerprint(rows),
+        "data": provenance.rows_fingerprint(rows),
         "num_docs": len(rows),
     }
 
@@ -172,7 +175,7 @@ def _shard_tensors(ids: list[torch.Tensor], aux: list[torch.Tensor], final: list
 
 
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
-                   int8_scale: str = "channel", docs_per_shard: int = 64, log=print) -> dict:
+                   int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None, log=print) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
 
     rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. Each document is run
@@ -196,7 +199,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         raise ValueError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fp = features_fingerprint(target, tok, rows, storage, int8_scale)
+    fp = features_fingerprint(target, tok, rows, storage, int8_scale, template_kwargs)
     mpath = out_dir / MANIFEST
     if mpath.is_file():
         manifest = json.loads(mpath.read_text())
@@ -206,7 +209,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
                                     f"asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
     else:
         manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
-        _write_json_atomic(mpath, manifest)
+        atomic_write_json(mpath, manifest, indent=1)
     for stale in out_dir.glob("*.tmp*"):  # left by a killed run
         stale.unlink()
     n = len(rows)
@@ -246,8 +249,8 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         os.replace(tmp, out_dir / name)
         manifest["shards"][str(k)] = {"file": name, "first_doc": first, "num_docs": last - first,
                                       "num_tokens": int(sum(x.numel() for x in ids_l)),
-                                      "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
-        _write_json_atomic(mpath, manifest)
+                                      "bytes": (out_dir / name).stat().st_size, "sha256": provenance.sha256_file(out_dir / name)}
+        atomic_write_json(mpath, manifest, indent=1)
         written += 1
     bar.close()
     secs = time.perf_counter() - t0
@@ -294,8 +297,8 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=pr
         save_file(_shard_tensors(split(t["input_ids"]), split(aux), split(final), storage, int8_scale), str(tmp))
         os.replace(tmp, dst / rec["file"])
         path = dst / rec["file"]
-        out["shards"][key] = dict(rec, bytes=path.stat().st_size, sha256=_file_sha256(path))
-    _write_json_atomic(dst / MANIFEST, out)
+        out["shards"][key] = dict(rec, bytes=path.stat().st_size, sha256=provenance.sha256_file(path))
+    atomic_write_json(dst / MANIFEST, out, indent=1)
     total = sum(s["bytes"] for s in out["shards"].values())
     tokens = sum(s["num_tokens"] for s in out["shards"].values())
     log(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
@@ -307,7 +310,7 @@ def _shard_is_complete(out_dir: Path, manifest: dict, k: int) -> bool:
     if rec is None:
         return False
     path = out_dir / rec["file"]
-    return path.is_file() and path.stat().st_size == rec["bytes"] and _file_sha256(path) == rec["sha256"]
+    return path.is_file() and path.stat().st_size == rec["bytes"] and provenance.sha256_file(path) == rec["sha256"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +331,7 @@ class OfflineFeatures:
     """
 
     def __init__(self, feat_dir, target: FeatureTarget, tok, rows, *, storage: str | None = None,
-                 int8_scale: str = "channel", verify: bool = True, log=print):
+                 int8_scale: str = "channel", verify: bool = True, template_kwargs: dict | None = None, log=print):
         self.dir = Path(feat_dir)
         self.target = target
         mpath = self.dir / MANIFEST
@@ -341,7 +344,7 @@ class OfflineFeatures:
             raise FeatureShardError(f"{mpath}: not valid JSON ({e}). Fix: regenerate the features directory.") from e
         found = manifest.get("fingerprint", {})
         storage = storage or found.get("storage")
-        expected = features_fingerprint(target, tok, rows, storage, int8_scale if storage == "int8" else "channel")
+        expected = features_fingerprint(target, tok, rows, storage, int8_scale if storage == "int8" else "channel", template_kwargs)
         _compare(found, {k: v for k, v in expected.items() if k != "data"}, mpath)
         self.storage = storage
         self.docs_per_shard = manifest["docs_per_shard"]
@@ -368,7 +371,7 @@ class OfflineFeatures:
                 raise FeatureShardError(f"{path}: truncated or altered after writing (check: size, {size} bytes, "
                                         f"manifest says {rec['bytes']}). Fix: delete the shard and rerun "
                                         "scripts/generate_hidden_states.py (it recomputes only missing shards).")
-            if verify and _file_sha256(path) != rec["sha256"]:
+            if verify and provenance.sha256_file(path) != rec["sha256"]:
                 raise FeatureShardError(f"{path}: altered after writing (check: sha256 differs from the manifest). "
                                         "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
             try:
@@ -439,7 +442,7 @@ class OfflineFeatures:
         return PackedRow(*(torch.cat(x) for x in zip(*parts)))
 
 
-def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> OfflineFeatures | None:
+def open_features(fcfg, target: FeatureTarget, tok, rows, log=print, template_kwargs: dict | None = None) -> OfflineFeatures | None:
     """From the `features` config group: None for `source=online` (the training step runs the
     target), an `OfflineFeatures` reader for `source=offline`. Raises ValueError for an unknown
     source or a missing `features.dir`, FeatureShardError for a directory that fails its checks."""
@@ -450,4 +453,4 @@ def open_features(fcfg, target: FeatureTarget, tok, rows, log=print) -> OfflineF
     if not fcfg.dir:
         raise ValueError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
     return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
-                           verify=fcfg.verify, log=log)
+                           verify=fcfg.verify, template_kwargs=template_kwargs, log=log)

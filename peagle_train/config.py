@@ -36,7 +36,7 @@ class DataConfig:
     min_supervised_tokens: int = 16
     draft_vocab_size: int = 8192
     mask_token_id: Optional[int] = None
-    # issue 3: sources, templates, caching, packing, prepared data
+    # sources, templates, caching, packing, prepared data
     mix: list[Any] = field(default_factory=list)
     chat_template: Optional[str] = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +85,7 @@ class TrainingConfig:
     partitions: int = 1
     ttt_decay: float = 0.8
     attention: str = "auto"
-    # issue 6: checkpoints, resume, validation
+    # checkpoints, resume, validation
     save_every: Optional[int] = None
     keep_last: Optional[int] = 3
     resume: bool = False

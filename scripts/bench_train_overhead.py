@@ -34,7 +34,7 @@ from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
 from peagle_train.training import loop  # noqa: E402
 
-HEADING = "## Training-step overhead with online features (issue 6)"
+HEADING = "## Training-step overhead with online features"
 
 
 def timed(fn, bucket: list):

@@ -1,4 +1,4 @@
-"""The manifest of a prepared dataset, and the check that training's target matches it (issue 3 §7).
+"""The manifest of a prepared dataset, and the check that training's target matches it.
 
 manifest.json records what the rows depend on: the source files and their sha256, the tokenizer
 (sha256 of its serialised vocabulary/merges/specials), the chat template and its arguments, the

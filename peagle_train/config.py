@@ -15,9 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .paths import REPO_ROOT
-
-RECIPES_DIR = REPO_ROOT / "recipes"
+from .paths import RECIPES_DIR
 
 
 @dataclass

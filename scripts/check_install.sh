@@ -9,7 +9,10 @@ VENV=${1:-/tmp/peagle-install-check}
 PY=${PYTHON:-python3}
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "${PEAGLE_TORCH:-torch==2.13.0}"
-"$VENV/bin/pip" install -q "$SRC"                      # not -e: the package is copied into site-packages
+COPY=$(mktemp -d)                                      # build from a copy: nothing is written into the checkout
+(cd "$SRC" && tar --exclude=__pycache__ --exclude='*.egg-info' -cf - pyproject.toml README.md peagle_train conf recipes data/spec_bench) \
+  | tar -C "$COPY" -xf -
+"$VENV/bin/pip" install -q "$COPY"                     # not -e: the package is copied into site-packages
 RUN=$(mktemp -d)
 cd "$RUN"
 OMP_NUM_THREADS=1 "$VENV/bin/python" - "$RUN" <<'PY'

@@ -87,13 +87,14 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False, durable: bool = Fal
     """Yield an empty temporary sibling directory; on success it becomes `path`.
 
     `overwrite`: an existing `path` is removed just before the rename (the one moment a kill leaves
-    neither version); without it an existing `path` raises FileExistsError before anything is
-    written. `durable`: fsync every file and the directories before and after the rename.
+    neither version); without it an existing `path` raises FileExistsError, before anything is
+    written or, when another process created `path` meanwhile, at the end (its `path` is kept and
+    this temporary removed). `durable`: fsync every file and the directories before and after the rename.
     `tmp`: the temporary's name when a caller must recognise it later (checkpoints clean up
     `.tmp-step_N`); default `.<name>.tmp-<pid>`. A stale temporary of that name is removed first.
 
     Raises:
-        FileExistsError: `path` exists and overwrite is False.
+        FileExistsError: `path` exists (or appears) and overwrite is False.
     """
     path = Path(path)
     if path.exists() and not overwrite:
@@ -110,6 +111,8 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False, durable: bool = Fal
                     fsync_file(f)
             fsync_dir(tmp)
         if path.exists():
+            if not overwrite:
+                raise FileExistsError(f"{path} appeared while it was being written (another process?); kept as it is.")
             shutil.rmtree(path)
         tmp.rename(path)
         if durable:

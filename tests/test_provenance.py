@@ -126,3 +126,12 @@ def test_atomic_dir(tmp_path):
     with atomic_dir(d, overwrite=True, durable=True) as tmp:
         (tmp / "g").write_text("3")
     assert sorted(x.name for x in d.iterdir()) == ["g"]
+    # another process finishes the same directory first: its version is kept, ours discarded
+    race = tmp_path / "cache"
+    with pytest.raises(FileExistsError, match="appeared while it was being written"):
+        with atomic_dir(race) as tmp:
+            (tmp / "mine").write_text("x")
+            race.mkdir()
+            (race / "theirs").write_text("y")
+    assert sorted(x.name for x in race.iterdir()) == ["theirs"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["cache", "export"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..io import atomic_dir
 from ..paths import resolve_path
 from ..provenance import path_fingerprint
 
@@ -67,10 +68,12 @@ def _dequantised_gguf_dir(gguf: Path, log) -> Path:
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg)
     model.load_state_dict(q.state_dict())
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    tmp.rename(out) if not out.exists() else None
+    try:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+    except FileExistsError:  # another process (e.g. the other rank of a launch) cached it first
+        pass
     return out
 
 

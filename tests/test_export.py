@@ -178,6 +178,7 @@ def test_model_card_metadata_header(tmp_path, target_model):
                     "tags": ["speculative-decoding", "p-eagle", "eagle3", "speculators", "vllm", "draft-model"],
                     "datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"]}  # the local file is not a hub dataset
     assert body.index("# P-EAGLE draft head for HuggingFaceTB/SmolLM2-135M-Instruct") < body.index("| mt_bench | 20 | 5 | 1.250 |")
+    assert "7 conversations from `ShareGPT_V3_unfiltered_cleaned_split.json`, `mine.jsonl`, 100 tokens" in body
     bare = write_export(d, tmp_path / "bare", verifier_name_or_path="org/t", verifier_architectures=["L"])
     meta = yaml.safe_load((bare / "README.md").read_text()[4:].split("\n---\n", 1)[0])
     assert meta["base_model"] == "org/t" and "datasets" not in meta

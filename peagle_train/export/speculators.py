@@ -225,7 +225,8 @@ def model_card(cfg: dict, card: dict) -> str:
              f"{cfg['eagle_aux_hidden_state_layer_ids']}" + (f", mask token {cfg['mask_token_id']}." if peagle else "."), ""]
     data = card.get("data")
     if data:
-        lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from `{Path(str(data.get('file'))).name}`, "
+        lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from "
+                  f"{', '.join(f'`{Path(x).name}`' for x in str(data.get('file')).split(', '))}, "
                   f"{data.get('tokens')} tokens ({data.get('supervised_tokens')} supervised), chat template of the target, "
                   "assistant-only loss.", ""]
     acc = card.get("acceptance") or {}

@@ -24,7 +24,7 @@ from peagle_train.data.prepare import format_summary, load_prepared, prepare_dat
 from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import cli_main
-from peagle_train.export.speculators import write_export
+from peagle_train.export.speculators import verifier_name, write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path
@@ -60,6 +60,8 @@ def main(cfg: DictConfig) -> dict:
                              "engine": cfg.distributed.engine, "zero_stage": cfg.distributed.zero_stage})
     check_training_config(tcfg)  # fail at start-up, naming the setting
     check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
+    verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \
+        else cfg.target.name_or_path  # the verifier the export names: refused now, not after training
     if cfg.dry_run:
         from peagle_train.dryrun import dry_run
 
@@ -106,7 +108,8 @@ def main(cfg: DictConfig) -> dict:
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
-    features = open_features(cfg.features, target, tok, data.rows, log=log)  # online target or offline shards
+    features = open_features(cfg.features, target, tok, data.rows, log=log,  # online target or offline shards
+                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}
@@ -114,7 +117,7 @@ def main(cfg: DictConfig) -> dict:
         f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
     if acc.is_main_process:
         save_checkpoint(draft, out / "checkpoint", {
-            "target": cfg.target.path, "verifier_name_or_path": cfg.target.name_or_path,
+            "target": cfg.target.path, "verifier_name_or_path": verifier,
             "verifier_architectures": list(target.config.architectures or []), "train": result})
 
         # 3. acceptance with the reference decoder, 4. export
@@ -131,7 +134,7 @@ def main(cfg: DictConfig) -> dict:
                     train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
-            write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,
+            write_export(draft, out / "export", verifier_name_or_path=verifier,
                          verifier_architectures=list(target.config.architectures or []),
                          dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
                          card={"data": data.summary, "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}})

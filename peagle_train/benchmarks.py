@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .io import atomic_write_text
 from .paths import REPO_ROOT
 
 BENCHMARKS_MD = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -22,5 +23,5 @@ def write_section(heading: str, section: str, path: str | Path = BENCHMARKS_MD) 
         text = text[:start] + section + (text[nxt:] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    atomic_write_text(path, text)
     return path

@@ -15,15 +15,13 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .paths import REPO_ROOT
-
-RECIPES_DIR = REPO_ROOT / "recipes"
+from .paths import RECIPES_DIR
 
 
 @dataclass
 class TargetConfig:
     path: str = "pkg:smollm2"
-    name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    name_or_path: Optional[str] = None
     dtype: Optional[str] = None   # target weights: null = float32; compute follows `precision`
     aux_layer_ids: Optional[list[int]] = None
 
@@ -36,7 +34,7 @@ class DataConfig:
     min_supervised_tokens: int = 16
     draft_vocab_size: int = 8192
     mask_token_id: Optional[int] = None
-    # issue 3: sources, templates, caching, packing, prepared data
+    # sources, templates, caching, packing, prepared data
     mix: list[Any] = field(default_factory=list)
     chat_template: Optional[str] = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +62,7 @@ class DraftSchema:
     fc_norm: bool = False
     norm_before_residual: bool = False
     gradient_checkpointing: bool = False
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -84,7 +83,7 @@ class TrainingConfig:
     partitions: int = 1
     ttt_decay: float = 0.8
     attention: str = "auto"
-    # issue 6: checkpoints, resume, validation
+    # checkpoints, resume, validation
     save_every: Optional[int] = None
     keep_last: Optional[int] = 3
     resume: bool = False

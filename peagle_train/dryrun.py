@@ -53,7 +53,7 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     from .training.checks import check_training_config
     from .training.trainer import train
 
-    family = family_of(cfg.target.name_or_path)
+    family = family_of(cfg.target.name_or_path or cfg.target.path)
     V = 256
     target = FeatureTarget(tiny_target(family, V))
     vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)

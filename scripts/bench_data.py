@@ -26,7 +26,7 @@ from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 
-HEADING = "## Data preparation (issue 3)"
+HEADING = "## Data preparation"
 
 
 class PeakRSS:

@@ -1,5 +1,5 @@
 """Benchmark target feature capture and offline shards (issue 4); prints a table and writes the
-"Target features (issue 4)" section of docs/BENCHMARKS.md.
+"Target features" section of docs/BENCHMARKS.md.
 
     python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--no-write]
 
@@ -38,7 +38,7 @@ from peagle_train.features.sources import packed_row
 from peagle_train.target.offline import write_features
 from peagle_train.training.cod import cod_sample
 
-HEADING = "## Target features (issue 4)"
+HEADING = "## Target features"
 
 
 def sync(dev):

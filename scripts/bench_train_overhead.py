@@ -35,7 +35,7 @@ from peagle_train.target.features import FeatureTarget  # noqa: E402
 from peagle_train.algorithms import peagle  # noqa: E402
 from peagle_train.training import trainer  # noqa: E402
 
-HEADING = "## Training-step overhead with online features (issue 6)"
+HEADING = "## Training-step overhead with online features"
 
 
 def timed(fn, bucket: list):

@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from peagle_train.errors import cli_main
-from peagle_train.export.speculators import ExportError, validate_export, write_export
+from peagle_train.export.speculators import ExportError, validate_export, verifier_name, write_export
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.io import load_checkpoint
@@ -50,11 +50,13 @@ def main(cfg: DictConfig) -> None:
         card["acceptance"]["mt_bench"] = json.loads((run / "eval" / "acceptance.json").read_text())
     if (run / "data" / "summary.json").is_file():
         card["data"] = json.loads((run / "data" / "summary.json").read_text())
+    name = cfg.target.name_or_path or meta.get("verifier_name_or_path")  # the command line, else what training recorded
     try:
-        write_export(draft, out, verifier_name_or_path=meta.get("verifier_name_or_path", cfg.target.name_or_path),
+        verifier = verifier_name(name, cfg.target.path) if cfg.check_target or not name else name
+        write_export(draft, out, verifier_name_or_path=verifier,
                      verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
                      dtype=dtype_of(cfg.dtype or cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
-    except ExportError as e:
+    except ValueError as e:  # ExportError, or a verifier name that does not match target.path
         raise SystemExit(f"export refused: {e}")
     print(f"export written and validated: {out}")
 

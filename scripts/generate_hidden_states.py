@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import prepare_data
 from peagle_train.errors import cli_main
+from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
 from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
@@ -56,10 +57,11 @@ def main(cfg: DictConfig) -> dict:
                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
                              int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
+                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
                              tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index, world=world,
                              barrier=acc.wait_for_everyone, log=log)
     if acc.is_main_process:
-        Path(cfg.features.dir, "generation_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
     acc.wait_for_everyone()
     return summary
 

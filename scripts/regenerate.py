@@ -68,7 +68,7 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(f"regenerate.backend={r.backend}: use hf or endpoint")
     convs, too_long = conversations(cfg, tok if r.backend == "hf" else None)
     stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
-                       extra={"regenerated_by": str(cfg.target.name_or_path if r.backend == "hf" else r.model)})
+                       extra={"regenerated_by": str((cfg.target.name_or_path or cfg.target.path) if r.backend == "hf" else r.model)})
     if too_long:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}

@@ -65,8 +65,8 @@ def test_prepare_data_with_bad_data(tmp_path, tiny_target):
 def test_train_with_bad_data_and_bad_config(tmp_path, tiny_target):
     short = write_jsonl(tmp_path / "short.jsonl", [{"conversations": [{"from": "human", "value": "q"},
                                                                       {"from": "gpt", "value": "4"}]}] * 3)
-    p = run("train.py", f"target.path={tiny_target}", f"data.path={short}", f"output_dir={tmp_path / 'o'}",
-            "data.num_proc=1", "threads=1", tmp=tmp_path)
+    p = run("train.py", f"target.path={tiny_target}", "target.name_or_path=test/tiny-llama", f"data.path={short}",
+            f"output_dir={tmp_path / 'o'}", "data.num_proc=1", "threads=1", tmp=tmp_path)
     user_error(p, "train.py: error: No trainable row in", "short.jsonl", "data.min_supervised_tokens (now 16")
     # a value of the wrong type (Hydra cannot compose the config) and one out of range (checked at start-up)
     p = run("train.py", "training.lr=abc", f"output_dir={tmp_path / 'o2'}")

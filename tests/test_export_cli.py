@@ -39,3 +39,22 @@ def test_export_cli(tmp_path, target_model):
     (out / "model.safetensors").write_bytes(b"not a safetensors file")
     bad = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
     assert bad.returncode == 1 and "INVALID" in bad.stderr
+
+
+def test_export_cli_verifier_name(tmp_path, target_model):
+    """A checkpoint that recorded no verifier, exported against a local target: refused until
+    target.name_or_path names it; the name is then written into config.json and the card."""
+    import json
+
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
+    ckpt = save_checkpoint(d, tmp_path / "run" / "checkpoint", {"verifier_architectures": ["LlamaForCausalLM"]})
+    target_model.save_pretrained(str(tmp_path / "target"))
+    common = [f"checkpoint={ckpt}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}"]
+    nameless = run(*common, f"output={tmp_path / 'e1'}")
+    assert nameless.returncode != 0 and "target.name_or_path is not set" in nameless.stderr
+    assert not (tmp_path / "e1").exists()
+    named = run(*common, f"output={tmp_path / 'e2'}", "target.name_or_path=org/tiny-llama")
+    assert named.returncode == 0, named.stderr[-2000:]
+    cfg = json.loads((tmp_path / "e2" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    assert 'base_model: "org/tiny-llama"' in (tmp_path / "e2" / "README.md").read_text()

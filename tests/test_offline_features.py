@@ -8,6 +8,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
+from peagle_train import provenance
 import peagle_train.target.offline as offline
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
@@ -197,7 +198,7 @@ def test_nan_features_are_refused_at_write_and_read(tmp_path, setup, monkeypatch
     x["aux"][3, 5] = float("nan")
     save_file(x, str(path))
     m = json.loads((d / "manifest.json").read_text())
-    m["shards"]["2"].update(bytes=path.stat().st_size, sha256=offline._file_sha256(path))
+    m["shards"]["2"].update(bytes=path.stat().st_size, sha256=provenance.sha256_file(path))
     (d / "manifest.json").write_text(json.dumps(m))
     reader = OfflineFeatures(d, t, tok, data, **QUIET)
     with pytest.raises(FeatureShardError, match=r"shard-00002\.safetensors: document 0 \(data row 6\).*NaN/Inf"):

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.paths import REPO_ROOT, resolve_path
-from peagle_train.training.loop import train
+from peagle_train.training.trainer import train
 
 pytestmark = pytest.mark.real
 

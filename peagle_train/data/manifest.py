@@ -1,4 +1,4 @@
-"""The manifest of a prepared dataset, and the check that training's target matches it (issue 3 §7).
+"""The manifest of a prepared dataset, and the check that training's target matches it.
 
 manifest.json records what the rows depend on: the source files and their sha256, the tokenizer
 (sha256 of its serialised vocabulary/merges/specials), the chat template and its arguments, the
@@ -8,12 +8,11 @@ chosen ids, coverage), the mask token, and the counts of the summary.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from ..errors import UserError
-from .template import chat_template_hash
+from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
 
 MANIFEST_VERSION = 1
 
@@ -22,42 +21,22 @@ class ManifestMismatchError(UserError, ValueError):
     """Prepared data that was made for another target/tokenizer/template/settings than the one given."""
 
 
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 of the tokenizer's serialised model (vocabulary, merges, normaliser, added tokens),
-    without the call-time truncation/padding state; the sorted vocabulary for slow tokenizers."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
-        trunc, pad = backend.truncation, backend.padding
-        backend.no_truncation()
-        backend.no_padding()
-        try:
-            blob = backend.to_str()
-        finally:
-            if trunc:
-                backend.enable_truncation(**trunc)
-            if pad:
-                backend.enable_padding(**{k: v for k, v in pad.items() if k != "length" or v is not None})
-    else:
-        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
 def build_manifest(*, sources: list[dict], tokenizer, template_kwargs: dict | None, target_vocab_size: int,
                    max_length: int, min_supervised_tokens: int, draft_ids, coverage: float, mask_token_id: int,
                    mask_token_source: str, counts: dict, tokenizer_sha256: str | None = None) -> dict:
-    """The manifest dict (see the module docstring); tokenizer_sha256: `tokenizer_hash` if known."""
+    """The manifest dict (see the module docstring); tokenizer_sha256: `tokenizer_fingerprint` if known."""
     ids = [int(x) for x in draft_ids]
     return {
         "manifest_version": MANIFEST_VERSION,
         "sources": sources,
-        "tokenizer": {"name_or_path": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_sha256 or tokenizer_hash(tokenizer),
+        "tokenizer": {"name_or_path": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_sha256 or tokenizer_fingerprint(tokenizer),
                       "len": len(tokenizer)},
-        "chat_template": {"sha256": chat_template_hash(tokenizer, template_kwargs),
+        "chat_template": {"sha256": chat_template_fingerprint(tokenizer, template_kwargs),
                           "template_kwargs": dict(template_kwargs or {})},
         "target_vocab_size": int(target_vocab_size),
         "max_length": int(max_length),
         "min_supervised_tokens": int(min_supervised_tokens),
-        "draft_vocab": {"size": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "draft_vocab": {"size": len(ids), "sha256": digest(json.dumps(ids)),
                         "coverage": coverage},
         "mask_token_id": int(mask_token_id),
         "mask_token_source": mask_token_source,
@@ -82,9 +61,9 @@ def check_manifest(manifest: dict, tokenizer, target_vocab_size: int, *, templat
         if have != want:
             problems.append(f"  {name}: prepared with {have!r}, training gives {want!r}")
 
-    differ("tokenizer sha256", manifest.get("tokenizer", {}).get("sha256"), tokenizer_hash(tokenizer))
+    differ("tokenizer sha256", manifest.get("tokenizer", {}).get("sha256"), tokenizer_fingerprint(tokenizer))
     differ("chat template sha256 (template + template_kwargs)", manifest.get("chat_template", {}).get("sha256"),
-           chat_template_hash(tokenizer, template_kwargs))
+           chat_template_fingerprint(tokenizer, template_kwargs))
     differ("target vocabulary size", manifest.get("target_vocab_size"), int(target_vocab_size))
     if max_length is not None:
         differ("max_length", manifest.get("max_length"), int(max_length))

@@ -9,7 +9,6 @@ with the same inputs reads Arrow files and tokenises nothing):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections import Counter
@@ -21,11 +20,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..io import atomic_write_json
+from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
 from .conversations import DataFileError
-from .manifest import build_manifest, check_manifest, read_manifest, tokenizer_hash
+from .manifest import build_manifest, check_manifest, read_manifest
 from .sources import default_cache_dir, load_source, source_info_dict
-from .template import (TemplateError, chat_template_hash, cut_at_end_of_turn_token, end_of_turn_strings,
-                       set_chat_template, tokenize_conversation)
+from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
+                       tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
 
 TOKENIZE_VERSION = "4"  # bump when tokenisation/masking changes: invalidates cached token rows
@@ -84,9 +85,9 @@ def prepare_data(
     template_kwargs = dict(template_kwargs or {})
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     specs = _source_specs(path, mix)
-    tok_sha = tokenizer_hash(tokenizer)
-    tok_key = _digest(tok_sha, chat_template_hash(tokenizer, template_kwargs), max_length,
-                      min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)
+    tok_sha = tokenizer_fingerprint(tokenizer)
+    tok_key = digest(tok_sha, chat_template_fingerprint(tokenizer, template_kwargs), max_length,
+                     min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)[:32]
     kwargs = {"tokenizer": tokenizer, "max_length": max_length, "min_supervised_tokens": min_supervised_tokens,
               "vocab_size": target_vocab_size, "template_kwargs": template_kwargs}
     dropped, changed, infos, kept_sets = Counter(), Counter(), [], []
@@ -200,10 +201,6 @@ def _is_kept(drop: str) -> bool:
     return drop == ""
 
 
-def _digest(*parts) -> str:
-    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:32]
-
-
 def _tokenise_until(valid: datasets.Dataset, want: int | None, kwargs: dict, tok_key: str, num_proc,
                     dropped: Counter, changed: Counter) -> tuple[datasets.Dataset, int]:
     """Tokenise `valid` in growing chunks until `want` rows are kept (all rows for want None).
@@ -215,7 +212,7 @@ def _tokenise_until(valid: datasets.Dataset, want: int | None, kwargs: dict, tok
         part = valid.select(range(start, end))
         procs = num_proc if num_proc and num_proc > 1 and end - start >= 256 else None
         tok = part.map(_tokenise_batch, batched=True, batch_size=64, fn_kwargs=kwargs, num_proc=procs,
-                       remove_columns=["messages"], new_fingerprint=_digest(part._fingerprint, tok_key),
+                       remove_columns=["messages"], new_fingerprint=digest(part._fingerprint, tok_key)[:32],
                        desc="tokenising and masking")
         cols = tok.select_columns(["drop", "changes"]).to_dict()
         dropped.update(d for d in cols["drop"] if d)
@@ -283,7 +280,7 @@ def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
         if len(kept_sets) > 1:  # a mix: the source column names the file too
             prefix = f"{Path(spec['path']).stem}:"
             part = part.map(lambda b: {"source": [prefix + i for i in b["id"]]}, batched=True,
-                            new_fingerprint=_digest(part._fingerprint, "source", prefix), desc="naming rows")
+                            new_fingerprint=digest(part._fingerprint, "source", prefix)[:32], desc="naming rows")
         else:
             part = part.rename_column("id", "source")
         parts.append(part.select_columns(["input_ids", "loss_mask", "source"]))
@@ -374,8 +371,8 @@ def save_prepared(data: PreparedData, out_dir: str | Path, pack_length: int | No
         n = sum(len(x) for x in packed["input_ids"])
         data.summary["packed_rows"] = len(packed)
         data.summary["packing_fill"] = n / (len(packed) * pack_length)
-    (out / "summary.json").write_text(json.dumps(data.summary, indent=2))
-    (out / "manifest.json").write_text(json.dumps(data.manifest, indent=2))
+    atomic_write_json(out / "summary.json", data.summary)
+    atomic_write_json(out / "manifest.json", data.manifest)  # last: a directory with a manifest is complete
 
 
 def load_prepared(prepared_dir: str | Path, tokenizer, target_vocab_size: int, *, template_kwargs: dict | None = None,

@@ -15,7 +15,6 @@ a second run with the same file is a cache hit and reads nothing but the Arrow f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import datasets
 
+from ..io import atomic_write_json
+from ..provenance import digest, sha256_file
 from .conversations import DataFileError, normalize_record, read_records, read_summary
 
 NORMALIZE_VERSION = "3"  # bump when the normalisation rules change: invalidates cached Arrow tables
@@ -67,28 +68,6 @@ class SourceInfo:
                             self.first_malformed, self.notes)
 
 
-def file_sha256(path: Path, cache_dir: Path) -> str:
-    """sha256 of a file, remembered per (path, size, mtime) in cache_dir/hashes.json."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo_path = cache_dir / "hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if key not in memo:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        memo[key] = h.hexdigest()
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
-    return memo[key]
-
-
 def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print) -> tuple[datasets.Dataset, SourceInfo]:
     """Load one source as the normalised table described in the module docstring.
 
@@ -107,10 +86,10 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print
     if not path.is_file():
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path (or a data.mix entry's path) to an "
                             "existing JSON/JSONL file or a local Hugging Face dataset directory.")
-    digest = file_sha256(path, cache)
+    sha = sha256_file(path, memo_dir=cache)
     if _is_parquet(path):
-        return _load_with_datasets(path, [path], digest, path.stat().st_size, cache)
-    return _load_json_files(path, [path], digest, path.stat().st_size, cache)
+        return _load_with_datasets(path, [path], sha, path.stat().st_size, cache)
+    return _load_json_files(path, [path], sha, path.stat().st_size, cache)
 
 
 def _is_parquet(path: Path) -> bool:
@@ -192,8 +171,7 @@ def _row_of(rec: dict, rid: str) -> dict:
 
 
 def _write_report(rep: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**rep, "malformed_by_reason": dict(rep["malformed_by_reason"])}))
+    atomic_write_json(path, {**rep, "malformed_by_reason": dict(rep["malformed_by_reason"])}, indent=None)
 
 
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".json.bz2", ".jsonl.bz2", ".json.xz", ".jsonl.xz")
@@ -203,12 +181,10 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
     """A `save_to_disk` directory (read with `datasets`), or a directory of .parquet files (read with
     `datasets`) or of JSON/JSONL files (each through `read_records`, as a single file is)."""
     files = sorted(p for p in path.rglob("*") if p.is_file())
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.relative_to(path)}:{file_sha256(f, cache)}\n".encode())
+    listing = digest("".join(f"{f.relative_to(path)}:{sha256_file(f, memo_dir=cache)}\n" for f in files))
     size = sum(f.stat().st_size for f in files)
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-        return _load_with_datasets(path, None, h.hexdigest(), size, cache)
+        return _load_with_datasets(path, None, listing, size, cache)
     parquet = [f for f in files if f.suffix == ".parquet"]
     jsons = [f for f in files if f.name.endswith(JSON_SUFFIXES)]
     if parquet and jsons:
@@ -221,8 +197,8 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
     ignored = [str(f.relative_to(path)) for f in files if f not in used]
     notes = [f"{len(used)} files; {len(ignored)} other files ignored ({', '.join(ignored[:5])})"] if ignored else []
     if parquet:
-        return _load_with_datasets(path, parquet, h.hexdigest(), size, cache, notes)
-    return _load_json_files(path, jsons, h.hexdigest(), size, cache, notes)
+        return _load_with_datasets(path, parquet, listing, size, cache, notes)
+    return _load_json_files(path, jsons, listing, size, cache, notes)
 
 
 def _load_with_datasets(path: Path, parquet: list[Path] | None, digest: str, size: int, cache: Path,

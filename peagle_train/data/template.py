@@ -18,7 +18,6 @@ the next turns. These turns are counted (`TokenRow.rewritten_turns`).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,13 +68,6 @@ def set_chat_template(tokenizer, chat_template: str | None):
             "sees them at serving time. Fix: pass the serving template with data.chat_template=<file.jinja or "
             "Jinja string>, or provide pre-tokenised rows (input_ids + loss_mask).")
     return tokenizer
-
-
-def chat_template_hash(tokenizer, template_kwargs: dict | None = None) -> str:
-    """sha256 of the chat template string and the template arguments (for manifests and caches)."""
-    tpl = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else repr(tokenizer.chat_template)
-    kw = repr(sorted((template_kwargs or {}).items()))
-    return hashlib.sha256((tpl + "\0" + kw).encode()).hexdigest()
 
 
 def end_of_turn_strings(tokenizer) -> list[str]:

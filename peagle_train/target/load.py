@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..io import atomic_dir
 from ..paths import resolve_path
+from ..provenance import path_fingerprint
 
 CACHE_DIR = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
 
@@ -55,8 +56,7 @@ def model_source(path: str, log=print) -> str:
 
 
 def _dequantised_gguf_dir(gguf: Path, log) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    key = path_fingerprint(gguf)[:16]
     out = CACHE_DIR / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
@@ -68,10 +68,12 @@ def _dequantised_gguf_dir(gguf: Path, log) -> Path:
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg)
     model.load_state_dict(q.state_dict())
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    tmp.rename(out) if not out.exists() else None
+    try:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+    except FileExistsError:  # another process (e.g. the other rank of a launch) cached it first
+        pass
     return out
 
 

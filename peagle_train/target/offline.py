@@ -21,7 +21,6 @@ with the same fingerprint skips every recorded shard and recomputes only the oth
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -32,7 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .. import provenance
 from ..errors import ConfigError, UserError
+from ..io import atomic_write_json
 from .features import FeatureTarget
 
 FORMAT_VERSION = 1
@@ -49,55 +50,22 @@ class FeatureShardError(UserError, ValueError):
 # --------------------------------------------------------------------------------------------
 # fingerprints
 
-def _sha(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-    return h.hexdigest()
 
-
-def target_fingerprint(model) -> str:
-    """sha256 of the target's config and of every parameter's shape and first/last 4,096 values
-    (cheap even for large targets; any retrained or re-quantised target changes it)."""
-    h = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
-    for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().flatten()
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        for part in (flat[:4096], flat[-4096:]):
-            h.update(part.float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def tokenizer_fingerprint(tok) -> str:
-    """sha256 of the tokenizer's vocabulary and special tokens."""
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    return _sha(json.dumps(vocab), json.dumps(tok.all_special_tokens))
-
-
-def rows_fingerprint(rows) -> str:
-    """sha256 of every data row's input_ids and loss_mask, in order (the data the shards match)."""
-    h = hashlib.sha256()
-    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
-        h.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
-        h.update(torch.tensor(mask, dtype=torch.int8).numpy().tobytes())
-        h.update(b"|")
-    return h.hexdigest()
-
-
-def features_fingerprint(target: FeatureTarget, tok, rows, storage: str, int8_scale: str = "channel") -> dict:
+def features_fingerprint(target: FeatureTarget, tok, rows, storage: str, int8_scale: str = "channel",
+                         template_kwargs: dict | None = None) -> dict:
     """What a features directory must match to be used for a run: target weights, tokenizer,
     chat template, aux layer ids, storage dtype (and int8 scaling) and the data rows."""
     return {
         "format_version": FORMAT_VERSION,
-        "target": target_fingerprint(target.model),
+        "target": provenance.weights_fingerprint(target.model),
         "target_architectures": list(target.config.architectures or []),
-        "tokenizer": tokenizer_fingerprint(tok),
-        "template": _sha(getattr(tok, "chat_template", None) or ""),
+        "tokenizer": provenance.tokenizer_fingerprint(tok),
+        "template": provenance.chat_template_fingerprint(tok, template_kwargs),
         "aux_layer_ids": list(target.aux_layer_ids),
         "hidden_size": int(target.config.hidden_size),
         "storage": storage,
         "int8_scale": int8_scale if storage == "int8" else None,
-        "data": rows_fingerprint(rows),
+        "data": provenance.rows_fingerprint(rows),
         "num_docs": len(rows),
     }
 
@@ -138,19 +106,6 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # writing
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def shard_name(k: int) -> str:
@@ -206,8 +161,8 @@ def _fold_parts(out_dir: Path, manifest: dict) -> int:
 
 
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
-                   int8_scale: str = "channel", docs_per_shard: int = 64, tokens_per_forward: int = 2048,
-                   rank: int = 0, world: int = 1, barrier=None, log=print) -> dict:
+                   int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
+                   tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None, log=print) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
 
     rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. The documents of a
@@ -244,7 +199,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         raise ConfigError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
     barrier = barrier or (lambda: None)
     out_dir = Path(out_dir)
-    fp = features_fingerprint(target, tok, rows, storage, int8_scale)
+    fp = features_fingerprint(target, tok, rows, storage, int8_scale, template_kwargs)
     mpath = out_dir / MANIFEST
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,10 +210,10 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
                 raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, "
                                         f"this run asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
             if _fold_parts(out_dir, manifest):  # a killed multi-process run
-                _write_json_atomic(mpath, manifest)
+                atomic_write_json(mpath, manifest, indent=1)
         else:
             manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
-            _write_json_atomic(mpath, manifest)
+            atomic_write_json(mpath, manifest, indent=1)
         for stale in out_dir.glob("*.tmp*"):  # left by a killed run
             stale.unlink()
     barrier()
@@ -301,11 +256,11 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
             os.replace(tmp, out_dir / name)
             rec = {"file": name, "first_doc": first, "num_docs": last - first,
                    "num_tokens": int(sum(x.numel() for x in ids_l)),
-                   "bytes": (out_dir / name).stat().st_size, "sha256": _file_sha256(out_dir / name)}
+                   "bytes": (out_dir / name).stat().st_size, "sha256": provenance.sha256_file(out_dir / name)}
             if world == 1:
-                _write_json_atomic(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}})
+                atomic_write_json(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}}, indent=1)
             else:
-                _write_json_atomic(_part_path(out_dir, rank), {**records, str(k): rec})
+                atomic_write_json(_part_path(out_dir, rank), {**records, str(k): rec}, indent=1)
         except OSError as e:  # e.g. a full disk: the shards recorded so far stay valid, the run resumes
             tmp.unlink(missing_ok=True)
             raise FeatureShardError(
@@ -323,7 +278,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         if rank == 0:
             before = set(manifest["shards"])
             _fold_parts(out_dir, manifest)
-            _write_json_atomic(mpath, manifest)
+            atomic_write_json(mpath, manifest, indent=1)
             new = [r for key, r in manifest["shards"].items() if key not in before]
             written, tokens_all = len(new), sum(r["num_tokens"] for r in new)
         barrier()
@@ -372,8 +327,8 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=pr
         save_file(_shard_tensors(split(t["input_ids"]), split(aux), split(final), storage, int8_scale), str(tmp))
         os.replace(tmp, dst / rec["file"])
         path = dst / rec["file"]
-        out["shards"][key] = dict(rec, bytes=path.stat().st_size, sha256=_file_sha256(path))
-    _write_json_atomic(dst / MANIFEST, out)
+        out["shards"][key] = dict(rec, bytes=path.stat().st_size, sha256=provenance.sha256_file(path))
+    atomic_write_json(dst / MANIFEST, out, indent=1)
     total = sum(s["bytes"] for s in out["shards"].values())
     tokens = sum(s["num_tokens"] for s in out["shards"].values())
     log(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
@@ -385,4 +340,4 @@ def _shard_is_complete(out_dir: Path, manifest: dict, k: int) -> bool:
     if rec is None:
         return False
     path = out_dir / rec["file"]
-    return path.is_file() and path.stat().st_size == rec["bytes"] and _file_sha256(path) == rec["sha256"]
+    return path.is_file() and path.stat().st_size == rec["bytes"] and provenance.sha256_file(path) == rec["sha256"]

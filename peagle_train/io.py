@@ -1,0 +1,122 @@
+"""Atomic writes: a file or a directory appears complete under its final name, or not at all.
+
+Every writer in the package that must survive a kill (exports, checkpoints, manifests, feature
+shards, caches) goes through here. The pattern is always the same: write into a temporary sibling
+(same directory, so the final rename stays on one filesystem and is atomic on POSIX), optionally
+flush it to disk, then `os.replace` / rename it into place. On any exception the temporary is
+removed and the previous content of the final path, if any, is left as it was.
+
+    with atomic_path(out / "model.safetensors") as tmp:      # for writers that take a path
+        save_file(tensors, str(tmp))
+    atomic_write_json(out / "manifest.json", manifest)
+    with atomic_dir(out / "export", overwrite=True) as tmp:  # a whole directory
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush one file's content to disk (os.fsync)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory entry (so a rename inside it survives a power loss); a no-op where the
+    platform cannot open directories (Windows)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path of `path` to write; on success it replaces `path`.
+
+    `durable`: fsync the file and its directory (a checkpoint that must survive a power loss).
+    On an exception inside the block the temporary is removed and `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    try:
+        yield tmp
+        if durable:
+            fsync_file(tmp)
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str, *, durable: bool = False) -> Path:
+    """Write `text` (UTF-8) to `path` atomically; returns `path`."""
+    with atomic_path(path, durable=durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def atomic_write_json(path: str | Path, obj, *, indent: int | None = 2, durable: bool = False) -> Path:
+    """`json.dumps(obj, indent=indent, default=str)` written to `path` atomically; returns `path`."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, default=str), durable=durable)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, overwrite: bool = False, durable: bool = False,
+               tmp: str | Path | None = None) -> Iterator[Path]:
+    """Yield an empty temporary sibling directory; on success it becomes `path`.
+
+    `overwrite`: an existing `path` is removed just before the rename (the one moment a kill leaves
+    neither version); without it an existing `path` raises FileExistsError, before anything is
+    written or, when another process created `path` meanwhile, at the end (its `path` is kept and
+    this temporary removed). `durable`: fsync every file and the directories before and after the rename.
+    `tmp`: the temporary's name when a caller must recognise it later (checkpoints clean up
+    `.tmp-step_N`); default `.<name>.tmp-<pid>`. A stale temporary of that name is removed first.
+
+    Raises:
+        FileExistsError: `path` exists (or appears) and overwrite is False.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists. Fix: choose another path or allow overwriting it.")
+    tmp = Path(tmp) if tmp is not None else _tmp_sibling(path)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if durable:
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    fsync_file(f)
+            fsync_dir(tmp)
+        if path.exists():
+            if not overwrite:
+                raise FileExistsError(f"{path} appeared while it was being written (another process?); kept as it is.")
+            shutil.rmtree(path)
+        tmp.rename(path)
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

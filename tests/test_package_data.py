@@ -1,0 +1,50 @@
+"""conf/, recipes/ and the Spec-Bench questions ship as package data (found without the checkout).
+
+The non-editable install itself, run from an empty directory: `bash scripts/check_install.sh`."""
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import peagle_train
+from peagle_train import config, paths
+from peagle_train.paths import PACKAGE_DIR
+
+
+def test_package_files_are_found_inside_the_package():
+    assert PACKAGE_DIR == paths.Path(peagle_train.__file__).resolve().parent
+    for p in (paths.CONF_DIR, paths.RECIPES_DIR, paths.SPEC_BENCH):
+        assert p.parent == PACKAGE_DIR or p.parent.parent == PACKAGE_DIR, p
+    assert (paths.CONF_DIR / "train.yaml").is_file() and (paths.CONF_DIR / "recipe" / "smollm2-135m-demo.yaml").is_file()
+    assert config.RECIPES_DIR == paths.RECIPES_DIR
+    assert {"smollm2-135m-demo", "llama-3.1-8b-instruct"} <= set(config.recipe_names())
+    assert paths.resolve_path("pkg:spec_bench") == paths.SPEC_BENCH
+    assert sum(1 for _ in paths.SPEC_BENCH.open()) == 480 and paths.SPEC_BENCH.with_name("LICENSE").is_file()
+    # in a checkout they are the top-level folders (one copy of each file)
+    assert (PACKAGE_DIR / "conf").resolve() == (paths.REPO_ROOT / "conf").resolve()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel")
+def test_the_wheel_carries_configs_recipes_and_spec_bench(tmp_path):
+    src = tmp_path / "src"  # a copy, so that the build leaves nothing in the checkout
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("peagle_train", "conf", "recipes", "data/spec_bench"):
+        shutil.copytree(paths.REPO_ROOT / name, src / name, symlinks=True, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(paths.REPO_ROOT / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           str(src), "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("peagle_train-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {"peagle_train/conf/train.yaml", "peagle_train/conf/config.yaml", "peagle_train/conf/evaluate.yaml",
+            "peagle_train/conf/recipe/smollm2-135m-demo.yaml", "peagle_train/recipes/smollm2-135m-demo.yaml",
+            "peagle_train/recipes/qwen3-8b.yaml", "peagle_train/spec_bench/question.jsonl",
+            "peagle_train/spec_bench/LICENSE", "peagle_train/provenance.py", "peagle_train/io.py"}
+    assert want <= names, sorted(want - names)
+    size = zipfile.ZipFile(wheel).getinfo("peagle_train/spec_bench/question.jsonl").file_size
+    assert size == paths.SPEC_BENCH.stat().st_size  # the file itself, not a link

@@ -34,7 +34,7 @@ def dense_reference(q, k, v, mask):
 
 
 @pytest.mark.parametrize("q_start_kind", ["all", "slots"])
-@pytest.mark.parametrize("block,spread", [(128, 256), (4, 3)])
+@pytest.mark.parametrize("block,spread", [(256, 256), (4, 3)])
 @pytest.mark.parametrize("keep_factor", [8.0, 0.0])  # keep the gathered keys, or recompute (checkpoint)
 def test_kernel_outputs_and_gradients_equal_dense(q_start_kind, block, spread, keep_factor):
     a, d, doc_ids = two_doc_row()
@@ -128,7 +128,7 @@ def test_sparse_step_builds_no_dense_mask(target_model):
     width = row.features.shape[-1]  # 3H = 192
     assert sizes["dense"] >= M * M > 5 * M * width  # the reference holds the M×M mask
     # sparse: the largest tensors are the features gathered on the axis [M, 3H]; attention's own
-    # (a block's mask, 128 × its keys) stay below that
+    # (a block's mask, ≤ 256 × its keys) stay below that
     assert sizes["sparse"] == M * width, (sizes, M)
 
 

@@ -57,7 +57,7 @@ class CODSparseMask:
     """
 
     def __init__(self, anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0,
-                 block: int = 128, max_spread: int = 256, keep_factor: float = 8.0):
+                 block: int = 256, max_spread: int = 256, keep_factor: float = 8.0):
         dev = anchors.device
         M, n = anchors.numel(), doc_ids.numel()
         a, d = anchors.long(), depths.long()

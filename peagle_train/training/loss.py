@@ -63,7 +63,8 @@ def depth_counts(draft_logits, target_logits, anchors, depths, valid, num_depths
     argmax over the draft vocab), row 2 valid elements whose chain (same anchor, all shallower
     depths) was right, row 3 of those, the correct ones.
     """
-    return chain_counts(draft_logits.argmax(-1) == target_logits.argmax(-1), anchors, depths, valid, num_depths)
+    # max().indices is argmax (the first maximum on ties) and ~6x faster than argmax on bf16 logits on CPU
+    return chain_counts(draft_logits.max(-1).indices == target_logits.max(-1).indices, anchors, depths, valid, num_depths)
 
 
 def chain_counts(correct, anchors, depths, valid, num_depths: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
-from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+from peagle_train.evaluation.benchmarks import load_spec_bench
+from peagle_train.evaluation.run import evaluate_acceptance
 from peagle_train.export.speculators import write_export
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.paths import resolve_path

@@ -90,20 +90,22 @@ def bench_train(mode: str, n: int, device: str, repeats: int = 3) -> dict:
 def bench_drafting(device: str, context: int = 512, repeats: int = 20) -> list[dict]:
     """Time of producing K draft tokens with a warm KV cache of `context` real pairs:
     P-EAGLE = one forward of 1 real pair + K-1 slots; EAGLE-3 = K sequential forwards."""
-    from peagle_train.decoding.decoder import propose_parallel, propose_sequential
-
     out = []
-    for algorithm, propose in (("peagle", propose_parallel), ("eagle3", propose_sequential)):
+    for algorithm in ("peagle", "eagle3"):
         d = head(4, 8, algorithm, device).eval()
-        feats = torch.randn(context, 1728, device=device)
-        toks = torch.randint(0, 49152, (context,)).tolist()
-        _, cache, _ = propose(d, toks[:-1], feats[:-1], None, 0, 1)  # warm cache of context-1 pairs
+        feats = torch.randn(1, context, 1728, device=device)
+        toks = torch.randint(0, 49152, (1, context), device=device)
+        n = context - 1
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+        cache = d.propose(toks[:, :n], feats[:, :n], torch.arange(n, device=device)[None], causal, None, 1).cache
+        last_mask = torch.ones(1, 1, context, dtype=torch.bool, device=device)
+        last_pos = torch.tensor([[n]], device=device)
         for K in (1, 2, 4, 8):
             times = []
             for i in range(repeats + 2):
                 sync(device)
                 t0 = time.perf_counter()
-                propose(d, toks[-1:], feats[-1:], cache, context - 1, K)  # one decoding step's drafting
+                d.propose(toks[:, n:], feats[:, n:], last_pos, last_mask, cache, K)  # one decoding step's drafting
                 sync(device)
                 if i >= 2:
                     times.append(time.perf_counter() - t0)

@@ -19,7 +19,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
-from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
+from peagle_train.evaluation.benchmarks import load_benchmark
+from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.export.speculators import load_export
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget

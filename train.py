@@ -111,8 +111,8 @@ def main(cfg: DictConfig) -> dict:
             summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
                                                   num_speculative_tokens=cfg.eval.num_speculative_tokens,
                                                   max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
-                                                  batch_size=cfg.eval.batch_size,
-                                                  train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+                                                  batch_size=cfg.eval.batch_size, benchmark="spec_bench",
+                                                  precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=cfg.target.name_or_path,

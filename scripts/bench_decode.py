@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over every (code, precision), interleaved; medians")
     ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--code", default="this tree", help=argparse.SUPPRESS)
@@ -151,17 +153,21 @@ def main() -> None:
     from peagle_train.precision import cpu_bf16_units
 
     codes = ([("main (per-sequence decoder)", Path(args.base).resolve())] if args.base else []) + [("this tree (engine)", ROOT)]
-    load_before, t0, rows = os.getloadavg(), time.time(), []
-    for name, tree in codes:
-        for prec in args.precisions.split(","):
-            print(f"{name}, {prec} ...", flush=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--code", name, "--precision", prec,
-                   "--head", args.head, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-                   str(args.max_new_tokens), "--k", str(args.k)]
-            env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-            out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:]))
+    load_before, t0, runs = os.getloadavg(), time.time(), {}
+    for rnd in range(args.rounds):  # interleaved, so that a change of load hits every configuration
+        for name, tree in codes:
+            for prec in args.precisions.split(","):
+                print(f"round {rnd + 1}: {name}, {prec} ...", flush=True)
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--code", name, "--precision", prec,
+                       "--head", args.head, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+                       str(args.max_new_tokens), "--k", str(args.k)]
+                env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+                out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
+                runs.setdefault((name, prec), []).append(
+                    json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:]))
     load_after = os.getloadavg()
+    rows = [{k: (statistics.median(r[k] for r in rs) if isinstance(rs[0][k], float) else rs[0][k]) for k in rs[0]}
+            for rs in runs.values()]
     import torch
 
     md = "\n".join([
@@ -169,7 +175,7 @@ def main() -> None:
         f"SmolLM2-135M-Instruct target (pkg:smollm2), head `{args.head}`, batch 1, greedy, K = {args.k}, "
         f"{args.max_new_tokens} new tokens, {args.num_prompts} MT-Bench first turns (mean prompt "
         f"{rows[0]['context']:.0f} tokens). {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), one torch "
-        f"thread per run, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
+        f"thread per run, median of {args.rounds} interleaved rounds, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
         f"{load_after[0]:.1f} after ({(time.time() - t0) / 60:.1f} min; the machine was shared, so absolute "
         "times are noisy).", "",
         table(rows), "",

@@ -150,6 +150,7 @@ class Engine:
         self.dvalid = torch.zeros(n, 0, dtype=torch.bool, device=self.dev)
         self.dlen = torch.zeros(n, dtype=torch.long, device=self.dev)
         self.compact, self.compactions = compact, 0
+        self.holes = False  # whether the target cache may hold a hole (tracked on the host: no device sync)
         self._prefill(prompts)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -173,11 +174,12 @@ class Engine:
                 ~m, torch.finfo(self.mask_dtype).min)
         return m
 
-    def _target(self, tokens: torch.Tensor, new_valid: torch.Tensor, last_only: bool = False):
-        """One target forward over new slots `tokens` [B, n] (validity new_valid [B, n]); returns
-        (TargetOutput, positions [B, n]). The caller records which slots stay (`_keep_target`)."""
+    def _target(self, tokens: torch.Tensor, new_valid: torch.Tensor, last_only: bool = False, new_holes: bool = False):
+        """One target forward over new slots `tokens` [B, n] (validity new_valid [B, n], with holes
+        only if new_holes); returns (TargetOutput, positions [B, n]). The caller records which
+        slots stay (`_keep_target`)."""
         pos = _positions(self.tlen, new_valid)
-        if bool(self.tvalid.all()) and bool(new_valid.all()):
+        if not (self.holes or new_holes):
             mask = None  # no hole: the target's own causal (and sliding-window) mask is exact
         else:
             full = _new_mask(self.tvalid, new_valid)
@@ -207,8 +209,10 @@ class Engine:
         self.tvalid = torch.zeros(n, 0, dtype=torch.bool, device=self.dev)
         self.tpos = torch.zeros(n, 0, dtype=torch.long, device=self.dev)
         self.tlen = torch.zeros(n, dtype=torch.long, device=self.dev)
-        out, pos = self._target(toks, valid, last_only=True)  # only the last position's logits are used
+        padded = any(len(p) < P for p in prompts)
+        out, pos = self._target(toks, valid, last_only=True, new_holes=padded)  # only the last logits are used
         self._keep_target(valid, pos)
+        self.holes = padded
         first = self.acc.pick(out.logits[:, -1])
         self.last = first
         # the pairs (x_{i+1}, g_i) of the prompt: tokens shifted left by one, the first token last
@@ -278,6 +282,8 @@ class Engine:
             cut = K - js[0]
             self.tcache.crop(-cut)
             self.tvalid, self.tpos = self.tvalid[:, :-cut], self.tpos[:, :-cut]
+        elif K > min(js):
+            self.holes = True
         emitted = torch.cat([prop.tokens, nxt[:, None]], 1).scatter_(1, j[:, None], nxt[:, None])  # [B, K+1]
         # the next pending pairs: the emitted tokens with their features, right-aligned
         M = max(js) + 1

@@ -230,3 +230,8 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
         evaluate_acceptance(t, d, None, prompts, out_dir=killed, **kw)
     assert f"decoded 0 results, reused {3 * n}" in caplog.text
     assert (killed / "acceptance.json").read_text() == first
+    caplog.clear()  # other settings: the old results are moved aside, never mixed in
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        evaluate_acceptance(t, d, None, prompts[:2], out_dir=killed, **{**kw, "max_new_tokens": 8})
+    assert "max_new_tokens" in caplog.text and "decoded 6 results, reused 0" in caplog.text
+    assert (killed / "results.stale.jsonl").read_text() == after

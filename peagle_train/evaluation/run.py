@@ -7,7 +7,8 @@ accepted counts, forward counts and wall times of that decoding; results.meta.js
 settings and head fingerprints they were decoded with. A rerun into the same out_dir reads them,
 decodes only the missing (benchmark, id, turn, decoder) keys, and writes acceptance.json from the
 stored results, so it equals the uninterrupted run's. A partial last line (a kill during a write)
-is dropped. Different settings or heads refuse to resume (the message names the fix).
+is dropped. Results of other settings or heads are never mixed in: they are moved aside to
+results.stale.jsonl (a warning names what differs) and the run starts over.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 class HeadMismatchError(ValueError):
     """A draft head that was trained for another target; the message names every mismatch."""
-
-
-class ResumeMismatchError(ValueError):
-    """results.jsonl in out_dir was decoded with other settings or heads."""
 
 
 def check_head_target(draft, target, tokenizer=None, head_name: str = "head") -> None:
@@ -101,13 +98,15 @@ class ResultLog:
     def __init__(self, out_dir: Path, meta: dict):
         self.path, meta_path = out_dir / "results.jsonl", out_dir / "results.meta.json"
         self.done: dict[tuple, dict] = {}
-        if self.path.is_file() and meta_path.is_file():
-            old = json.loads(meta_path.read_text())
-            if old != meta:
-                diff = {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
-                raise ResumeMismatchError(
-                    f"{self.path} was decoded with other settings or heads {diff} (old, new). Fix: use another "
-                    f"output directory, or delete {self.path} and {meta_path} to start over.")
+        old = json.loads(meta_path.read_text()) if self.path.is_file() and meta_path.is_file() else None
+        if old is not None and old != meta:
+            diff = {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
+            stale = out_dir / "results.stale.jsonl"
+            logger.warning("%s was decoded with other settings or heads %s (old, new): moved to %s, starting over",
+                           self.path, diff, stale)
+            self.path.replace(stale)
+            old = None
+        if old is not None:
             text = self.path.read_text()
             good = text[: text.rfind("\n") + 1]  # a line cut by a kill has no newline: drop it
             for line in good.splitlines():
@@ -183,8 +182,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     per category, skipped, optional baseline and calibration), per_prompt.csv and acceptance.png.
     Returns the acceptance dict.
 
-    Raises BenchmarkError when no prompt could be decoded, ResumeMismatchError when out_dir holds
-    results of other settings.
+    Raises BenchmarkError when no prompt could be decoded.
     """
     K = num_speculative_tokens
     greedy = temperature <= 0

@@ -2,12 +2,13 @@
 (K+1)-token verify and bookkeeping) and their ratio, in fp32 and bf16, for this tree's decoding
 engine and, side by side in the same run, another checkout's code (e.g. main before the engine).
 
-    git worktree add /tmp/base main          # the code to compare with (optional)
+    git worktree add --detach /tmp/base main   # the code to compare with (optional)
     python scripts/bench_decode.py --head /tmp/h18/checkpoint --base /tmp/base [--num-prompts 2]
 
-Each (code, precision) runs in its own process (one torch thread, PYTHONPATH = that checkout) on
-the SmolLM2-135M-Instruct target (pkg:smollm2) with the given head, greedy, K = 5, MT-Bench first
-turns. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
+One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
+head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
+(peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
+and head objects; the two alternate prompt by prompt, so that a shared machine's load hits both. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
 step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
 target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
 replaces the decoding section of docs/BENCHMARKS.md (with CPU model, bf16 unit and load average).
@@ -19,9 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -52,60 +50,73 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def worker(args) -> dict:
-    """One (code, precision): decode the prompts with the target alone and with the head."""
+def _old_decoder(base: Path):
+    """The per-sequence decoder of another checkout (its peagle_train/decoding/decoder.py), loaded
+    as a module of this tree's package, so that it runs on the same target and head objects."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("peagle_train.decoding._base_decoder",
+                                                  base / "peagle_train" / "decoding" / "decoder.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure(args, dtype, name: str) -> list[dict]:
+    """Decode the prompts with the target alone and with the head, with this tree's engine and
+    (with --base) the other checkout's decoder, interleaved prompt by prompt and round by round so
+    that both see the same load. Returns one row per code."""
     import torch
     from omegaconf import OmegaConf
 
+    from peagle_train.decoding.engine import generate
     from peagle_train.job import build_target
 
-    torch.set_num_threads(1)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     head = _load_head(args.head)
     tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
     target, tok = build_target(tcfg, "cpu", log=lambda *a: None)
     target.model.to(dtype)
     head.to(dtype)
     prompts = _prompts(tok, args.num_prompts)
-    eos = {tok.eos_token_id}
-    try:  # this tree: the batched engine
-        from peagle_train.decoding.engine import generate
-
-        def alone(ids):
-            return generate(target, None, [ids], args.k, args.max_new_tokens, eos)[0]
-
-        def spec(ids):
-            return generate(target, head, [ids], args.k, args.max_new_tokens, eos)[0]
-    except ImportError:  # before the engine: the per-sequence reference decoder
-        from peagle_train.decoding.decoder import speculative_generate, target_generate
-
-        def alone(ids):
-            return target_generate(target, ids, args.max_new_tokens, eos)
-
-        def spec(ids):
-            return speculative_generate(target, head, ids, args.k, args.max_new_tokens, eos)
+    eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
+    codes = {"this tree (engine)": (lambda ids: generate(target, None, [ids], K, N, eos)[0],
+                                    lambda ids: generate(target, head, [ids], K, N, eos)[0])}
+    if args.base:
+        old = _old_decoder(Path(args.base))
+        codes = {"main (per-sequence decoder)": (lambda ids: old.target_generate(target, ids, N, eos),
+                                                 lambda ids: old.speculative_generate(target, head, ids, K, N, eos)),
+                 **codes}
+    runs = {c: ([], []) for c in codes}
     with torch.no_grad():
-        alone(prompts[0][:32]), spec(prompts[0][:32])  # warm-up
-        base = [alone(p) for p in prompts]
-        sp = [spec(p) for p in prompts]
+        for alone, spec in codes.values():  # warm-up
+            alone(prompts[0][:32]), spec(prompts[0][:32])
+        for _ in range(args.rounds):
+            for p in prompts:
+                for c, (alone, spec) in codes.items():
+                    runs[c][0].append(alone(p))
+                for c, (alone, spec) in codes.items():
+                    runs[c][1].append(spec(p))
 
     def step_ms(results, steps):
         return 1000 * sum(r.seconds - r.first_token_seconds for r in results) / max(steps, 1)
 
-    n_steps = sum(len(r.accepted) for r in sp)
-    return {
-        "code": args.code, "precision": args.precision,
-        "context": sum(len(p) for p in prompts) / len(prompts),
-        "target_step_ms": step_ms(base, sum(len(r.tokens) - 1 for r in base)),
-        "target_tps": sum(len(r.tokens) for r in base) / sum(r.seconds for r in base),
-        "spec_step_ms": step_ms(sp, n_steps),
-        "draft_ms": 1000 * sum(r.draft_seconds for r in sp) / max(n_steps, 1),
-        "verify_ms": 1000 * sum(r.target_seconds - r.first_token_seconds for r in sp) / max(n_steps, 1),
-        "tau": sum(a + 1 for r in sp for a in r.accepted) / max(n_steps, 1),
-        "spec_tps": sum(len(r.tokens) for r in sp) / sum(r.seconds for r in sp),
-        "mismatches": sum(s.tokens != b.tokens for s, b in zip(sp, base)),
-        "turns": len(prompts),
-    }
+    rows = []
+    for c, (base, sp) in runs.items():
+        n_steps = sum(len(r.accepted) for r in sp)
+        rows.append({
+            "code": c, "precision": name, "context": sum(len(p) for p in prompts) / len(prompts),
+            "target_step_ms": step_ms(base, sum(len(r.tokens) - 1 for r in base)),
+            "target_tps": sum(len(r.tokens) for r in base) / sum(r.seconds for r in base),
+            "spec_step_ms": step_ms(sp, n_steps),
+            "draft_ms": 1000 * sum(r.draft_seconds for r in sp) / max(n_steps, 1),
+            "verify_ms": 1000 * sum(r.target_seconds - r.first_token_seconds for r in sp) / max(n_steps, 1),
+            "tau": sum(a + 1 for r in sp for a in r.accepted) / max(n_steps, 1),
+            "spec_tps": sum(len(r.tokens) for r in sp) / sum(r.seconds for r in sp),
+            "mismatches": sum(s.tokens != b.tokens for s, b in zip(sp, base)), "turns": len(sp),
+        })
+    return rows
 
 
 def cpu_model() -> str:
@@ -135,47 +146,33 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", default="/tmp/h18/checkpoint", help="a training checkpoint (runs/<run>/checkpoint)")
-    ap.add_argument("--base", default=None, help="another checkout (git worktree add /tmp/base main) to run beside")
+    ap.add_argument("--base", default=None, help="another checkout (git worktree add --detach /tmp/base main) whose "
+                    "peagle_train/decoding/decoder.py runs beside this tree's engine")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds over every (code, precision), interleaved; medians")
+    ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
     ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--code", default="this tree", help=argparse.SUPPRESS)
-    ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args)), flush=True)
-        return
     from peagle_train.benchmarks import write_section
     from peagle_train.precision import cpu_bf16_units
 
-    codes = ([("main (per-sequence decoder)", Path(args.base).resolve())] if args.base else []) + [("this tree (engine)", ROOT)]
-    load_before, t0, runs = os.getloadavg(), time.time(), {}
-    for rnd in range(args.rounds):  # interleaved, so that a change of load hits every configuration
-        for name, tree in codes:
-            for prec in args.precisions.split(","):
-                print(f"round {rnd + 1}: {name}, {prec} ...", flush=True)
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--code", name, "--precision", prec,
-                       "--head", args.head, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-                       str(args.max_new_tokens), "--k", str(args.k)]
-                env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-                out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
-                runs.setdefault((name, prec), []).append(
-                    json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:]))
-    load_after = os.getloadavg()
-    rows = [{k: (statistics.median(r[k] for r in rs) if isinstance(rs[0][k], float) else rs[0][k]) for k in rs[0]}
-            for rs in runs.values()]
     import torch
+
+    torch.set_num_threads(1)
+    load_before, t0, rows = os.getloadavg(), time.time(), []
+    for prec in args.precisions.split(","):
+        print(f"{prec} ...", flush=True)
+        rows += measure(args, {"fp32": torch.float32, "bf16": torch.bfloat16}[prec], prec)
+    load_after = os.getloadavg()
 
     md = "\n".join([
         HEADING, "",
         f"SmolLM2-135M-Instruct target (pkg:smollm2), head `{args.head}`, batch 1, greedy, K = {args.k}, "
         f"{args.max_new_tokens} new tokens, {args.num_prompts} MT-Bench first turns (mean prompt "
         f"{rows[0]['context']:.0f} tokens). {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), one torch "
-        f"thread per run, median of {args.rounds} interleaved rounds, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
+        f"thread, every prompt decoded {args.rounds}× by each code, interleaved, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
         f"{load_after[0]:.1f} after ({(time.time() - t0) / 60:.1f} min; the machine was shared, so absolute "
         "times are noisy).", "",
         table(rows), "",

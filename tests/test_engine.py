@@ -76,11 +76,12 @@ def test_any_mix_of_target_and_head_dtypes_decodes(algorithm, target_dtype, head
         assert len(s.tokens) == 20 and s.tokens == b.tokens and len(s.accepted) > 0
 
 
-def test_batched_rejection_sampling_matches_the_target_distribution():
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_batched_rejection_sampling_matches_the_target_distribution(algorithm):
     """400 copies of a prompt in one batch: tokens 2 and 3 (from rejection sampling against a
     mismatched random head) are within total variation 0.1 of the exact target marginals."""
     T, N, V = 1.0, 400, 32
-    t, d = small_pair(vocab=V, K=2)
+    t, d = small_pair(vocab=V, K=2, algorithm=algorithm)
     prompt = [5, 17, 3, 2, 9]
     m1, m2 = _exact_marginals(t, prompt, T)
     g = torch.Generator().manual_seed(0)

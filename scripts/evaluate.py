@@ -6,8 +6,8 @@
 
 `head` (and `baseline_head`) is a training checkpoint (draft_config.json) or an export directory
 (config.json). The target alone, the head and the baseline head decode every prompt in the same run.
-Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. On CUDA the target and
-heads decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
+Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
+decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
 A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
 """
 

@@ -129,12 +129,14 @@ class Engine:
     """Batched decoding state over a target (and an optional draft head); `run()` decodes."""
 
     def __init__(self, target: FeatureTarget, draft: PEagleDraft | None, prompts: list[list[int]], K: int,
-                 max_new_tokens: int, eos_ids: set[int], acceptance=None, compact: bool = True):
+                 max_new_tokens: int, eos_ids: set[int], acceptance=None, compact: bool = True,
+                 verifier_numerics: bool = False):
         if any(len(p) < 1 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if draft is not None and K < 1:
             raise ValueError(f"speculative decoding needs K >= 1 draft tokens, got {K}")
         self.target, self.draft, self.K = target, draft, K
+        self.verifier_numerics = verifier_numerics and draft is None and K > 0
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
         self.acc = acceptance or Greedy()
         self.dev = target.model.device
@@ -256,9 +258,21 @@ class Engine:
     def _step_target_alone(self) -> None:
         inp = self.last[:, None]
         one = torch.ones_like(inp, dtype=torch.bool)
-        out, pos = self._target(inp, one)
-        self._keep_target(one, pos)
-        self.last = self.acc.pick(out.logits[:, -1])
+        if self.verifier_numerics:  # a verify-shaped forward: the token and K dummies, whose slots are dropped
+            out, pos = self._target(inp.expand(-1, self.K + 1), torch.ones(len(self.ids), self.K + 1, dtype=torch.bool,
+                                                                           device=self.dev))
+            kept = torch.arange(self.K + 1, device=self.dev)[None] < 1
+            self._keep_target(kept.expand(len(self.ids), -1), pos)
+            if self.compact and len(self.ids) == 1:
+                self.tcache.crop(-self.K)
+                self.tvalid, self.tpos = self.tvalid[:, :-self.K], self.tpos[:, :-self.K]
+            else:
+                self.holes = True
+            self.last = self.acc.pick(out.logits[:, 0])
+        else:
+            out, pos = self._target(inp, one)
+            self._keep_target(one, pos)
+            self.last = self.acc.pick(out.logits[:, -1])
         for n, t in enumerate(self.last.tolist()):
             self.tokens[self.ids[n]].append(t)
         self._drop_finished()
@@ -324,7 +338,8 @@ class Engine:
 @torch.no_grad()
 def generate(target: FeatureTarget, draft: PEagleDraft | None, prompts: list[list[int]], num_speculative_tokens: int,
              max_new_tokens: int, eos_ids: set[int], *, temperature: float = 0.0,
-             generator: torch.Generator | None = None, acceptance=None, compact: bool = True) -> list[GenerationResult]:
+             generator: torch.Generator | None = None, acceptance=None, compact: bool = True,
+             verifier_numerics: bool = False) -> list[GenerationResult]:
     """Decode a batch of prompts (module docstring).
 
     draft None: the target alone, one token per forward (greedy or ancestral sampling). A
@@ -333,9 +348,13 @@ def generate(target: FeatureTarget, draft: PEagleDraft | None, prompts: list[lis
     `generator` (outputs follow softmax(target logits / T)); `acceptance` overrides both.
     Returns one GenerationResult per prompt, in order, with time shares as in the module docstring.
     compact=False keeps every hole in the caches (the same tokens, slower; for tests).
+    verifier_numerics (target alone only): every step runs the verifier's (K+1)-token forward (the
+    token, then K dummies whose slots are dropped), so that each token comes from the matmul shapes
+    the verifier uses; in bf16 a 1-token forward rounds differently (the reference of lossless).
 
     Raises:
         ValueError: an empty prompt, or K < 1 with a draft.
     """
     acc = acceptance or make_acceptance(temperature, generator)
-    return Engine(target, draft, prompts, num_speculative_tokens, max_new_tokens, eos_ids, acc, compact).run()
+    return Engine(target, draft, prompts, num_speculative_tokens, max_new_tokens, eos_ids, acc, compact,
+                  verifier_numerics).run()

@@ -140,19 +140,25 @@ def _result(rec: dict) -> GenerationResult:
 
 
 def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult], greedy: bool) -> dict:
-    """One per_prompt.csv row for a turn from its results per decoder."""
+    """One per_prompt.csv row for a turn from its results per decoder. Lossless compares with the
+    "reference" decoder (the target alone in the verifier's numerics) where there is one, else
+    with the target alone."""
     b, s = res["target"], res["head"]
+    ref = res.get("reference", b)
     row = {"id": q["id"], "category": q["category"], "turn": turn, "prompt_tokens": prompt_tokens,
            "new_tokens": len(s.tokens), "verify_steps": len(s.accepted), "tau": _tau(s.accepted),
-           "lossless": (s.tokens == b.tokens) if greedy else None,
+           "lossless": (s.tokens == ref.tokens) if greedy else None,
+           **({"equals_one_token_target": s.tokens == b.tokens} if "reference" in res and greedy else {}),
            "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
            "spec_seconds": round(s.seconds, 4), "target_only_seconds": round(b.seconds, 4)}
     if "baseline_head" in res:
         r = res["baseline_head"]
         row.update({"baseline_tau": _tau(r.accepted), "baseline_new_tokens": len(r.tokens),
-                    "baseline_lossless": (r.tokens == b.tokens) if greedy else None,
+                    "baseline_lossless": (r.tokens == ref.tokens) if greedy else None,
                     "baseline_seconds": round(r.seconds, 4)})
     for name, r in res.items():
+        if name == "reference":
+            continue
         pre = {"target": "target", "head": "head", "baseline_head": "baseline"}[name]
         row.update({f"{pre}_ttft_s": round(r.first_token_seconds, 5),
                     f"{pre}_tpot_s": round(r.time_per_output_token, 5), f"{pre}_latency_s": round(r.seconds, 4)})
@@ -176,6 +182,10 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     Greedy with batch_size > 1 decodes each batch with shared forwards: speeds are then batch
     throughputs, and per-row seconds are shares of the batch's wall time (latency needs batch 1).
 
+    Lossless (greedy): in fp32 the head's output must equal the target alone's exactly; below fp32
+    it is compared with the target alone decoded in the verifier's numerics (decoder "reference":
+    every token from a (K+1)-token forward, as the verifier computes it), and the turns that differ
+    from the 1-token target alone are counted too (`mismatches_vs_one_token_target`).
     Writes out_dir/results.jsonl (+ results.meta.json) as it goes, then out_dir/acceptance.json
     (report.summarize: τ and its convention, per-position acceptance unconditional and
     conditional, lossless and its mismatch count, forward counts, speeds, time shares, latency,
@@ -216,7 +226,10 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     alive = [True] * len(prompts)
     n_turns = lambda q: len(q.get("turns", [None]))  # noqa: E731
     bar = tqdm(total=sum(n_turns(q) for q in prompts), desc=f"decoding (K={K})", unit="turn")
-    decoders = [("target", None, target)] + heads
+    # greedy below fp32: the lossless reference is the target alone in the verifier's numerics
+    # (verify-shaped (K+1)-token forwards); a 1-token forward rounds differently
+    reference = greedy and prec_name != "fp32"
+    decoders = [("target", None, target)] + ([("reference", None, target)] if reference else []) + heads
     for b0 in range(0, len(prompts), batch_size):
         idx = list(range(b0, min(b0 + batch_size, len(prompts))))
         for turn in range(1, max(n_turns(prompts[i]) for i in idx) + 1):
@@ -249,7 +262,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                 if not todo:
                     continue
                 out = generate(t, d, [ids for _, ids in todo], K, max_new_tokens, eos, temperature=temperature,
-                               generator=gen)
+                               generator=gen, verifier_numerics=name == "reference")
                 for (i, ids), r in zip(todo, out):
                     results.add(_record(benchmark, prompts[i], turn, name, len(ids), r))
                 decoded += len(todo)

@@ -7,9 +7,10 @@ previous position (the same among steps whose draft i-1 was accepted): the produ
 conditional rates is the unconditional rate, and τ = 1 + Σ unconditional. Lossless (greedy): the
 speculative output equals the target alone in fp32 exactly; below fp32 it equals the target alone
 decoded in the verifier's numerics (each token from a (K+1)-token forward, as the verifier computes
-it: a 1-token bf16 forward rounds differently, so near-ties may flip). Turns that differ are
-counted in `lossless_mismatches` (and, below fp32, those that differ from the 1-token target alone
-in `mismatches_vs_one_token_target`).
+it: a 1-token bf16 forward rounds differently, so near-ties flip). The KV entries of accepted
+drafts still come from other rows of the verify forward than in the reference, so a near-tie can
+flip there too: every turn that differs is counted in `lossless_mismatches` (and, below fp32, those
+that differ from the 1-token target alone in `mismatches_vs_one_token_target`).
 """
 
 from __future__ import annotations

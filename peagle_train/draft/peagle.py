@@ -320,7 +320,7 @@ class PEagleDraft(nn.Module):
         tokens [B, M] int64: the new real pairs' tokens x_{i+1} (left-padding holes allowed);
         features [B, M, 3H] their target features g_i, any float dtype (cast to the head's);
         position_ids [B, M]; mask [B, M, S+M] bool, the real pairs' visibility over S cached slots
-        and themselves (the last column, M-1, must be a real pair in every row); cache: per-layer
+        and themselves (position M-1 must be a real pair in every row); cache: per-layer
         (k, v) [B, kv_heads, S, head_dim] or None. pick: draft-vocabulary logits [B, N, V_draft] →
         indices [B, N] (default argmax; a sampler for speculative sampling).
         Slot d sees what the last real pair sees plus slots 1..d, at position last + d.

@@ -10,7 +10,9 @@ decoded in the verifier's numerics (each token from a (K+1)-token forward, as th
 it: a 1-token bf16 forward rounds differently, so near-ties flip). The KV entries of accepted
 drafts still come from other rows of the verify forward than in the reference, so a near-tie can
 flip there too: every turn that differs is counted in `lossless_mismatches` (and, below fp32, those
-that differ from the 1-token target alone in `mismatches_vs_one_token_target`).
+that differ from the 1-token target alone in `mismatches_vs_one_token_target`). In batches > 1 the
+matmul shapes follow which rows are still decoding, so below fp32 the comparison is with the
+target alone and only counted.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
         "lossless": all(r["lossless"] for r in rows) if greedy else None,
         "lossless_mismatches": sum(not r["lossless"] for r in rows) if greedy else None,
         "lossless_definition": None if not greedy else (
-            "speculative output == the target alone, fp32, exactly" if "reference" not in res_all else
+            ("speculative output == the target alone, fp32, exactly" if precision == "fp32" else
+             f"speculative output == the target alone in {precision}; batch {batch_size}: the rounding depends on the "
+             "batch's composition, mismatches = turns that differ") if "reference" not in res_all else
             f"speculative output == the target alone decoded in the verifier's numerics ({precision}, every token from "
             f"a (K+1) = {K + 1}-token forward as the verifier computes it); mismatches = turns that differ"),
         **({"mismatches_vs_one_token_target": sum(not r["equals_one_token_target"] for r in rows)}

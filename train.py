@@ -21,9 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
-from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import cli_main
+from peagle_train.evaluation.benchmarks import load_spec_bench
+from peagle_train.evaluation.run import evaluate_acceptance
 from peagle_train.export.speculators import verifier_name, write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
@@ -125,13 +126,11 @@ def main(cfg: DictConfig) -> dict:
         if cfg.eval.enabled:
             prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
                                       cfg.eval.num_prompts)
-            # bf16 target weights (target.dtype=bfloat16) feed bf16 features: the fp32 head reads them under autocast
-            with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=target.model.dtype != torch.float32):
-                summary["eval"] = evaluate_acceptance(
-                    target, draft, tok, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                    max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
-                    batch_size=cfg.eval.batch_size,
-                    train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
+                                                  num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
+                                                  batch_size=cfg.eval.batch_size, benchmark="spec_bench",
+                                                  precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=verifier,

@@ -1,7 +1,8 @@
 """`dry_run=true`: check a recipe without its target. Builds the recipe's draft head and training
 settings on a tiny random target of the same family (Llama, Qwen3, gpt-oss, Gemma-3), with random
-token rows, and runs two training steps and a checkpoint round trip. Used by tests/test_recipes.py
-to check the GPU recipes on a CPU machine."""
+token rows, and runs two training steps, a checkpoint round trip, an acceptance evaluation of a few
+random prompts (the recipe's K, `precision` and target dtype: bf16 features into the fp32-trained
+head) and an export. Used by tests/test_recipes.py to check the GPU recipes on a CPU machine."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def family_of(name_or_path: str) -> str:
                      f"{', '.join(sorted(set(FAMILIES.values())))}")
 
 
-def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int = 0):
-    """A random HF causal LM of `family` with hidden size 64 (frozen, eval)."""
+def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int = 0, dtype=torch.float32):
+    """A random HF causal LM of `family` with hidden size 64 (frozen, eval), in `dtype`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
@@ -38,16 +39,20 @@ def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int =
                                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                max_position_embeddings=4096, tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).eval().requires_grad_(False)
 
 
 def dry_run(cfg, out_dir: Path, log=print) -> dict:
-    """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family.
-    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "mixed_precision"}."""
+    """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family (in
+    target.dtype), then evaluation and export as train.py runs them.
+    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "mixed_precision", "engine",
+    "training", "eval" (the acceptance dict), "export" (its directory)}."""
     from accelerate import Accelerator
 
     from .data.vocab import DraftVocab
-    from .job import build_draft
+    from .evaluation.run import evaluate_acceptance
+    from .export.speculators import write_export
+    from .job import build_draft, dtype_of
     from .target.features import FeatureTarget
     from .draft.io import load_checkpoint, save_checkpoint
     from .training.checks import check_training_config
@@ -55,7 +60,7 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
 
     family = family_of(cfg.target.name_or_path or cfg.target.path)
     V = 256
-    target = FeatureTarget(tiny_target(family, V))
+    target = FeatureTarget(tiny_target(family, V, dtype=dtype_of(cfg.target.dtype)))
     vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)
     draft = build_draft(target, cfg.draft, vocab, V - 1, cfg.algorithm)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -73,8 +78,18 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
                "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
                "mixed_precision": tcfg.get("mixed_precision"), "engine": res.get("engine")}
     train_summary = {k: v for k, v in res.items() if k != "draft"}
+    draft = res["draft"].eval()
+    prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
+               for i in range(2)]
+    acceptance = evaluate_acceptance(target, draft, None, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                                     max_new_tokens=16, out_dir=Path(out_dir) / "eval", log=log, plot=False,
+                                     benchmark="random", precision=cfg.get("precision", "auto"))
+    export = write_export(draft, Path(out_dir) / "export", verifier_name_or_path=cfg.target.name_or_path,
+                          verifier_architectures=list(target.config.architectures or []),
+                          dtype=dtype_of(cfg.export.dtype), data_token_ids={t for r in ids for t in r}, overwrite=True)
     log(f"dry run of a {family} recipe: {summary}")
-    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}}
+    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}, "eval": acceptance,
+            "export": str(export)}
 
 
 def _last_loss(out: Path) -> float:

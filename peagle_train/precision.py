@@ -146,3 +146,19 @@ def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.
     if draft is not None:
         rec["draft_autocast"] = draft.name
     return rec
+
+
+def autocast_context(precision, device: torch.device):
+    """torch.autocast for the draft's compute precision on `device`: a `ResolvedPrecision`
+    (peagle_train/precision.py) or a setting (fp32 | bf16 | auto, or the older no | bf16 of
+    `training.mixed_precision`). bf16 runs matmuls and attention in bfloat16 on CUDA and on CPU;
+    weights, optimizer state, the KL loss (training/loss.py casts logits to fp32) and metrics stay
+    fp32. Raises ValueError for another value, or bf16 on a CUDA device without bf16 support."""
+    import contextlib
+
+    if not isinstance(precision, ResolvedPrecision):
+        old = precision in ("no", "bf16")
+        precision = draft_precision(None if old else precision, precision if old else None, device)
+    if not precision.is_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -1,11 +1,17 @@
-"""Benchmark of the reference decoder (issue 7): speedup over the target alone and the share of each
-step spent drafting, verifying and in bookkeeping (everything but the two models' forwards).
+"""Benchmark of decoding step costs at batch 1: target-alone step, speculative step (drafting, the
+(K+1)-token verify and bookkeeping) and their ratio, in fp32 and bf16, for this tree's decoding
+engine and, side by side in the same run, another checkout's code (e.g. main before the engine).
 
-    python scripts/bench_decode.py [--head /tmp/demo3/checkpoint] [--num-prompts 3] [--baseline-head DIR]
+    git worktree add --detach /tmp/base main   # the code to compare with (optional)
+    python scripts/bench_decode.py --head /tmp/h18/checkpoint --base /tmp/base [--num-prompts 2]
 
-Runs scripts/evaluate.py (SmolLM2-135M-Instruct target, greedy, K=5, 128 new tokens, MT-Bench
-first turns), prints a table and replaces the "Reference decoder" section of docs/BENCHMARKS.md.
-Timings on a shared CPU are noisy: the load average (uptime) is written next to the numbers.
+One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
+head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
+(peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
+and head objects; the two alternate prompt by prompt, so that a shared machine's load hits both. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
+step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
+target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
+replaces the decoding section of docs/BENCHMARKS.md (with CPU model, bf16 unit and load average).
 """
 
 from __future__ import annotations
@@ -14,71 +20,173 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
+import time
 from pathlib import Path
 
-import torch
-
-from peagle_train.benchmarks import write_section
-
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "## Reference decoder (scripts/bench_decode.py)"
+HEADING = "## Decoding step costs (scripts/bench_decode.py)"
+OLD_HEADING = "## Reference decoder (scripts/bench_decode.py)"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
-def table(r: dict, args) -> str:
-    lat = r["latency"]
-    rows = [("target alone", None, r["target_only_tokens_per_second"], 1.0, None, lat["target"])]
-    rows.append((f"P-EAGLE head, K={r['num_speculative_tokens']}", r["acceptance_length"], r["tokens_per_second"],
-                 r["speedup"], r["time_shares"], lat["head"]))
-    if "baseline" in r:
-        b = r["baseline"]
-        rows.append((f"{b['algorithm']} head, K={r['num_speculative_tokens']}", b["acceptance_length"],
-                     b["tokens_per_second"], b["speedup"], b["time_shares"], lat["baseline_head"]))
-    out = ["| decoder | τ | tokens/s | speedup | drafting | verifying | bookkeeping | TTFT median (ms) | TPOT median (ms) | total median / p90 (s) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, tau, tps, sp, ts, la in rows:
-        shares = " | ".join(f"{100 * ts[k]:.1f}%" for k in ("drafting", "verifying", "bookkeeping")) if ts else "– | – | –"
-        out.append(f"| {name} | {'–' if tau is None else f'{tau:.3f}'} | {tps:.2f} | {sp:.2f}× | {shares} | "
-                   f"{1000 * la['ttft_median_s']:.0f} | {1000 * la['tpot_median_s']:.0f} | "
-                   f"{la['latency_median_s']:.2f} / {la['latency_p90_s']:.2f} |")
+def _load_head(path: str):
+    from peagle_train.draft.io import load_checkpoint
+
+    return load_checkpoint(path)[0].eval()
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    from peagle_train.paths import resolve_path
+
+    out = []
+    for line in resolve_path("pkg:spec_bench").read_text().splitlines():
+        q = json.loads(line)
+        if q["category"] in MT_BENCH and len(out) < n:
+            ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return out
+
+
+def _old_decoder(base: Path):
+    """The per-sequence decoder of another checkout (its peagle_train/decoding/decoder.py), loaded
+    as a module of this tree's package, so that it runs on the same target and head objects."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("peagle_train.decoding._base_decoder",
+                                                  base / "peagle_train" / "decoding" / "decoder.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure(args, dtype, name: str) -> list[dict]:
+    """Decode the prompts with the target alone and with the head, with this tree's engine and
+    (with --base) the other checkout's decoder, interleaved prompt by prompt and round by round so
+    that both see the same load. Returns one row per code."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from peagle_train.decoding.engine import generate
+    from peagle_train.job import build_target
+
+    head = _load_head(args.head)
+    tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
+    target, tok = build_target(tcfg, "cpu", log=lambda *a: None)
+    target.model.to(dtype)
+    head.to(dtype)
+    prompts = _prompts(tok, args.num_prompts)
+    eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
+    codes = {"this tree (engine)": (lambda ids: generate(target, None, [ids], K, N, eos)[0],
+                                    lambda ids: generate(target, head, [ids], K, N, eos)[0])}
+    if args.base:
+        old = _old_decoder(Path(args.base))
+        codes = {"main (per-sequence decoder)": (lambda ids: old.target_generate(target, ids, N, eos),
+                                                 lambda ids: old.speculative_generate(target, head, ids, K, N, eos)),
+                 **codes}
+    runs = {c: ([], []) for c in codes}
+    with torch.no_grad():
+        for alone, spec in codes.values():  # warm-up
+            alone(prompts[0][:32]), spec(prompts[0][:32])
+        for _ in range(args.rounds):
+            for p in prompts:
+                for c, (alone, spec) in codes.items():
+                    runs[c][0].append(alone(p))
+                for c, (alone, spec) in codes.items():
+                    runs[c][1].append(spec(p))
+
+    def step_ms(results, steps):
+        return 1000 * sum(r.seconds - r.first_token_seconds for r in results) / max(steps, 1)
+
+    rows = []
+    for c, (base, sp) in runs.items():
+        n_steps = sum(len(r.accepted) for r in sp)
+        rows.append({
+            "code": c, "precision": name, "context": sum(len(p) for p in prompts) / len(prompts),
+            "target_step_ms": step_ms(base, sum(len(r.tokens) - 1 for r in base)),
+            "target_tps": sum(len(r.tokens) for r in base) / sum(r.seconds for r in base),
+            "spec_step_ms": step_ms(sp, n_steps),
+            "draft_ms": 1000 * sum(r.draft_seconds for r in sp) / max(n_steps, 1),
+            "verify_ms": 1000 * sum(r.target_seconds - r.first_token_seconds for r in sp) / max(n_steps, 1),
+            "tau": sum(a + 1 for r in sp for a in r.accepted) / max(n_steps, 1),
+            "spec_tps": sum(len(r.tokens) for r in sp) / sum(r.seconds for r in sp),
+            "mismatches": sum(s.tokens != b.tokens for s, b in zip(sp, base)), "turns": len(sp),
+        })
+    return rows
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table(rows: list[dict]) -> str:
+    best = min(r["target_step_ms"] for r in rows)
+    out = ["| code | precision | target step (ms) | target tokens/s | speculative step (ms) | draft + verify (ms) | "
+           "speculative ÷ fastest target step | τ | speculative tokens/s | speedup vs fastest target | mismatches |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    best_tps = max(r["target_tps"] for r in rows)
+    for r in rows:
+        out.append(f"| {r['code']} | {r['precision']} | {r['target_step_ms']:.1f} | {r['target_tps']:.2f} | "
+                   f"{r['spec_step_ms']:.1f} | {r['draft_ms']:.1f} + {r['verify_ms']:.1f} | "
+                   f"{r['spec_step_ms'] / best:.2f}× | {r['tau']:.3f} | {r['spec_tps']:.2f} | "
+                   f"{r['spec_tps'] / best_tps:.2f}× | {r['mismatches']}/{r['turns']} |")
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head", default="/tmp/demo3/checkpoint")
-    ap.add_argument("--baseline-head", default=None)
-    ap.add_argument("--num-prompts", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the decoder (1 is steadiest on a shared CPU)")
-    ap.add_argument("--out", default="/tmp/bench_decode")
+    ap.add_argument("--head", default="/tmp/h18/checkpoint", help="a training checkpoint (runs/<run>/checkpoint)")
+    ap.add_argument("--base", default=None, help="another checkout (git worktree add --detach /tmp/base main) whose "
+                    "peagle_train/decoding/decoder.py runs beside this tree's engine")
+    ap.add_argument("--num-prompts", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
     ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
     args = ap.parse_args()
-    cmd = [sys.executable, str(ROOT / "scripts/evaluate.py"), f"head={args.head}", f"output_dir={args.out}", f"threads={args.threads}",
-           f"eval.num_prompts={args.num_prompts}", "eval.num_speculative_tokens=5", "eval.max_new_tokens=128",
-           "eval.temperature=0.0", "eval.benchmark=spec_bench"]
-    if args.baseline_head:
-        cmd.append(f"baseline_head={args.baseline_head}")
-    load_before = os.getloadavg()
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    from peagle_train.benchmarks import write_section
+    from peagle_train.precision import cpu_bf16_units
+
+    import torch
+
+    torch.set_num_threads(1)
+    load_before, t0, rows = os.getloadavg(), time.time(), []
+    for prec in args.precisions.split(","):
+        print(f"{prec} ...", flush=True)
+        rows += measure(args, {"fp32": torch.float32, "bf16": torch.bfloat16}[prec], prec)
     load_after = os.getloadavg()
-    r = json.loads((Path(args.out) / "eval" / "acceptance.json").read_text())
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, {args.threads} torch thread(s))"
+
     md = "\n".join([
         HEADING, "",
-        f"SmolLM2-135M-Instruct target, head `{args.head}`, greedy, K = {r['num_speculative_tokens']}, "
-        f"{r['max_new_tokens']} new tokens, {r['num_prompts']} MT-Bench first turns (round-robin categories), "
-        f"lossless: {r['lossless']}. {device}, torch {torch.__version__}; load average "
-        f"{load_before[0]:.1f} before / {load_after[0]:.1f} after (the machine was shared, so absolute speeds are noisy; "
-        "shares within one decoder are more stable).", "",
-        table(r, args), "",
-        "Bookkeeping = wall time of the decoding loop minus the draft and target forwards (sampling/argmax, "
-        "acceptance, KV rollback, list handling). Per-position acceptance: "
-        + ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"]) + ".", "",
+        f"SmolLM2-135M-Instruct target (pkg:smollm2), head `{args.head}`, batch 1, greedy, K = {args.k}, "
+        f"{args.max_new_tokens} new tokens, {args.num_prompts} MT-Bench first turns (mean prompt "
+        f"{rows[0]['context']:.0f} tokens). {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), one torch "
+        f"thread, every prompt decoded {args.rounds}× by each code, interleaved, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
+        f"{load_after[0]:.1f} after ({(time.time() - t0) / 60:.1f} min; the machine was shared, so absolute "
+        "times are noisy).", "",
+        table(rows), "",
+        "Step = wall time after the first token ÷ decoding steps (target alone: 1 token per step; speculative: "
+        "one draft + (K+1)-token verify + bookkeeping per step). The fastest target-alone step of the table is the "
+        "baseline of the ratio and of the speedup. Mismatches: turns whose speculative output differs from the "
+        "target alone in the same precision (greedy; bf16 rounding differs between a 1-token and a "
+        f"{args.k + 1}-token forward; scripts/evaluate.py therefore compares below fp32 with the target alone decoded "
+        "in the verifier's numerics, `lossless_mismatches` in acceptance.json).", "",
     ])
     print(md)
     if not args.no_docs:
-        print(f"wrote {write_section(HEADING, md)}")
+        from peagle_train.benchmarks import BENCHMARKS_MD
+
+        text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.is_file() else ""
+        print(f"wrote {write_section(OLD_HEADING if OLD_HEADING in text else HEADING, md)}")
 
 
 if __name__ == "__main__":

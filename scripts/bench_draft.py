@@ -46,7 +46,9 @@ from peagle_train.benchmarks import write_section  # noqa: E402
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft  # noqa: E402
 from peagle_train.precision import cpu_bf16_units, resolve_precision  # noqa: E402
 from peagle_train.training.cod import attention_kind, cod_sample  # noqa: E402
-from peagle_train.training.loop import PackedRow, autocast_context, draft_step  # noqa: E402
+from peagle_train.algorithms.peagle import draft_step  # noqa: E402
+from peagle_train.features.rows import PackedRow  # noqa: E402
+from peagle_train.precision import autocast_context  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
@@ -118,20 +120,22 @@ def bench_train(path: str, n: int, layers: int, max_anchors: int | None, device:
 def bench_drafting(device: str, context: int = 512, repeats: int = 20) -> list[dict]:
     """Time of producing K draft tokens with a warm KV cache of `context` real pairs:
     P-EAGLE = one forward of 1 real pair + K-1 slots; EAGLE-3 = K sequential forwards."""
-    from peagle_train.decoding.decoder import propose_parallel, propose_sequential
-
     out = []
-    for algorithm, propose in (("peagle", propose_parallel), ("eagle3", propose_sequential)):
+    for algorithm in ("peagle", "eagle3"):
         d = head(4, 8, algorithm, device).eval()
-        feats = torch.randn(context, 1728, device=device)
-        toks = torch.randint(0, 49152, (context,)).tolist()
-        _, cache, _ = propose(d, toks[:-1], feats[:-1], None, 0, 1)  # warm cache of context-1 pairs
+        feats = torch.randn(1, context, 1728, device=device)
+        toks = torch.randint(0, 49152, (1, context), device=device)
+        n = context - 1
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+        cache = d.propose(toks[:, :n], feats[:, :n], torch.arange(n, device=device)[None], causal, None, 1).cache
+        last_mask = torch.ones(1, 1, context, dtype=torch.bool, device=device)
+        last_pos = torch.tensor([[n]], device=device)
         for K in (1, 2, 4, 8):
             times = []
             for i in range(repeats + 2):
                 sync(device)
                 t0 = time.perf_counter()
-                propose(d, toks[-1:], feats[-1:], cache, context - 1, K)  # one decoding step's drafting
+                d.propose(toks[:, n:], feats[:, n:], last_pos, last_mask, cache, K)  # one decoding step's drafting
                 sync(device)
                 if i >= 2:
                     times.append(time.perf_counter() - t0)

@@ -1,4 +1,4 @@
-"""Benchmark of cache compaction in shared-forward decoding (decoding/shared.py): the same prompts
+"""Benchmark of cache compaction in shared-forward decoding (decoding/engine.py): the same prompts
 decoded with shared forwards with and without `compact`, their wall time, final cache length and
 tokens (which must be equal).
 
@@ -21,8 +21,8 @@ import torch
 from omegaconf import OmegaConf
 
 from peagle_train.benchmarks import write_section
-from peagle_train.decoding import shared
-from peagle_train.decoding.evaluate import MT_BENCH_CATEGORIES, _chat_ids, load_benchmark
+from peagle_train.decoding import engine as shared
+from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
 from peagle_train.draft.io import load_checkpoint
 
@@ -43,15 +43,15 @@ def main() -> None:
     tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(draft.config.aux_layer_ids)))
     target, tok = build_target(tcfg, "cpu")
     prompts = load_benchmark("spec_bench", "pkg:spec_bench", MT_BENCH_CATEGORIES, args.num_prompts)
-    ids = [_chat_ids(tok, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
+    ids = [chat_ids(tok, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
     load_before = os.getloadavg()
     rows = []
     for compact in (True, False):
         print(f"decoding {len(ids)} prompts × {args.max_new_tokens} tokens, {'compacted caches' if compact else 'caches with holes'} ...",
               flush=True)
         t0 = time.perf_counter()
-        with torch.no_grad():  # shared_generate's state, kept to read its cache
-            state = shared._Shared(target, draft, ids, 5, args.max_new_tokens, {tok.eos_token_id}, compact)
+        with torch.no_grad():  # the engine's state, kept to read its cache
+            state = shared.Engine(target, draft, ids, 5, args.max_new_tokens, {tok.eos_token_id}, None, compact)
             res = state.run()
         wall = time.perf_counter() - t0
         n_tok = sum(len(r.tokens) for r in res)
@@ -74,7 +74,7 @@ def main() -> None:
     ])
     print(md)
     if not same:
-        raise SystemExit("compaction changed the tokens: a bug in decoding/shared.py")
+        raise SystemExit("compaction changed the tokens: a bug in decoding/engine.py")
     if not args.no_docs:
         print(f"wrote {write_section(HEADING, md)}")
 

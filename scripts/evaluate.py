@@ -6,8 +6,9 @@
 
 `head` (and `baseline_head`) is a training checkpoint (draft_config.json) or an export directory
 (config.json). The target alone, the head and the baseline head decode every prompt in the same run.
-Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. On CUDA the target and
-heads run in target.dtype (bfloat16 recommended there).
+Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
+decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
+A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from peagle_train.decoding.evaluate import check_head_target, evaluate_acceptance, load_benchmark
 from peagle_train.draft.io import load_head as read_head
 from peagle_train.errors import cli_main
+from peagle_train.evaluation.benchmarks import load_benchmark
+from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
 
@@ -71,8 +73,7 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(f"head={head} does not fit target {cfg.target.path}: {e}") from e
     n_layers = target.config.num_hidden_layers
     check_head_target(draft, target, tok, f"head={head}")
-    dtype = target.model.dtype
-    draft.to(device=target.model.device, dtype=dtype)
+    draft.to(device=target.model.device)
     baseline, btarget = None, None
     if cfg.get("baseline_head"):
         baseline = load_head(cfg.baseline_head).eval()
@@ -81,14 +82,14 @@ def main(cfg: DictConfig) -> dict:
             raise SystemExit(f"baseline_head={cfg.baseline_head}: aux layers {bids} outside the target's {n_layers} layers.")
         btarget = target if bids == ids else FeatureTarget(target.model, bids)
         check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
-        baseline.to(device=target.model.device, dtype=dtype)
+        baseline.to(device=target.model.device)
     e = cfg.eval
     prompts = load_benchmark(e.benchmark, e.prompts, tuple(e.categories) if e.categories else None, e.num_prompts)
     return evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=e.num_speculative_tokens,
                                max_new_tokens=e.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval",
                                temperature=e.temperature, seed=e.seed, batch_size=e.batch_size,
                                baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
-                               plot=e.plot)
+                               plot=e.plot, benchmark=e.benchmark, precision=cfg.precision)
 
 
 if __name__ == "__main__":

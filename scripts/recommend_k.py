@@ -224,7 +224,8 @@ def run(cfg: DictConfig) -> dict:
     if rc.acceptance is not None:
         acc_src, acc = str(rc.acceptance), load_acceptance(rc.acceptance)
     else:
-        from peagle_train.decoding.evaluate import evaluate_acceptance, load_spec_bench
+        from peagle_train.evaluation.benchmarks import load_spec_bench
+        from peagle_train.evaluation.run import evaluate_acceptance
 
         k_eval = min(max(ks), k_train or max(ks))
         prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,

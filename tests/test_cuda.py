@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from peagle_train.paths import REPO_ROOT
 from peagle_train.training.cod import cod_sample
-from peagle_train.training.loop import autocast_context, train
+from peagle_train.precision import autocast_context
+from peagle_train.training.trainer import train
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

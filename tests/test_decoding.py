@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from peagle_train.decoding.decoder import speculative_generate, target_generate
+from .reference_decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.target.features import FeatureTarget
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from peagle_train.decoding.decoder import propose_sequential, speculative_generate, target_generate
+from .reference_decoder import propose_sequential, speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft
 from peagle_train.target.features import FeatureTarget
 from peagle_train.algorithms.eagle3 import eagle3_forward, eagle3_step, ttt_anchors

@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
-from peagle_train.decoding.decoder import (
+from .reference_decoder import (
     accept_drafts, speculative_generate, speculative_generate_batch, target_generate,
 )
-from peagle_train.decoding.evaluate import (
-    BenchmarkError, HeadMismatchError, check_head_target, evaluate_acceptance, load_humaneval, load_jsonl_prompts,
-    load_mt_bench, training_eal,
-)
+from peagle_train.evaluation.benchmarks import BenchmarkError, load_humaneval, load_jsonl_prompts, load_mt_bench
+from peagle_train.evaluation.report import training_eal
+from peagle_train.evaluation.run import HeadMismatchError, check_head_target, evaluate_acceptance
 from peagle_train.draft.peagle import DraftConfig, make_draft_head
 from peagle_train.paths import SPEC_BENCH
 from peagle_train.target.features import FeatureTarget
@@ -89,7 +88,7 @@ def test_speculative_sampling_matches_the_target_distribution():
     tv2 = 0.5 * (c2 / N - m2).abs().sum().item()
     assert tv1 < 0.1 and tv2 < 0.1, (tv1, tv2)
     # the draft's own distribution for token 2 (what an always-accept decoder would emit) is far off
-    from peagle_train.decoding.decoder import draft_parallel
+    from .reference_decoder import draft_parallel
     out = t(torch.tensor([prompt]))
     naive = torch.zeros(V)
     for _ in range(300):
@@ -157,7 +156,7 @@ def test_head_for_another_target_is_refused(chatml_tokenizer):
     with pytest.raises(HeadMismatchError) as e:
         check_head_target(d, t, chatml_tokenizer)
     msg = str(e.value)
-    assert "vocabulary: the head has 128 ids" in msg and "layer ids" in msg and "mask token" in msg
+    assert "the head's vocabulary is 128, the target's is" in msg and "layer ids" in msg and "mask token" in msg
     d.config.target_hidden_size = 32
     with pytest.raises(HeadMismatchError, match="hidden size"):
         check_head_target(d, t, chatml_tokenizer)

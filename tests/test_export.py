@@ -95,8 +95,9 @@ def test_model_card_has_tau_and_the_vllm_command(tmp_path, target_model):
 def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
     """bf16 export → fp32 reload: the same greedy proposals and acceptance on the tiny target
     (logits agree to bf16 precision, ~1e-2 relative, far below the argmax margins here)."""
-    from peagle_train.decoding.decoder import speculative_generate, target_generate
     from peagle_train.draft.io import load_checkpoint, save_checkpoint
+
+    from .reference_decoder import speculative_generate, target_generate
 
     t, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
     ckpt, _ = load_checkpoint(save_checkpoint(d, tmp_path / "ckpt"))

@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from peagle_train.decoding.decoder import speculative_generate, target_generate
+from .reference_decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig
 from peagle_train.export.speculators import load_export, write_export
 from peagle_train.training.cod import cod_sample

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peagle_train import precision as P
-from peagle_train.training.loop import autocast_context
+from peagle_train.precision import autocast_context
 
 
 def test_target_weights_stay_float32_unless_set():

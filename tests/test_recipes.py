@@ -1,5 +1,6 @@
 """Every recipe composes under the strict schema; the GPU recipes dry-run on a tiny random target of
-their family (4-layer heads, K_train 8, bf16 autocast, 2 steps, checkpoint round trip)."""
+their family (4-layer heads, K_train 8, bf16 autocast, 2 steps, checkpoint round trip, evaluation of
+a bf16 target with the fp32-trained head, export)."""
 
 import pytest
 
@@ -32,6 +33,12 @@ def test_gpu_recipe_dry_run(tmp_path, name):
     cfg = compose_train([f"recipe={name}", f"output_dir={tmp_path}", "dry_run=true"])
     got = dry_run(cfg, tmp_path, log=lambda *_: None)
     assert got.pop("training")["steps"] == 2
+    ev, export = got.pop("eval"), got.pop("export")  # training, then evaluation and export
+    from peagle_train.precision import resolve_precision
+    assert ev["precision"] == resolve_precision(cfg.precision, "cpu").name and ev["num_turns"] == 2
+    assert ev["verify_steps"] > 0 and ev["lossless_mismatches"] == 2 - ev["num_lossless_prompts"]
+    assert ev["num_speculative_tokens"] == cfg.eval.num_speculative_tokens
+    assert (tmp_path / "export" / "config.json").is_file() and export == str(tmp_path / "export")
     assert got == {"family": GPU[name], "draft_layers": 4, "num_depths": 8, "steps": 2, "loss": got["loss"],
                    "mixed_precision": "bf16", "engine": ENGINE[name]}  # the recipe's engine, on 1 process
     assert 0 < got["loss"] < 10

@@ -1,11 +1,11 @@
-"""Shared-forward batched decoding (decoding/shared.py) gives the tokens and acceptances of
+"""The batched decoding engine (decoding/engine.py) gives the tokens and acceptances of
 one-row decoding, with ragged prompts, ragged acceptance and rows finishing at different steps."""
 
 import pytest
 import torch
 
-from peagle_train.decoding.decoder import speculative_generate, target_generate
-from peagle_train.decoding.shared import shared_generate
+from .reference_decoder import speculative_generate, target_generate
+from peagle_train.decoding.engine import generate as shared_generate
 
 from .test_evaluate import one_thread, small_pair  # noqa: F401 (one_thread: autouse fixture, one torch thread)
 
@@ -71,7 +71,7 @@ def test_shared_random_head_and_target_alone(algorithm):
 
 
 def test_compact_index_moves_kept_slots_right_in_order():
-    from peagle_train.decoding.shared import _compact_index, _gather_slots
+    from peagle_train.decoding.engine import _compact_index, _gather_slots
     valid = torch.tensor([[0, 1, 0, 1, 1, 0],
                           [1, 0, 0, 0, 0, 1],
                           [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
@@ -91,11 +91,11 @@ def test_compaction_keeps_tokens_and_bounds_the_cache(algorithm, monkeypatch):
     """A random head accepts almost nothing, so most verify slots are holes: with compaction the
     target cache stays within COMPACT_SLACK + K + 1 slots of the longest row, and the tokens and
     acceptances are those of the uncompacted run."""
-    from peagle_train.decoding import shared as sh
+    from peagle_train.decoding import engine as sh
     t, d = small_pair(algorithm=algorithm, K=4)
     prompts = [[5, 17, 33, 2, 90, 4, 4, 8], [1, 2, 3], [40]]
     monkeypatch.setattr(sh, "COMPACT_SLACK", 8)
-    states = [sh._Shared(t, d, prompts, 4, 24, set(), compact) for compact in (False, True)]
+    states = [sh.Engine(t, d, prompts, 4, 24, set(), None, compact) for compact in (False, True)]
     with torch.no_grad():
         plain, packed = (s.run() for s in states)
     assert [s.tokens for s in packed] == [s.tokens for s in plain]

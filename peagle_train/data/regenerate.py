@@ -37,8 +37,8 @@ class Generation:
 
 class HFBackend:
     """Greedy (temperature 0) or sampled generation with an in-process HF causal LM. Greedy batches
-    use shared forwards with finished rows leaving the batch (`decoding.shared`, ~2× HF `generate`
-    on a CPU, where a batch runs until its longest answer); sampling and sliding-window targets use
+    use shared forwards with finished rows leaving the batch (`decoding.engine`, ~2× HF `generate`
+    on a CPU, where a batch runs until its longest answer); sampling uses
     HF `generate` with left padding. The prompt is the tokenizer's chat template with
     add_generation_prompt=True."""
 
@@ -57,15 +57,14 @@ class HFBackend:
         texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
                  for c in conversations]
         if self.temperature <= 0:
-            from ..decoding.shared import shared_generate, supports_shared
+            from ..decoding.engine import generate
             from ..target.features import FeatureTarget
 
             if self._target is None:
                 self._target = FeatureTarget(self.model)
-            if supports_shared(self._target):
-                prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
-                res = shared_generate(self._target, None, prompts, 0, self.max_new_tokens, self.eos)
-                return [self._answer(r.tokens) for r in res]
+            prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+            res = generate(self._target, None, prompts, 0, self.max_new_tokens, self.eos)
+            return [self._answer(r.tokens) for r in res]
         side, self.tok.padding_side = self.tok.padding_side, "left"
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         try:

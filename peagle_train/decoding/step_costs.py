@@ -20,10 +20,9 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
-
 from ..draft.peagle import Eagle3Draft, PEagleDraft
 from ..target.features import FeatureTarget
+from .kv_cache import SlotCache
 
 
 class MemoryLimitError(RuntimeError):
@@ -95,6 +94,7 @@ def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: in
                sequential: bool | None = None) -> float:
     """Mean ms of one drafting step proposing K tokens for each of `batch` sequences.
 
+    The step is the head's `propose` over one new real pair with a cache of `context` pairs.
     sequential: None = by head type (EAGLE-3 heads sequential, P-EAGLE parallel); True times
     EAGLE-3-style K forwards with any head. Raises ValueError when K < 1 or batch < 1."""
     if K < 1 or batch < 1:
@@ -111,25 +111,14 @@ def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: in
     tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(dev)
     feat = torch.randn(batch, 1, 3 * T, generator=g).to(dev, dtype)
 
-    def parallel():
-        toks = torch.cat([tok, torch.full((batch, K - 1), cfg.mask_token_id, device=dev)], dim=1)
-        feats = torch.cat([feat, draft.mask_hidden.to(dtype).expand(batch, K - 1, -1)], dim=1)
-        pos = torch.arange(context, context + K, device=dev)[None].expand(batch, -1)
-        logits, _ = draft(toks, feats, pos, _mask(batch, K, context, dev), cache)
-        return draft.draft_to_target(logits.argmax(-1))
+    mask = _mask(batch, 1, context, dev)
+    pos = torch.full((batch, 1), context, device=dev)
+    propose = (Eagle3Draft.propose if seq else PEagleDraft.propose).__get__(draft)
 
-    def sequential_():
-        pos = torch.full((batch, 1), context, device=dev)
-        h, c = draft.hidden_states(tok, feat, pos, _mask(batch, 1, context, dev), cache)
-        t = draft.draft_to_target(draft.logits(h[:, -1]).argmax(-1))
-        for j in range(1, K):
-            n = context + j
-            h, c = draft.hidden_states(t.view(batch, 1), h, torch.full((batch, 1), n, device=dev),
-                                       _mask(batch, 1, n, dev), c, project=False)
-            t = draft.draft_to_target(draft.logits(h[:, -1]).argmax(-1))
-        return t
+    def step():
+        return propose(tok, feat, pos, mask, cache, K).tokens
 
-    return _mean_ms(sequential_ if seq else parallel, dev, repeats, warmup)
+    return _mean_ms(step, dev, repeats, warmup)
 
 
 @torch.no_grad()
@@ -143,7 +132,7 @@ def time_verify(target: FeatureTarget, batch: int, n_tokens: int, context: int, 
     dev = target.model.device
     V = target.config.vocab_size
     g = torch.Generator(device="cpu").manual_seed(0)
-    cache = DynamicCache()
+    cache = SlotCache()  # the decoding engine's preallocated cache
     target(torch.randint(0, V, (batch, context), generator=g).to(dev), cache=cache)
     new = torch.randint(0, V, (batch, n_tokens), generator=g).to(dev)
 

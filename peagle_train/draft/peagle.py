@@ -315,6 +315,39 @@ class PEagleDraft(nn.Module):
         """Map draft-vocabulary indices to target ids: j + d2t[j]."""
         return draft_token + self.d2t[draft_token]
 
+    @torch.no_grad()
+    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> "Proposal":
+        """K draft tokens per row from one forward over the new real pairs plus K-1 slots (mask
+        token, `mask_hidden`) (DESIGN.md §5; vLLM parallel drafting).
+
+        tokens [B, M] int64: the new real pairs' tokens x_{i+1} (left-padding holes allowed);
+        features [B, M, 3H] their target features g_i, any float dtype (cast to the head's);
+        position_ids [B, M]; mask [B, M, S+M] bool, the real pairs' visibility over S cached slots
+        and themselves (position M-1 must be a real pair in every row); cache: per-layer
+        (k, v) [B, kv_heads, S, head_dim] or None. pick: draft-vocabulary logits [B, N, V_draft] →
+        indices [B, N] (default argmax; a sampler for speculative sampling).
+        Slot d sees what the last real pair sees plus slots 1..d, at position last + d.
+        Returns a Proposal: target ids [B, K], their draft logits [B, K, V_draft], the cache of the
+        real pairs only (S + M slots; the slots are dropped) and 1 draft forward.
+        """
+        B, M = tokens.shape
+        S = mask.shape[-1] - M
+        features = features.to(self.fc.weight.dtype)
+        n = K - 1
+        if n:
+            dev = tokens.device
+            tokens = torch.cat([tokens, torch.full((B, n), self.config.mask_token_id, dtype=tokens.dtype, device=dev)], 1)
+            features = torch.cat([features, self.mask_hidden.to(features.dtype).expand(B, n, -1)], 1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, K, device=dev)], 1)
+            slots = torch.cat([mask[:, -1:].expand(-1, n, -1),
+                               torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, -1, -1)], 2)
+            mask = torch.cat([torch.cat([mask, mask.new_zeros(B, M, n)], 2), slots], 1)
+        logits, new_cache = self(tokens, features, position_ids, mask, cache)
+        logits = logits[:, M - 1:]
+        idx = logits.argmax(-1) if pick is None else pick(logits)
+        keep = [(k[:, :, :S + M], v[:, :, :S + M]) for k, v in new_cache]
+        return Proposal(self.draft_to_target(idx), logits, keep, 1)
+
 
 class Eagle3Draft(PEagleDraft):
     """The EAGLE-3 head (arXiv 2503.01840), the baseline: the same layout without `mask_hidden`
@@ -325,6 +358,41 @@ class Eagle3Draft(PEagleDraft):
     def __init__(self, cfg: DraftConfig):
         super().__init__(cfg)
         del self.mask_hidden
+
+    @torch.no_grad()
+    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> "Proposal":
+        """K draft tokens per row from K sequential forwards (EAGLE-3): the new real pairs, then
+        K-1 one-token forwards that each read the previous draft token and the head's own pre-norm
+        hidden state (bypassing fc), at positions last + 1 .. last + K-1.
+
+        Arguments and result as `PEagleDraft.propose`; the returned cache holds the real pairs only
+        (the sequential steps' entries are dropped) and the forward count is K.
+        """
+        B, M = tokens.shape
+        h, keep = self.hidden_states(tokens, features.to(self.fc.weight.dtype), position_ids, mask, cache)
+        hid, vis, last = h[:, -1:], mask[:, -1:], position_ids[:, -1:]
+        c, toks, all_logits = keep, [], []
+        for j in range(K):
+            if j:
+                vis = torch.cat([vis, vis.new_ones(B, 1, 1)], 2)
+                hid, c = self.hidden_states(toks[-1][:, None], hid, last + j, vis, c, project=False)
+            logits = self.logits(hid)
+            idx = logits.argmax(-1) if pick is None else pick(logits)
+            toks.append(self.draft_to_target(idx[:, 0]))
+            all_logits.append(logits)
+        return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)
+
+
+@dataclass
+class Proposal:
+    """What `propose` returns: tokens [B, K] target ids; logits [B, K, V_draft] the draft logits
+    they were picked from; cache the draft's per-layer (k, v) of the real pairs; forwards the
+    number of draft forwards it took (1 for P-EAGLE, K for EAGLE-3)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    cache: list
+    forwards: int
 
 
 def make_draft_head(cfg: DraftConfig) -> PEagleDraft:

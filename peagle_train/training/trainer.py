@@ -21,13 +21,12 @@ from tqdm.auto import tqdm
 from ..algorithms import make_objective
 from ..features.rows import pack_documents, split_validation
 from ..features.sources import FeatureSource, OnlineFeatures
-from ..precision import draft_precision
+from ..precision import autocast_context, draft_precision
 from ..target.features import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from .cod import attention_kind
 from .engines import average_gradients, make_engine, resolve_engine
-from .loop import autocast_context
 from .loss import metrics_from_counts
 from .schedule import lr_lambda
 from .tracking import make_tracker, step_scalars

@@ -1,4 +1,4 @@
-"""Reference speculative decoder for P-EAGLE heads (and EAGLE-3 heads, sequentially) (DESIGN.md §5).
+"""The lossless oracle: a per-sequence reference speculative decoder for P-EAGLE heads (and EAGLE-3 heads, sequentially) (DESIGN.md §5).
 
 Per step: one draft forward over the new real pairs (x_{i+1}, g_i) (appended to the draft's KV
 cache) plus K-1 slots (mask token, `mask_hidden`); the last real position proposes the first draft
@@ -9,6 +9,9 @@ target's own next token (bonus). Temperature > 0: speculative (rejection) sampli
 rejection is replaced by a sample of norm(max(0, p_i - q_i)); if all K are accepted the bonus is
 drawn from p_K. Rejected entries are cropped from both caches and the slots are never kept.
 
+The engine (peagle_train/decoding/engine.py) is tested against it: its own drafting forwards
+(not `head.propose`), its own caches (HF DynamicCache, one per sequence) and its own acceptance.
+
 Every result carries wall times split into drafting (draft forwards), verifying (target forwards)
 and bookkeeping (the rest), plus the time to the first token, so latency can be reported.
 """
@@ -16,52 +19,14 @@ and bookkeeping (the rest), plus the time to the first token, so latency can be 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from ..draft.peagle import Eagle3Draft, PEagleDraft
-from ..target.features import FeatureTarget
-
-
-@dataclass
-class GenerationResult:
-    """One decoded sequence.
-
-    tokens: the generated ids (prompt excluded); accepted: accepted drafts per verify step;
-    draft_forwards / target_forwards: forward counts; seconds: wall time of the generation (s);
-    first_token_seconds: time to the first generated token (prefill, s); draft_seconds /
-    target_seconds: wall time inside draft / target forwards (s, device-synchronised).
-    """
-
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)
-    draft_forwards: int = 0
-    target_forwards: int = 0
-    seconds: float = 0.0
-    first_token_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
-
-    @property
-    def bookkeeping_seconds(self) -> float:
-        """Everything that is not a model forward: sampling, acceptance, cache rollback, lists (s)."""
-        return max(self.seconds - self.draft_seconds - self.target_seconds, 0.0)
-
-    @property
-    def time_per_output_token(self) -> float:
-        """Seconds per generated token after the first (TPOT); 0 for a single token."""
-        n = len(self.tokens) - 1
-        return (self.seconds - self.first_token_seconds) / n if n > 0 else 0.0
-
-
-def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
-    """Cut at the first eos (kept) or at max_new_tokens; returns (tokens, done)."""
-    for i, t in enumerate(tokens[:max_new_tokens]):
-        if t in eos_ids:
-            return tokens[: i + 1], True
-    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+from peagle_train.decoding.engine import GenerationResult
+from peagle_train.decoding.engine import finish as _finish
+from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
+from peagle_train.target.features import FeatureTarget
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,96 @@
+"""A preallocated KV cache for the target (an HF `Cache`): one buffer per layer written in place.
+
+HF's DynamicCache concatenates every layer's keys and values with the new ones at every forward,
+which copies the whole cache once per layer per step. `SlotCache` keeps one buffer per layer
+[B, kv_heads, capacity, head_dim] and writes the new entries into it; the model reads a view of
+the first `n` slots. Capacity grows by doubling (amortised O(1) per token). Dropping rejected
+drafts (`crop`) only moves the length; `batch_select_indices` drops finished rows and
+`set_slots` writes a compacted cache back (decoding/engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+CAPACITY = 256  # initial slots per layer; doubled whenever a forward needs more
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of `SlotCache`: `keys`/`values` are views [B, kv_heads, n, head_dim] of buffers."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.n = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        B, h, _, d = key_states.shape
+        self.kbuf = key_states.new_empty(B, h, CAPACITY, d)
+        self.vbuf = value_states.new_empty(B, value_states.shape[1], CAPACITY, value_states.shape[3])
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys, self.values = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
+
+    def _reserve(self, need: int) -> None:
+        cap = self.kbuf.shape[2]
+        if need > cap:
+            cap = max(need, 2 * cap)
+            for name in ("kbuf", "vbuf"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+                new[:, :, :self.n] = old[:, :, :self.n]
+                setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new entries [B, kv_heads, N, head_dim] after the first n; return the views of n + N."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        need = self.n + key_states.shape[-2]
+        self._reserve(need)
+        self.kbuf[:, :, self.n:need] = key_states
+        self.vbuf[:, :, self.n:need] = value_states
+        self.n = need
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` entries (a negative count, as DynamicLayer.crop)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"SlotLayer.crop takes a negative count of entries to drop, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self.n = max(self.n + tokens_to_remove, 0)
+            self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+            self._views()
+
+    def set_slots(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the cached entries by `keys`/`values` [B, kv_heads, S', head_dim] (S' ≤ n)."""
+        S = keys.shape[2]
+        self.kbuf[:, :, :S] = keys
+        self.vbuf[:, :, :S] = values
+        self.n = S
+        self._views()
+
+
+class SlotCache(Cache):
+    """An HF cache of `SlotLayer`s, created lazily per layer at the first forward."""
+
+    def __init__(self):
+        super().__init__(layer_class_to_replicate=SlotLayer)
+
+    def crop(self, max_length: int) -> None:
+        """Drop the last `-max_length` entries of every layer (negative, as DynamicCache.crop)."""
+        for layer in self.layers:
+            layer.crop(max_length)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)

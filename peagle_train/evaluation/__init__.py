@@ -1,0 +1,1 @@
+"""Acceptance evaluation: benchmark prompts (benchmarks), decoding them resumably (run), figures and files (report)."""

@@ -1,0 +1,299 @@
+"""Running an acceptance evaluation: every prompt (every turn) decoded with the target alone, the
+head and an optional baseline head by the decoding engine, in the same run and precision, with
+per-prompt results appended to out_dir/results.jsonl as they finish, so that a killed run resumes.
+
+Resume: results.jsonl holds one JSON line per (benchmark, id, turn, decoder) with the tokens,
+accepted counts, forward counts and wall times of that decoding; results.meta.json holds the
+settings and head fingerprints they were decoded with. A rerun into the same out_dir reads them,
+decodes only the missing (benchmark, id, turn, decoder) keys, and writes acceptance.json from the
+stored results, so it equals the uninterrupted run's. A partial last line (a kill during a write)
+is dropped. Results of other settings or heads are never mixed in: they are moved aside to
+results.stale.jsonl (a warning names what differs) and the run starts over.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..decoding.engine import GenerationResult, generate
+from ..errors import UserError
+from ..precision import log_precision, resolve_precision
+from .benchmarks import BenchmarkError, chat_ids
+from .report import _tau, format_acceptance, summarize, write_report
+
+logger = logging.getLogger(__name__)
+
+
+class HeadMismatchError(UserError, ValueError):
+    """A draft head that was trained for another target; the message names every mismatch."""
+
+
+def check_head_target(draft, target, tokenizer=None, head_name: str = "head") -> None:
+    """Refuse a head trained for another target: what `DraftConfig.check_target` checks (hidden
+    size, vocabulary, aux layer ids inside the target), plus what only a decoding run can see: aux
+    layer ids equal to those the FeatureTarget captures, a draft context no shorter than the
+    target's, and a mask token the tokenizer does not use as a special token.
+
+    Raises HeadMismatchError listing every mismatch with the fix."""
+    c, tc, problems = draft.config, target.config, []
+    try:
+        c.check_target(tc)
+    except ValueError as e:
+        problems.append(str(e).split(": ", 1)[-1])
+    if list(c.aux_layer_ids) != list(target.aux_layer_ids):
+        problems.append(f"layer ids: the head was trained on aux layers {list(c.aux_layer_ids)}, the target gives "
+                        f"{list(target.aux_layer_ids)} (of {tc.num_hidden_layers} layers)")
+    if c.max_position_embeddings < getattr(tc, "max_position_embeddings", 0):
+        problems.append(f"context: the head's max_position_embeddings {c.max_position_embeddings} < the target's "
+                        f"{tc.max_position_embeddings}")
+    if c.algorithm == "peagle" and tokenizer is not None:
+        used = {int(i) for i in (tokenizer.all_special_ids or [])}
+        if c.mask_token_id in used:
+            problems.append(f"mask token: mask_token_id={c.mask_token_id} "
+                            f"({tokenizer.convert_ids_to_tokens(c.mask_token_id)!r}) is a special token of this target's tokenizer")
+        elif c.mask_token_id >= len(tokenizer):
+            problems.append(f"mask token: mask_token_id={c.mask_token_id} is outside the tokenizer ({len(tokenizer)} ids)")
+    if problems:
+        raise HeadMismatchError(f"{head_name} was trained for another target: " + "; ".join(problems)
+                                + ". Fix: evaluate it with the target it was trained for (its checkpoint's `target`).")
+
+
+def prepare_for_decoding(target, heads: list, precision: str = "auto"):
+    """Put the target (in place) and copies of the heads in the dtype that `precision` resolves to
+    on the target's device (peagle_train/precision.py; the same setting as training), so that any
+    mix of target dtype and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
+    stays None); the heads given are left as they are (a trained head keeps its fp32 weights)."""
+    dev = target.model.device
+    res = resolve_precision(precision, dev)
+    log_precision(res)
+    target.model.to(res.dtype)
+    return res, [None if h is None else copy.deepcopy(h).to(device=dev, dtype=res.dtype).eval() for h in heads]
+
+
+def head_fingerprint(head) -> str:
+    """sha256 (16 hex) of a head's config and weights: resume refuses results of another head."""
+    h = hashlib.sha256(json.dumps(head.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, t in sorted(head.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _key(rec: dict) -> tuple:
+    return (str(rec["benchmark"]), str(rec["id"]), int(rec["turn"]), rec["decoder"])
+
+
+class ResultLog:
+    """out_dir/results.jsonl: the per-(benchmark, id, turn, decoder) results, appended and flushed
+    as they finish; read back on resume (module docstring)."""
+
+    def __init__(self, out_dir: Path, meta: dict):
+        self.path, meta_path = out_dir / "results.jsonl", out_dir / "results.meta.json"
+        self.done: dict[tuple, dict] = {}
+        old = json.loads(meta_path.read_text()) if self.path.is_file() and meta_path.is_file() else None
+        if old is not None and old != meta:
+            diff = {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
+            stale = out_dir / "results.stale.jsonl"
+            logger.warning("%s was decoded with other settings or heads %s (old, new): moved to %s, starting over",
+                           self.path, diff, stale)
+            self.path.replace(stale)
+            old = None
+        if old is not None:
+            text = self.path.read_text()
+            good = text[: text.rfind("\n") + 1]  # a line cut by a kill has no newline: drop it
+            for line in good.splitlines():
+                rec = json.loads(line)
+                self.done[_key(rec)] = rec
+            if len(good) != len(text):
+                self.path.write_text(good)
+        else:
+            self.path.write_text("")
+        meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True))
+        self.reused = len(self.done)
+        self._f = open(self.path, "a")
+
+    def add(self, rec: dict) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.done[_key(rec)] = rec
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _record(benchmark: str, q: dict, turn: int, decoder: str, prompt_tokens: int, r: GenerationResult) -> dict:
+    return {"benchmark": benchmark, "id": q["id"], "turn": turn, "decoder": decoder, "category": q["category"],
+            "prompt_tokens": prompt_tokens, **asdict(r)}
+
+
+def _result(rec: dict) -> GenerationResult:
+    return GenerationResult(**{k: rec[k] for k in GenerationResult.__dataclass_fields__})
+
+
+def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult], greedy: bool) -> dict:
+    """One per_prompt.csv row for a turn from its results per decoder. Lossless compares with the
+    "reference" decoder (the target alone in the verifier's numerics) where there is one, else
+    with the target alone."""
+    b, s = res["target"], res["head"]
+    ref = res.get("reference", b)
+    row = {"id": q["id"], "category": q["category"], "turn": turn, "prompt_tokens": prompt_tokens,
+           "new_tokens": len(s.tokens), "verify_steps": len(s.accepted), "tau": _tau(s.accepted),
+           "lossless": (s.tokens == ref.tokens) if greedy else None,
+           **({"equals_one_token_target": s.tokens == b.tokens} if "reference" in res and greedy else {}),
+           "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
+           "spec_seconds": round(s.seconds, 4), "target_only_seconds": round(b.seconds, 4)}
+    if "baseline_head" in res:
+        r = res["baseline_head"]
+        row.update({"baseline_tau": _tau(r.accepted), "baseline_new_tokens": len(r.tokens),
+                    "baseline_lossless": (r.tokens == ref.tokens) if greedy else None,
+                    "baseline_seconds": round(r.seconds, 4)})
+    for name, r in res.items():
+        if name == "reference":
+            continue
+        pre = {"target": "target", "head": "head", "baseline_head": "baseline"}[name]
+        row.update({f"{pre}_ttft_s": round(r.first_token_seconds, 5),
+                    f"{pre}_tpot_s": round(r.time_per_output_token, 5), f"{pre}_latency_s": round(r.seconds, 4)})
+    return row
+
+
+def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
+                        max_new_tokens: int, out_dir: str | Path, log=print, temperature: float = 0.0, seed: int = 0,
+                        batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,
+                        plot: bool = True, benchmark: str = "prompts", precision: str | None = None) -> dict:
+    """Decode every prompt (every turn) with the target alone, with `draft`, and with `baseline_draft`
+    (optional, e.g. an EAGLE-3 head) and measure; resumable (module docstring).
+
+    prompts: dicts {id, category, turns: [str]} or {id, category, messages: [{role, content}]}
+    (a bare {prompt} is one turn), or {id, category, input_ids: [int]} (one turn, already
+    tokenised; no tokenizer needed). Multi-turn items are asked turn by turn with the target's own
+    answer as the history. Prompts that are empty or do not fit the target's context
+    (prompt + max_new_tokens + K + 1 > max_position_embeddings) are skipped and counted.
+    precision: None decodes in the dtypes the target and heads have (the head's features are cast
+    to its dtype); auto | fp32 | bf16 first puts both in that precision (`prepare_for_decoding`).
+    Greedy with batch_size > 1 decodes each batch with shared forwards: speeds are then batch
+    throughputs, and per-row seconds are shares of the batch's wall time (latency needs batch 1).
+
+    Lossless (greedy): in fp32 the head's output must equal the target alone's exactly; below fp32
+    at batch 1 it is compared with the target alone decoded in the verifier's numerics (decoder
+    "reference": every token from a (K+1)-token forward, as the verifier computes it), and the
+    turns that differ from the 1-token target alone are counted too
+    (`mismatches_vs_one_token_target`); below fp32 in larger batches, with the target alone (the
+    rounding then depends on the batch's composition; mismatches are counted).
+    Writes out_dir/results.jsonl (+ results.meta.json) as it goes, then out_dir/acceptance.json
+    (report.summarize: τ and its convention, per-position acceptance unconditional and
+    conditional, lossless and its mismatch count, forward counts, speeds, time shares, latency,
+    per category, skipped, optional baseline and calibration), per_prompt.csv and acceptance.png.
+    Returns the acceptance dict.
+
+    Raises BenchmarkError when no prompt could be decoded.
+    """
+    K = num_speculative_tokens
+    greedy = temperature <= 0
+    if precision is not None:
+        resolved, (draft, baseline_draft) = prepare_for_decoding(target, [draft, baseline_draft], precision)
+        prec_name = resolved.name
+    else:
+        prec_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(target.model.dtype,
+                                                                                                str(target.model.dtype))
+    prompts = [q if "turns" in q or "messages" in q or "input_ids" in q else {**q, "turns": [q["prompt"]]}
+               for q in prompts]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos = set(_as_list(getattr(target.model.generation_config, "eos_token_id", None)))
+    if tokenizer is not None:
+        eos.add(tokenizer.eos_token_id)
+    eos.discard(None)
+    ctx = getattr(target.config, "max_position_embeddings", None) or 10**9
+    gen = torch.Generator(device=target.model.device).manual_seed(seed) if not greedy else None
+    heads = [("head", draft, target)] + ([("baseline_head", baseline_draft, baseline_target or target)]
+                                         if baseline_draft is not None else [])
+    meta = {"num_speculative_tokens": K, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+            "batch_size": batch_size, "precision": prec_name, "eos": sorted(eos),
+            "heads": {name: head_fingerprint(d) for name, d, _ in heads}}
+    results = ResultLog(out_dir, meta)
+    if results.reused:
+        logger.info("resuming %s: %d results already decoded", results.path, results.reused)
+    decoded = 0
+    rows, skipped, order = [], {"empty_prompt": 0, "too_long": 0}, []
+    histories = [list(q.get("messages", [])[:-1]) for q in prompts]
+    alive = [True] * len(prompts)
+    n_turns = lambda q: len(q.get("turns", [None]))  # noqa: E731
+    bar = tqdm(total=sum(n_turns(q) for q in prompts), desc=f"decoding (K={K})", unit="turn")
+    # greedy below fp32 at batch 1: the lossless reference is the target alone in the verifier's
+    # numerics (verify-shaped (K+1)-token forwards); a 1-token forward rounds differently. In larger
+    # batches the matmul shapes follow which rows are still decoding, so no reference can match them.
+    reference = greedy and prec_name != "fp32" and batch_size == 1
+    decoders = [("target", None, target)] + ([("reference", None, target)] if reference else []) + heads
+    for b0 in range(0, len(prompts), batch_size):
+        idx = list(range(b0, min(b0 + batch_size, len(prompts))))
+        for turn in range(1, max(n_turns(prompts[i]) for i in idx) + 1):
+            jobs, seen = [], 0
+            for i in idx:
+                q = prompts[i]
+                if turn > n_turns(q):
+                    continue
+                seen += 1
+                if not alive[i]:  # an earlier turn was skipped: the later ones have no history
+                    continue
+                if "input_ids" in q:
+                    ids = list(q["input_ids"])
+                else:
+                    user = q["turns"][turn - 1] if "turns" in q else q["messages"][-1]["content"]
+                    if not str(user).strip():
+                        skipped["empty_prompt"] += 1; alive[i] = False
+                        continue
+                    histories[i].append({"role": "user", "content": user})
+                    ids = chat_ids(tokenizer, histories[i])
+                if not ids:
+                    skipped["empty_prompt"] += 1; alive[i] = False
+                    continue
+                if len(ids) + max_new_tokens + K + 1 > ctx:
+                    skipped["too_long"] += 1; alive[i] = False
+                    continue
+                jobs.append((i, ids))
+            for name, d, t in decoders:  # decode what results.jsonl does not hold yet
+                todo = [(i, ids) for i, ids in jobs if (benchmark, str(prompts[i]["id"]), turn, name) not in results.done]
+                if not todo:
+                    continue
+                out = generate(t, d, [ids for _, ids in todo], K, max_new_tokens, eos, temperature=temperature,
+                               generator=gen, verifier_numerics=name == "reference")
+                for (i, ids), r in zip(todo, out):
+                    results.add(_record(benchmark, prompts[i], turn, name, len(ids), r))
+                decoded += len(todo)
+            for i, ids in jobs:
+                q = prompts[i]
+                res = {name: _result(results.done[(benchmark, str(q["id"]), turn, name)]) for name, _, _ in decoders}
+                if "input_ids" not in q:
+                    histories[i].append({"role": "assistant",
+                                         "content": tokenizer.decode(res["target"].tokens, skip_special_tokens=True)})
+                rows.append(_row(q, turn, len(ids), res, greedy))
+                order.append(res)
+            bar.update(seen)
+    bar.close()
+    results.close()
+    logger.info("decoded %d results, reused %d from %s", decoded, results.reused, results.path)
+    if not rows:
+        raise BenchmarkError(f"no prompt could be decoded: skipped {skipped} of {len(prompts)}. Fix: shorter prompts or "
+                             "a smaller eval.max_new_tokens.")
+    res_all = {name: [r[name] for r in order] for name, _, _ in decoders}
+    result = summarize(rows, res_all, K=K, max_new_tokens=max_new_tokens, temperature=temperature,
+                       batch_size=batch_size, precision=prec_name, skipped=skipped,
+                       baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
+                       train_metrics=train_metrics)
+    write_report(result, rows, out_dir, plot)
+    log(format_acceptance(result))
+    return result
+
+
+def _as_list(x):
+    return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])

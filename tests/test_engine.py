@@ -1,0 +1,243 @@
+"""The decoding engine (decoding/engine.py) against the per-sequence oracle (tests/reference_decoder.py):
+`head.propose` equals the oracle's drafting forwards, any mix of target and head dtypes decodes,
+batched rejection sampling follows the target's distribution, sliding-window targets and cache
+growth keep the oracle's tokens, lossless under bf16 is counted, and a killed evaluation resumes."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_train.decoding.engine import generate
+from peagle_train.evaluation.report import per_position_acceptance
+from peagle_train.evaluation.run import evaluate_acceptance
+from peagle_train.target.features import FeatureTarget
+
+from .reference_decoder import draft_parallel, draft_sequential, speculative_generate, target_generate
+from .test_evaluate import _exact_marginals, one_thread, small_pair  # noqa: F401 (one_thread: autouse)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _causal(n, cached=0):
+    m = torch.ones(n, cached + n, dtype=torch.bool)
+    m[:, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return m[None]
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_propose_equals_the_oracles_drafting_forward(algorithm):
+    """One row: the same K tokens and the same cache of real pairs as the oracle; two rows, one
+    left-padded: each row's tokens are its own one-row proposal."""
+    t, d = small_pair(algorithm=algorithm, K=4)
+    out = t(torch.tensor([[5, 17, 33, 2, 90, 4, 8]]))
+    toks, feats = [17, 33, 2, 90, 4, 8, 11], out.aux[0]
+    ref = (draft_sequential if algorithm == "eagle3" else draft_parallel)(d, toks, feats, None, 0, 4)
+    p = d.propose(torch.tensor([toks]), feats[None], torch.arange(7)[None], _causal(7), None, 4)
+    assert p.tokens[0].tolist() == ref[0] and p.forwards == ref[3] == (4 if algorithm == "eagle3" else 1)
+    for (k, v), (rk, rv) in zip(p.cache, ref[2]):
+        assert k.shape[2] == 7
+        torch.testing.assert_close(k, rk)
+        torch.testing.assert_close(v, rv)
+    # batch: row 1 has 3 pairs, left-padded to 7 (holes masked out, positions from 0)
+    valid = torch.tensor([[True] * 7, [False] * 4 + [True] * 3])
+    mask = torch.cat([_causal(7), _causal(7)]) & valid[:, None, :] | torch.eye(7, dtype=torch.bool)[None]
+    pos = (valid.long().cumsum(1) - 1).clamp_min(0)
+    bt = torch.tensor([toks, [0, 0, 0, 0] + toks[-3:]])
+    bf = torch.stack([feats, torch.cat([torch.zeros(4, feats.shape[1]), feats[-3:]])])
+    pb = d.propose(bt, bf, pos, mask, None, 4)
+    one = d.propose(bt[1:, 4:], bf[1:, 4:], torch.arange(3)[None], _causal(3), None, 4)
+    assert pb.tokens[0].tolist() == ref[0] and pb.tokens[1].tolist() == one.tokens[0].tolist()
+    torch.testing.assert_close(pb.logits[1], one.logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+@pytest.mark.parametrize("target_dtype,head_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_any_mix_of_target_and_head_dtypes_decodes(algorithm, target_dtype, head_dtype):
+    """bf16 features into an fp32 head and the reverse (the oracle crashes on the first: `BFloat16
+    != float` in the head's fc): greedy output equals the target alone in the same numerics."""
+    t, d = small_pair(algorithm=algorithm, K=3)
+    t.model.to(target_dtype)
+    d.to(head_dtype)
+    if target_dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match="dtype"):
+            speculative_generate(t, d, [5, 17, 33], 3, 8, set())
+    prompts = [[5, 17, 33, 2, 90], [1, 2, 3]]
+    spec = generate(t, d, prompts, 3, 20, set())
+    base = generate(t, None, prompts, 3, 20, set())
+    for s, b in zip(spec, base):
+        assert len(s.tokens) == 20 and s.tokens == b.tokens and len(s.accepted) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_batched_rejection_sampling_matches_the_target_distribution(algorithm):
+    """400 copies of a prompt in one batch: tokens 2 and 3 (from rejection sampling against a
+    mismatched random head) are within total variation 0.1 of the exact target marginals."""
+    T, N, V = 1.0, 400, 32
+    t, d = small_pair(vocab=V, K=2, algorithm=algorithm)
+    prompt = [5, 17, 3, 2, 9]
+    m1, m2 = _exact_marginals(t, prompt, T)
+    g = torch.Generator().manual_seed(0)
+    out = generate(t, d, [prompt] * N, 2, 3, set(), temperature=T, generator=g)
+    c1, c2 = torch.zeros(V), torch.zeros(V)
+    for r in out:
+        c1[r.tokens[1]] += 1
+        c2[r.tokens[2]] += 1
+    tv1 = 0.5 * (c1 / N - m1).abs().sum().item()
+    tv2 = 0.5 * (c2 / N - m2).abs().sum().item()
+    assert tv1 < 0.1 and tv2 < 0.1, (tv1, tv2)
+    assert any(r.accepted[0] > 0 for r in out) and any(r.accepted[0] == 0 for r in out)  # both branches ran
+
+
+def test_sliding_window_target_in_a_ragged_batch():
+    """gpt-oss layout (sliding and full layers, window 8) with ragged prompts and rejected drafts:
+    every row's tokens are the oracle's target-alone tokens."""
+    from peagle_train.dryrun import tiny_target
+    from peagle_train.draft.peagle import DraftConfig, make_draft_head
+
+    model = tiny_target("gpt_oss", vocab_size=64, layers=4)
+    model.config.sliding_window = 8
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    t = FeatureTarget(model, [0, 1, 2])
+    torch.manual_seed(0)
+    ids = torch.arange(0, 64, 2)
+    cfg = DraftConfig.from_target(model.config, num_layers=1, draft_vocab_size=len(ids), mask_token_id=63,
+                                  num_depths=3, aux_layer_ids=[0, 1, 2])
+    d = make_draft_head(cfg).eval()
+    d.init_from_target(model, ids, ids - torch.arange(len(ids)), torch.zeros(64, dtype=torch.bool).index_fill_(0, ids, True))
+    prompts = [[5, 17, 33, 2, 40, 4, 8, 9, 10, 11, 12, 13], [1, 2, 3], [40]]
+    spec = generate(t, d, prompts, 3, 20, set())
+    for p, s in zip(prompts, spec):
+        assert s.tokens == target_generate(t, p, 20, set()).tokens
+
+
+def test_cache_growth_past_its_first_capacity():
+    """A 250-token prompt and 30 new tokens cross the preallocated cache's first 256 slots."""
+    t, d = small_pair(K=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (250,), generator=g).tolist(), [3, 4]]
+    spec = generate(t, d, prompts, 4, 30, set())
+    for p, s in zip(prompts, spec):
+        one = speculative_generate(t, d, p, 4, 30, set())
+        assert s.tokens == one.tokens == target_generate(t, p, 30, set()).tokens and s.accepted == one.accepted
+
+
+def test_per_position_acceptance_hand_computed():
+    # steps accepting 0, 1, 3, 2 drafts: ≥1: 3 of 4, ≥2: 2 of 4, ≥3: 1 of 4
+    uncond, cond = per_position_acceptance([0, 1, 3, 2], 3)
+    assert uncond == pytest.approx([0.75, 0.5, 0.25]) and cond == pytest.approx([0.75, 2 / 3, 0.5])
+    assert 1 + sum(uncond) == pytest.approx(sum(a + 1 for a in [0, 1, 3, 2]) / 4)  # τ, vLLM's convention
+
+
+def test_lossless_is_exact_in_fp32_and_in_bf16_with_the_verifiers_numerics(tmp_path):
+    """fp32: every turn equals the target alone. bf16: every turn equals the target alone decoded
+    in the verifier's numerics ((K+1)-token forwards); the turns that differ from the 1-token
+    target alone are counted, and each difference starts at a near-tie of the target's fp32 logits
+    (the two tokens within bf16 rounding of each other)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"id": i, "category": "c", "input_ids": torch.randint(0, 127, (6,), generator=g).tolist()} for i in range(8)]
+    for prec in ("fp32", "bf16"):
+        t, d = small_pair(K=3)
+        ref = FeatureTarget(small_pair(K=3)[0].model, [0, 1, 2])  # an fp32 copy of the same target
+        r = evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=32,
+                                out_dir=tmp_path / prec, plot=False, log=lambda s: None, precision=prec)
+        recs = [json.loads(x) for x in (tmp_path / prec / "results.jsonl").read_text().splitlines()]
+        by = {(x["id"], x["decoder"]): x["tokens"] for x in recs}
+        assert r["precision"] == prec and r["lossless"] is True and r["lossless_mismatches"] == 0
+        if prec == "fp32":
+            assert "exactly" in r["lossless_definition"] and "mismatches_vs_one_token_target" not in r
+            assert all(by[(i, "head")] == by[(i, "target")] for i in range(8)) and (0, "reference") not in by
+            continue
+        assert "verifier's numerics" in r["lossless_definition"]
+        assert all(by[(i, "head")] == by[(i, "reference")] for i in range(8))
+        differ = [i for i in range(8) if by[(i, "head")] != by[(i, "target")]]
+        assert r["mismatches_vs_one_token_target"] == len(differ)
+        for i in differ:
+            a, b = by[(i, "head")], by[(i, "target")]
+            n = next(k for k in range(len(a)) if a[k] != b[k])
+            logits = ref(torch.tensor([prompts[i]["input_ids"] + b[:n]])).logits[0, -1]
+            assert abs(logits[a[n]] - logits[b[n]]) <= 2 ** -7 * logits.abs().max() * 4
+
+
+CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+from tests.test_evaluate import small_pair
+from peagle_train.evaluation.run import evaluate_acceptance
+t, d = small_pair(K=3)
+_, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
+prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
+           for i in range(int(sys.argv[2]))]
+evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=int(sys.argv[3]), out_dir=sys.argv[1],
+                    baseline_draft=e3, plot=False, log=lambda s: None, benchmark="random", precision="fp32")
+"""
+
+TIMING = ("tokens_per_second", "speedup", "time_shares", "latency", "draft_seconds_per_step",
+          "target_only_tokens_per_second")
+
+
+def _no_timing(r):
+    out = {k: v for k, v in r.items() if k not in TIMING and k not in ("baseline", "per_category")}
+    out["baseline"] = {k: v for k, v in r["baseline"].items() if k not in TIMING}
+    out["per_category"] = {c: {k: v for k, v in x.items() if k not in TIMING} for c, x in r["per_category"].items()}
+    return out
+
+
+def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, caplog):
+    """SIGKILL a real evaluation process mid-run; the rerun keeps every line written before the
+    kill, decodes only the missing (id, turn, decoder) keys, and writes an acceptance.json whose
+    figures equal an uninterrupted run's; a third run decodes nothing and rewrites it identically."""
+    n, new = 10, 48
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(killed), str(n), str(new)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = killed / "results.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= 7:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = log.read_text()
+    kept = before[: before.rfind("\n") + 1]
+    assert 7 <= len(kept.splitlines()) < 3 * n and not (killed / "acceptance.json").exists()
+    t, d = small_pair(K=3)
+    _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
+    prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
+               for i in range(n)]
+    kw = dict(num_speculative_tokens=3, max_new_tokens=new, baseline_draft=e3, plot=False, log=lambda s: None,
+              benchmark="random", precision="fp32")
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        resumed = evaluate_acceptance(t, d, None, prompts, out_dir=killed, **kw)
+    reused = len(kept.splitlines())
+    assert f"decoded {3 * n - reused} results, reused {reused}" in caplog.text
+    after = log.read_text()
+    assert after.startswith(kept)
+    keys = [(x["id"], x["turn"], x["decoder"]) for x in map(json.loads, after.splitlines())]
+    assert len(keys) == len(set(keys)) == 3 * n
+    full = evaluate_acceptance(t, d, None, prompts, out_dir=whole, **kw)
+    assert _no_timing(resumed) == _no_timing(full)
+    tok = lambda p: {(x["id"], x["decoder"]): x["tokens"] for x in map(json.loads, p.read_text().splitlines())}  # noqa: E731
+    assert tok(log) == tok(whole / "results.jsonl")
+    first = (killed / "acceptance.json").read_text()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        evaluate_acceptance(t, d, None, prompts, out_dir=killed, **kw)
+    assert f"decoded 0 results, reused {3 * n}" in caplog.text
+    assert (killed / "acceptance.json").read_text() == first
+    caplog.clear()  # other settings: the old results are moved aside, never mixed in
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        evaluate_acceptance(t, d, None, prompts[:2], out_dir=killed, **{**kw, "max_new_tokens": 8})
+    assert "max_new_tokens" in caplog.text and "decoded 6 results, reused 0" in caplog.text
+    assert (killed / "results.stale.jsonl").read_text() == after

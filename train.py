@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import format_summary, load_prepared, prepare_data, save_prepared
+from peagle_train.data.prepare import format_summary, load_prepared, prepare_from_config, save_prepared
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import cli_main
 from peagle_train.evaluation.benchmarks import load_spec_bench
@@ -28,7 +28,6 @@ from peagle_train.evaluation.run import evaluate_acceptance
 from peagle_train.export.speculators import verifier_name, write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
-from peagle_train.paths import resolve_path
 from peagle_train.precision import (draft_precision, log_precision, precision_record, resolve_precision,
                                     target_weight_dtype)
 from peagle_train.training.checks import check_training_config
@@ -94,14 +93,7 @@ def main(cfg: DictConfig) -> dict:
                                  chat_template=cfg.data.chat_template, max_length=cfg.data.max_length,
                                  draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id)
         else:
-            data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
-                                num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
-                                min_supervised_tokens=cfg.data.min_supervised_tokens,
-                                draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
-                                seed=cfg.seed, log=log, mix=OmegaConf.to_container(cfg.data.mix) or None,
-                                num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
-                                chat_template=cfg.data.chat_template,
-                                template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
+            data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))
@@ -142,6 +134,7 @@ def main(cfg: DictConfig) -> dict:
         write_json(out / "summary.json", summary)
         log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")
     acc.wait_for_everyone()
+    acc.end_training()  # trackers closed, process group destroyed before the interpreter exits
     return summary
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import REPO_ROOT
 from .target.features import FeatureTarget, default_aux_layer_ids
@@ -18,17 +19,19 @@ from .target.load import load_target
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_of(name: str) -> torch.dtype:
-    """torch dtype from its config name; raises ValueError naming the accepted ones."""
+def dtype_of(name: str | None) -> torch.dtype:
+    """torch dtype from its config name (None = float32, the default of `target.dtype`); raises
+    ConfigError (a ValueError) naming the accepted ones."""
+    name = name or "float32"
     if name not in DTYPES:
-        raise ValueError(f"dtype '{name}' is not one of {sorted(DTYPES)}")
+        raise ConfigError(f"dtype '{name}' is not one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
 def build_target(tcfg, device, log=print):
     """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
     (null = float32; the forward's compute precision is `precision`'s, applied by the trainer)."""
-    model, tok = load_target(tcfg.path, dtype_of(tcfg.get("dtype") or "float32"), device, log=log)
+    model, tok = load_target(tcfg.path, dtype_of(tcfg.get("dtype")), device, log=log)
     n = model.config.num_hidden_layers
     return FeatureTarget(model, list(tcfg.aux_layer_ids) if tcfg.aux_layer_ids else default_aux_layer_ids(n)), tok
 

@@ -24,11 +24,10 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import prepare_data
+from peagle_train.data.prepare import prepare_from_config
 from peagle_train.errors import cli_main
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
-from peagle_train.paths import resolve_path
 from peagle_train.target.offline import write_features
 
 
@@ -47,14 +46,7 @@ def main(cfg: DictConfig) -> dict:
     log = print if acc.is_main_process else (lambda *_: None)
     target, tok = build_target(cfg.target, acc.device, log=log)
     with acc.main_process_first():  # one process fills the data cache, the others read it
-        data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
-                            num_conversations=cfg.data.num_conversations, max_length=cfg.data.max_length,
-                            min_supervised_tokens=cfg.data.min_supervised_tokens,
-                            draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id,
-                            seed=cfg.seed, log=log, mix=OmegaConf.to_container(cfg.data.mix) or None,
-                            num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
-                            chat_template=cfg.data.chat_template,
-                            template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
+        data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
     summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
                              int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
@@ -63,6 +55,7 @@ def main(cfg: DictConfig) -> dict:
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
     acc.wait_for_everyone()
+    acc.end_training()  # trackers closed, process group destroyed before the interpreter exits
     return summary
 
 

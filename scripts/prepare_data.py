@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import format_summary, prepare_data, save_prepared
+from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared
 from peagle_train.errors import cli_main
 
 
@@ -37,12 +37,7 @@ def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     tok, vocab_size = load_tokenizer_and_vocab_size(cfg.target)
     d = cfg.data
-    data = prepare_data(d.path, tok, vocab_size, num_conversations=d.num_conversations, max_length=d.max_length,
-                        min_supervised_tokens=d.min_supervised_tokens, draft_vocab_size=d.draft_vocab_size,
-                        mask_token_id=d.mask_token_id, seed=cfg.seed,
-                        mix=OmegaConf.to_container(d.mix) if d.mix else None, num_proc=d.num_proc,
-                        cache_dir=d.cache_dir, chat_template=d.chat_template,
-                        template_kwargs=OmegaConf.to_container(d.template_kwargs) if d.template_kwargs else None)
+    data = prepare_from_config(d, tok, vocab_size, seed=cfg.seed)
     save_prepared(data, cfg.output_dir, pack_length=d.pack_length)
     print("data summary:\n" + format_summary(data.summary))
     print(f"prepared data in {cfg.output_dir} ({time.perf_counter() - t0:.1f} s); train with "

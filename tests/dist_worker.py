@@ -33,6 +33,8 @@ def main(out: str):
     counts = acc.reduce(counts, "sum")
     if rank == 0:
         torch.save({"grads": {k: p.grad for k, p in d.named_parameters() if p.grad is not None}, "counts": counts}, out)
+    acc.wait_for_everyone()
+    dist.destroy_process_group()  # a process that exits with a live gloo group can abort ("terminate called ...")
 
 
 if __name__ == "__main__":

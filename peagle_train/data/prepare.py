@@ -44,6 +44,22 @@ class PreparedData:
     manifest: dict = field(default_factory=dict)
 
 
+def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0, log=print) -> PreparedData:
+    """`prepare_data` for the `data` config group (conf/config.yaml `data:`): every key is passed by
+    its name, so the entry points (train.py, scripts/prepare_data.py, generate_hidden_states.py)
+    read the same rows from the same settings. Raises what `prepare_data` raises."""
+    from omegaconf import OmegaConf
+
+    def plain(x):
+        return OmegaConf.to_container(x) if OmegaConf.is_config(x) else x
+
+    return prepare_data(dcfg.path, tokenizer, target_vocab_size, num_conversations=dcfg.num_conversations,
+                        max_length=dcfg.max_length, min_supervised_tokens=dcfg.min_supervised_tokens,
+                        draft_vocab_size=dcfg.draft_vocab_size, mask_token_id=dcfg.mask_token_id, seed=seed,
+                        log=log, mix=plain(dcfg.mix) or None, num_proc=dcfg.num_proc, cache_dir=dcfg.cache_dir,
+                        chat_template=dcfg.chat_template, template_kwargs=plain(dcfg.template_kwargs) or None)
+
+
 def prepare_data(
     path,
     tokenizer,

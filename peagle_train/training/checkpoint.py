@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import ConfigError, CorruptFileError, load_safetensors, read_json
+from ..io import fsync_dir, fsync_file
 
 CKPT_PREFIX = "step_"
 # settings that may change between a run and its resumption (they do not change the trajectory)
@@ -83,22 +84,6 @@ def differing_keys(saved: dict, current: dict) -> list[str]:
     return sorted(k for k in keys if saved.get(k, "<absent>") != current.get(k, "<absent>"))
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def rng_state(gen: torch.Generator) -> dict:
     """This process's RNG: torch (CPU and CUDA), python `random`, numpy, and the COD generator."""
     st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
@@ -143,7 +128,7 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
     try:
         rng_file = tmp / f"rng_rank{accelerator.process_index}.pt"
         torch.save(rng_state(gen), rng_file)
-        _fsync_file(rng_file)
+        fsync_file(rng_file)
         accelerator.wait_for_everyone()
         full = engine.full_state_dict() if engine is not None else draft.state_dict()  # collective under an engine
         if engine is not None:
@@ -158,10 +143,10 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
                         "scheduler": sched.state_dict(), "num_processes": accelerator.num_processes}, tmp / "state.pt")
             for f in tmp.rglob("*"):
                 if f.is_file():
-                    _fsync_file(f)
-            _fsync_dir(tmp)
+                    fsync_file(f)
+            fsync_dir(tmp)
             tmp.rename(final)
-            _fsync_dir(root)
+            fsync_dir(root)
     except OSError as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peagle_train.benchmarks import write_section  # noqa: E402
 from peagle_train.paths import REPO_ROOT  # noqa: E402
+from peagle_train.precision import resolve_precision  # noqa: E402
 
 HEADING = "## End to end: demo training and feature generation, before and after"
 
@@ -92,7 +93,10 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    trees = {"before": Path(args.base).resolve(), "after": REPO_ROOT}
+    trees = {"before": Path(args.base).resolve(), "after_fp32": REPO_ROOT, "after_auto": REPO_ROOT}
+    # the base tree runs its own defaults (fp32); this tree once forced to fp32 (the structural changes
+    # alone) and once with `precision: auto` (bf16 where the CPU has AVX512-BF16 or AMX)
+    setting = {"before": [], "after_fp32": ["precision=fp32"], "after_auto": ["precision=auto"]}
     common = ["recipe=smollm2-135m-demo", f"data.num_conversations={args.conversations}", "data.num_proc=1",
               f"threads={args.threads}", "features.storage=bfloat16", "features.docs_per_shard=16"]
     train_args = [f"training.max_steps={args.steps}", "training.max_minutes=null", "eval.enabled=false",
@@ -103,34 +107,39 @@ def main():
         tmp = Path(tmp)
         for which, tree in trees.items():  # generation first: the offline runs read these shards
             feats = tmp / f"feats-{which}"
-            run(tree, ["scripts/generate_hidden_states.py", *common, f"features.dir={feats}", f"output_dir={tmp / f'gen-{which}'}"],
-                f"gen-{which}")
+            run(tree, ["scripts/generate_hidden_states.py", *common, *setting[which], f"features.dir={feats}",
+                       f"output_dir={tmp / f'gen-{which}'}"], f"gen-{which}")
             res[which]["generation"] = json.loads((feats / "generation_summary.json").read_text())["tokens_per_second"]
         for mode in ("online", "offline"):
             for which, tree in trees.items():
                 out = tmp / f"run-{mode}-{which}"
                 extra = [f"features.source={mode}"] + ([f"features.dir={tmp / f'feats-{which}'}"] if mode == "offline" else [])
-                run(tree, ["train.py", *common, *train_args, *extra, f"output_dir={out}"], f"{mode}-{which}")
+                run(tree, ["train.py", *common, *train_args, *setting[which], *extra, f"output_dir={out}"], f"{mode}-{which}")
                 res[which][mode] = json.loads((out / "summary.json").read_text())["training"]["tokens_per_second"]
     fwd_doc, fwd_row, fwd_n = target_forward_rates(args.threads)
-    res["before"]["forward"], res["after"]["forward"] = fwd_doc, fwd_row
+    res["before"]["forward"] = fwd_doc
+    res["after_fp32"]["forward"] = res["after_auto"]["forward"] = fwd_row
     load1 = os.getloadavg()
     commit = {k: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True,
                                 text=True).stdout.strip() for k, t in trees.items()}
     rows = [("training, online features (tokens/s)", "online"), ("training, offline bf16 features (tokens/s)", "offline"),
             ("feature generation, bf16 shards (tokens/s)", "generation"),
             ("target forward alone, one packed row: per document → one forward (tokens/s)", "forward")]
-    lines = [f"{cpu_description()}; {args.threads} thread(s) per run, fp32, torch CPU. Demo recipe (SmolLM2-135M-Instruct "
+    auto = resolve_precision("auto", "cpu")
+    lines = [f"{cpu_description()}; {args.threads} thread(s) per run, torch CPU; `precision: auto` resolves to "
+             f"{auto.name} here ({auto.reason}). Demo recipe (SmolLM2-135M-Instruct "
              f"target, 1-layer head, K = 8, 1,024-token rows), {args.conversations} ShareGPT conversations, "
              f"{args.steps} training steps (the first included), eval and export off. Before = {commit['before']} "
-             f"(`{trees['before']}`), after = this tree ({commit['after']}); runs interleaved. Load average "
+             f"(`{trees['before']}`, fp32), after = this tree ({commit['after_fp32']}) with precision=fp32 and with "
+             f"precision=auto; runs interleaved. Load average "
              f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end (`uptime`; a machine shared by other jobs).", "",
-             "| measurement | before | after | after / before |", "|---|---|---|---|"]
+             "| measurement | before | after, fp32 | after, auto | fp32 / before | auto / before |",
+             "|---|---|---|---|---|---|"]
     for label, key in rows:
-        b, a = res["before"][key], res["after"][key]
-        lines.append(f"| {label} | {b:.0f} | {a:.0f} | {a / b:.2f}× |")
+        b, f, a = res["before"][key], res["after_fp32"][key], res["after_auto"][key]
+        lines.append(f"| {label} | {b:.0f} | {f:.0f} | {a:.0f} | {f / b:.2f}× | {a / b:.2f}× |")
     lines += ["", f"The last row runs in this process (the {fwd_n}-token row of 4 documents, medians of 4 interleaved "
-              "repetitions); the others are whole runs of each tree. Feature generation also stopped computing the "
+              "repetitions, fp32 in both columns); the others are whole runs of each tree. Feature generation also stopped computing the "
               "full-vocabulary logits that it never stored.",
               "", f"Run: `python scripts/bench_e2e.py --base {trees['before']} --conversations {args.conversations} "
               f"--steps {args.steps} --threads {args.threads}`."]

@@ -28,6 +28,7 @@ from peagle_train.data.prepare import prepare_from_config
 from peagle_train.errors import cli_main
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
+from peagle_train.precision import autocast_context, log_precision, resolve_precision
 from peagle_train.target.offline import write_features
 
 
@@ -47,11 +48,16 @@ def main(cfg: DictConfig) -> dict:
     target, tok = build_target(cfg.target, acc.device, log=log)
     with acc.main_process_first():  # one process fills the data cache, the others read it
         data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
-    summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
-                             int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
-                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
-                             tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index, world=world,
-                             barrier=acc.wait_for_everyone, log=log)
+    # the target's forward computes in `precision`, as in online training (bf16 autocast where the hardware has it)
+    prec = resolve_precision(cfg.precision, acc.device)
+    log_precision(prec)
+    with autocast_context(prec, acc.device):
+        summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
+                                 int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
+                                 template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
+                                 tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index, world=world,
+                                 barrier=acc.wait_for_everyone, log=log)
+    summary["precision"] = prec.as_dict()
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
     acc.wait_for_everyone()

@@ -14,7 +14,6 @@ import os
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 from .io import atomic_write_text
@@ -25,3 +26,16 @@ def write_section(heading: str, section: str, path: str | Path = BENCHMARKS_MD) 
         text = text.rstrip("\n") + "\n\n" + section
     atomic_write_text(path, text)
     return path
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("AMD EPYC", "Intel(R) Xeon(R) ..."), else the
+    platform's processor or machine name. Every benchmark table records it with the bf16 unit
+    (`peagle_train.precision.cpu_bf16_units`) and the load."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

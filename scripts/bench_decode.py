@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -117,14 +116,6 @@ def measure(args, dtype, name: str) -> list[dict]:
     return rows
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def table(rows: list[dict]) -> str:
@@ -154,6 +145,7 @@ def main() -> None:
     ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
     args = ap.parse_args()
     from peagle_train.benchmarks import write_section
+    from peagle_train.benchmarks import cpu_model
     from peagle_train.precision import cpu_bf16_units
 
     import torch

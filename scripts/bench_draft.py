@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from peagle_train.benchmarks import write_section  # noqa: E402
+from peagle_train.benchmarks import cpu_model, write_section  # noqa: E402
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft  # noqa: E402
 from peagle_train.precision import cpu_bf16_units, resolve_precision  # noqa: E402
 from peagle_train.training.cod import attention_kind, cod_sample  # noqa: E402
@@ -213,14 +212,6 @@ def run_speculators(specs: list[dict], spec_python: str, threads: int) -> list[d
     return [{**r, "path": "speculators"} for r in out]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:

@@ -16,7 +16,6 @@ refused with the differing fields named.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import CorruptFileError, load_safetensors, read_json
 from .peagle import DraftConfig, make_draft_head

@@ -15,7 +15,6 @@ checkpoint that loads. Pruning keeps the last `keep_last` checkpoints plus the b
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path

@@ -43,3 +43,13 @@ def chatml_tokenizer():
     tk.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny forwards: on a shared 2-core machine more threads only
+    spin. Used with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,12 +21,7 @@ from peagle_train.draft.io import load_checkpoint, save_checkpoint
 from .test_decoding import make_draft
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

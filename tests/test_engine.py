@@ -21,7 +21,9 @@ from peagle_train.evaluation.run import evaluate_acceptance
 from peagle_train.target.features import FeatureTarget
 
 from .reference_decoder import draft_parallel, draft_sequential, speculative_generate, target_generate
-from .test_evaluate import _exact_marginals, one_thread, small_pair  # noqa: F401 (one_thread: autouse)
+from .test_evaluate import _exact_marginals, small_pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parent.parent
 

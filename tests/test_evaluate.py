@@ -22,13 +22,7 @@ from .conftest import tiny_llama
 AUX = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Hundreds of tiny forwards: one thread avoids oversubscription on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_pair(vocab=128, algorithm="peagle", K=3, seed=0, draft_every=2, mask=None):

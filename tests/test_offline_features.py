@@ -25,13 +25,7 @@ from .conftest import tiny_llama
 QUIET = dict(log=lambda *_: None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: more threads only spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rows(n=7, seed=0):

@@ -17,12 +17,7 @@ from .conftest import tiny_llama
 from .test_engines import _free_port
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def per_document_reference(t, docs, draft_ids):

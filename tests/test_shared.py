@@ -7,7 +7,9 @@ import torch
 from .reference_decoder import speculative_generate, target_generate
 from peagle_train.decoding.engine import generate as shared_generate
 
-from .test_evaluate import one_thread, small_pair  # noqa: F401 (one_thread: autouse fixture, one torch thread)
+from .test_evaluate import small_pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def repeating_pair(algorithm: str, c: int):

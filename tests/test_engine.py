@@ -243,3 +243,70 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
         evaluate_acceptance(t, d, None, prompts[:2], out_dir=killed, **{**kw, "max_new_tokens": 8})
     assert "max_new_tokens" in caplog.text and "decoded 6 results, reused 0" in caplog.text
     assert (killed / "results.stale.jsonl").read_text() == after
+
+
+def test_decode_attention_accumulates_in_fp32():
+    """bf16 decoding attention (target/features.py `decode_attention`) is fp32 SDPA over the bf16
+    inputs rounded once: equal to it, within the output's bf16 rounding of an fp64 SDPA over the
+    repeated kv heads, masked (with holes) and unmasked, for 1 and 6 queries; fp32 tensors go to
+    transformers' SDPA unchanged."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from peagle_train.target.features import decode_attention
+
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    g = torch.Generator().manual_seed(0)
+    for n, masked in [(1, False), (1, True), (6, True)]:
+        q = torch.randn(3, 4, n, 16, generator=g)
+        k, v = torch.randn(3, 2, 37, 16, generator=g), torch.randn(3, 2, 37, 16, generator=g)
+        mask = (torch.rand(3, 1, n, 37, generator=g) > 0.3) if masked else None
+        if masked:
+            mask[..., -1] = True  # every query sees at least one key
+        ref = F.scaled_dot_product_attention(q.double(), k.repeat_interleave(2, 1).double(),
+                                             v.repeat_interleave(2, 1).double(), attn_mask=mask).transpose(1, 2)
+        qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        out, _ = decode_attention(module, qb, kb, vb, mask, scaling=0.25)
+        assert out.dtype == torch.bfloat16 and out.shape == (3, n, 4, 16)
+        upcast = F.scaled_dot_product_attention(qb.float(), kb.repeat_interleave(2, 1).float(),
+                                                vb.repeat_interleave(2, 1).float(), attn_mask=mask)
+        assert torch.equal(out, upcast.transpose(1, 2).bfloat16())  # fp32 scores, softmax and sum; one rounding
+        exact = F.scaled_dot_product_attention(qb.double(), kb.repeat_interleave(2, 1).double(),
+                                               vb.repeat_interleave(2, 1).double(), attn_mask=mask).transpose(1, 2)
+        assert (out.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()  # within the output's rounding
+        assert (out.double() - ref).abs().max() < 0.05  # and the inputs' rounding
+        fp32, _ = decode_attention(module, q, k, v, mask, scaling=0.25)
+        same, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+        assert torch.equal(fp32, same)
+
+
+def test_bf16_decoding_runs_decode_attention_and_restores_sdpa(monkeypatch):
+    """A bf16 target's cached (decoding) forwards run `decode_attention`; forwards without a cache
+    (training features) and fp32 targets keep `sdpa`; the config is restored afterwards."""
+    from transformers import AttentionInterface
+
+    from peagle_train.target import features
+
+    from .conftest import tiny_llama
+
+    calls = []
+    real = features.decode_attention
+
+    def spy(module, query, *a, **kw):
+        calls.append(query.dtype)
+        return real(module, query, *a, **kw)
+
+    AttentionInterface.register(features.DECODE_ATTENTION, spy)
+    try:
+        for dtype, expect in [(torch.float32, 0), (torch.bfloat16, 8 * 5)]:  # 8 layers × (prefill + 4 steps)
+            calls.clear()
+            t = FeatureTarget(tiny_llama().to(dtype))
+            t(torch.tensor([[1, 2, 3]]))  # no cache: a training-feature forward
+            assert calls == []
+            out = generate(t, None, [[5, 6, 7, 8]], 5, 5, set())
+            assert len(out[0].tokens) == 5 and len(calls) == expect and set(calls) <= {torch.bfloat16}
+            assert t.config._attn_implementation == "sdpa"
+    finally:
+        AttentionInterface.register(features.DECODE_ATTENTION, real)

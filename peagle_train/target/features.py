@@ -17,6 +17,7 @@ for 1-3 rows, within 1e-6 of it).
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,53 @@ def document_attention(module, query, key, value, attention_mask, doc_lengths=No
     return torch.cat(outs, dim=1), None
 
 
-def _register_document_attention() -> None:
+DECODE_ATTENTION = "peagle_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, **kw):
+    """SDPA for decoding forwards of a half-precision target: the scores, softmax and weighted sum
+    in fp32 (inputs upcast), the output cast back to the input dtype.
+
+    query [B, heads, n, d], key/value [B, kv_heads, S, d]; attention_mask as transformers' `sdpa`
+    mask function builds it (or the decoding engine's [B, 1, n, S] bool mask). Returns
+    ([B, n, heads, d], None). PyTorch's CPU SDPA kernels are slow on bf16 at decoding shapes (few
+    queries over a long cache: 185 µs for 1 query over 264 keys, 3.5 ms for a batch of 16, against
+    36 µs and 0.45 ms in fp32 on AMD EPYC, one thread; scripts/bench_decode.py), and fp32
+    accumulation is at least as accurate as the bf16 kernel's. fp32 tensors and options SDPA
+    cannot take upcast (softcap) go to transformers' `sdpa_attention_forward` unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.dtype == torch.float32 or kw.get("softcap") is not None or kw.get("s_aux") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
+    return out.to(query.dtype), weights
+
+
+def _register_attention() -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks `sdpa` gets (causal, sliding window)
 
 
-_register_document_attention()
+_register_attention()
+
+
+@contextmanager
+def attention_implementation(config, name: str | None):
+    """Run the target's forwards with attention function `name` (registered above) instead of its
+    own; None, or a target that does not use `sdpa`, leaves it unchanged."""
+    saved = config._attn_implementation
+    if name is None or saved != "sdpa":
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -111,7 +152,10 @@ class FeatureTarget:
         self._captured.clear()
         if cache is not None:
             kw[self._cache_kw] = cache
-        out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
+        # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`)
+        decoding = cache is not None and self.model.dtype != torch.float32
+        with attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None):
+            out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state

@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
-from peagle_train.paths import REPO_ROOT, resolve_path
+from peagle_train.config import default_config
+from peagle_train.paths import resolve_path
 from peagle_train.algorithms.peagle import draft_step
 from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.rows import pack_documents
@@ -68,7 +69,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml")
+    cfg = default_config()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         cfg.target.dtype = "bfloat16"

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from peagle_train.draft.io import load_head as read_head
+from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
 from peagle_train.evaluation.benchmarks import load_benchmark
 from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
@@ -92,5 +93,8 @@ def main(cfg: DictConfig) -> dict:
                                plot=e.plot, benchmark=e.benchmark, precision=cfg.precision)
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/evaluate.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="evaluate")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

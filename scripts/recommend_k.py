@@ -44,6 +44,7 @@ from peagle_train.decoding.cost_model import (  # noqa: E402
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
+from peagle_train.config import check_or_exit, register  # noqa: E402
 from peagle_train.errors import cli_main  # noqa: E402
 from peagle_train.job import write_json  # noqa: E402
 
@@ -303,5 +304,8 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(f"recommend_k: {e}") from None
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/recommend_k.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="recommend-k")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

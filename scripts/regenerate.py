@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import EndpointBackend, HFBackend, regenerate
 from peagle_train.data.sources import load_source
+from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
 from peagle_train.paths import resolve_path
 
@@ -76,5 +77,8 @@ def main(cfg: DictConfig) -> dict:
     return out
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/regenerate.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="regenerate")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

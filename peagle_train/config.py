@@ -603,18 +603,17 @@ def bad_value_message(key: str, value: Any, where: str, command: str = "train") 
         (f". Did you mean {key}={near[0]}?" if near else "")
 
 
-def _leaf_items(node, prefix: str = "") -> list[tuple[str, Any]]:
+def _leaf_items(node, keys: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of a recipe's settings: a dict is descended into unless the schema's key there
+    is itself a value (data.template_kwargs, data.mix entries)."""
     out = []
     for k, v in node.items():
         if k in ("defaults", "hydra") and not prefix:
             continue
         key = prefix + str(k)
-        out += _leaf_items(v, key + ".") if isinstance(v, dict) and v else [(key, v)]
+        leaf = keys.get(key, None) is not None
+        out += _leaf_items(v, keys, key + ".") if isinstance(v, dict) and v and not leaf else [(key, v)]
     return out
-
-
-def _is_group(key: str, command: str) -> bool:
-    return key in schema_keys(schema_of(command)) and schema_keys(schema_of(command))[key] is None
 
 
 def check_recipe(name: str, command: str = "train", extra_dirs: tuple[Path, ...] = ()) -> list[str]:
@@ -628,9 +627,10 @@ def check_recipe(name: str, command: str = "train", extra_dirs: tuple[Path, ...]
     from omegaconf import OmegaConf
 
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    keys = schema_keys(schema_of(command))
     errors = []
-    for key, value in _leaf_items(node):
-        if isinstance(value, dict) and _is_group(key, command):
+    for key, value in _leaf_items(node, keys):
+        if value == {} and key in keys and keys[key] is None:
             continue  # an empty group ({})
         errors.append(unknown_key_message(key, str(path), command) or bad_value_message(key, value, str(path), command))
     return [e for e in errors if e]

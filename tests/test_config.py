@@ -30,7 +30,8 @@ def test_unknown_recipe_lists_existing_ones_and_recipe_typos_are_caught(tmp_path
     assert "recipe 'smollm2-135m-dmo' does not exist" in err and "smollm2-135m-demo" in err
     monkeypatch.setattr(C, "RECIPES_DIR", tmp_path)
     (tmp_path / "bad.yaml").write_text("# @package _global_\ntraining:\n  warmup_step: 3\n  schedule: cosin\n"
-                                       "draft:\n  num_depths: 4\n")
+                                       "draft:\n  num_depths: 4\ndata:\n  template_kwargs: {enable_thinking: false}\n"
+                                       "  mix: [{path: a.json, weight: 1}]\n")  # values that are dicts: not keys
     bad = C.check_command_line(["recipe=bad"])
     assert len(bad) == 2
     assert "unknown config key 'training.warmup_step' in " + str(tmp_path / "bad.yaml") in bad[0]

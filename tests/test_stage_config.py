@@ -1,0 +1,72 @@
+"""Each stage takes its config group: a recipe of one's own (written here, found on hydra.searchpath)
+that sets data.mix, data.chat_template and data.template_kwargs gives features (generate_hidden_states)
+that training accepts; training with another template_kwargs is refused, so the three keys reach
+both stages."""
+
+import json
+import os
+import subprocess
+import sys
+
+from peagle_train.paths import REPO_ROOT
+
+from .conftest import tiny_llama
+from .test_packed_features import _conversations
+
+# the tokenizer's ChatML, plus a prefix on user turns taken from template_kwargs
+TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+            "(prefix + ' ' if prefix is defined and message['role'] == 'user' else '') + message['content'] + "
+            "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _run(script, tmp_path, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(tmp_path / "c")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, str(REPO_ROOT / script), "recipe=mine",
+                           f"hydra.searchpath=[file://{tmp_path / 'conf'}]", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_features_of_a_recipe_with_mix_template_and_kwargs_are_accepted_by_training(tmp_path, chatml_tokenizer):
+    target = tmp_path / "target"
+    tiny_llama(vocab_size=len(chatml_tokenizer)).save_pretrained(str(target))
+    chatml_tokenizer.save_pretrained(str(target))
+    convs = _conversations(n=16)
+    (tmp_path / "a.json").write_text(json.dumps(convs[:10]))
+    (tmp_path / "b.json").write_text(json.dumps(convs[10:]))
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "mine.yaml").write_text(f"""# @package _global_
+threads: 1
+target: {{path: {target}, name_or_path: tiny/llama}}
+data:
+  mix: [{{path: {tmp_path / 'a.json'}, weight: 1.0}}, {{path: {tmp_path / 'b.json'}, weight: 1.0}}]
+  chat_template: {tmp_path / 'chat.jinja'}
+  template_kwargs: {{prefix: 'Q:'}}
+  num_conversations: null
+  max_length: 64
+  min_supervised_tokens: 1
+  draft_vocab_size: 32
+  num_proc: 1
+features: {{source: offline, dir: {tmp_path / 'feats'}, storage: float32, docs_per_shard: 4}}
+draft: {{num_depths: 2}}
+training: {{tokens_per_step: 96, max_steps: 2, warmup_steps: 1}}
+eval: {{enabled: false}}
+export: {{enabled: false}}
+""")
+    gen = _run("scripts/generate_hidden_states.py", tmp_path, f"output_dir={tmp_path / 'g'}")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    summary = json.loads((tmp_path / "feats" / "generation_summary.json").read_text())
+    assert summary["docs"] == 12  # the largest exact 1:1 mix of 10 + 6 conversations: 6 + 6 rows
+    ok = _run("train.py", tmp_path, f"output_dir={tmp_path / 'run'}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    done = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert done["training"]["steps"] == 2 and done["data"]["conversations_kept"] == 12
+    assert done["data"]["file"] == f"{tmp_path / 'a.json'}, {tmp_path / 'b.json'}"  # both sources of the mix
+    text = chatml_tokenizer.decode(__import__("datasets").load_from_disk(str(tmp_path / "run" / "data" / "rows"))
+                                   ["input_ids"][0])
+    assert "user\nQ: " in text  # the recipe's template with its kwargs rendered the rows
+    # the same recipe with other template_kwargs: the shards do not fit and training refuses them
+    bad = _run("train.py", tmp_path, f"output_dir={tmp_path / 'run2'}", "data.template_kwargs={prefix: 'A:'}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert "manifest.json: fingerprint check failed (template differ)" in bad.stderr.splitlines()[-1], bad.stderr[-3000:]

@@ -22,8 +22,8 @@ from peagle_train.config import check_or_exit, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import cli_main
-from peagle_train.evaluation.benchmarks import load_spec_bench
-from peagle_train.evaluation.run import evaluate_acceptance
+from peagle_train.evaluation.benchmarks import prompts_from_config
+from peagle_train.evaluation.run import evaluate_from_config
 from peagle_train.export.speculators import verifier_name, write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
@@ -106,13 +106,10 @@ def main(cfg: DictConfig) -> dict:
         # 3. acceptance with the reference decoder, 4. export
         draft.eval()
         if cfg.eval.enabled:
-            prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
-                                      cfg.eval.num_prompts)
-            summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
-                                                  num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
-                                                  batch_size=cfg.eval.batch_size, benchmark="spec_bench",
-                                                  precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            summary["eval"] = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+                                                   out_dir=out / "eval", precision=cfg.precision, log=log,
+                                                   benchmark="spec_bench", train_metrics={
+                                                       **result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=verifier,

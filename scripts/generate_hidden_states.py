@@ -28,7 +28,7 @@ from peagle_train.errors import cli_main
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
 from peagle_train.precision import autocast_context, log_precision, resolve_precision
-from peagle_train.target.offline import write_features
+from peagle_train.target.offline import write_features_from_config
 
 
 @cli_main(config_path="../conf", config_name="train", version_base="1.3")
@@ -51,11 +51,10 @@ def main(cfg: DictConfig) -> dict:
     prec = resolve_precision(cfg.precision, acc.device)
     log_precision(prec)
     with autocast_context(prec, acc.device):
-        summary = write_features(target, tok, data.rows, cfg.features.dir, storage=cfg.features.storage,
-                                 int8_scale=cfg.features.int8_scale, docs_per_shard=cfg.features.docs_per_shard,
-                                 template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
-                                 tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index, world=world,
-                                 barrier=acc.wait_for_everyone, log=log)
+        summary = write_features_from_config(cfg.features, target, tok, data.rows,
+                                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
+                                             tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index,
+                                             world=world, barrier=acc.wait_for_everyone, log=log)
     summary["precision"] = prec.as_dict()
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)

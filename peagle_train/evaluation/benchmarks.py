@@ -129,6 +129,13 @@ def load_benchmark(benchmark: str, path: str, categories: tuple[str, ...] | None
     raise ConfigError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
 
 
+def prompts_from_config(ecfg) -> list[dict]:
+    """The prompts of the `eval` config group: `load_benchmark` of eval.benchmark (spec_bench where the
+    group has no such key, as in train), eval.prompts, eval.categories (null = all) and eval.num_prompts."""
+    categories = tuple(ecfg.categories) if ecfg.categories else None
+    return load_benchmark(str(ecfg.get("benchmark", "spec_bench")), ecfg.prompts, categories, ecfg.num_prompts)
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template and a generation prompt."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -160,6 +160,14 @@ def _fold_parts(out_dir: Path, manifest: dict) -> int:
     return n
 
 
+def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> dict:
+    """`write_features` for the `features` config group: features.dir, storage, int8_scale and
+    docs_per_shard passed by name; `kw` = the rest (template_kwargs, tokens_per_forward, rank, ...).
+    Raises what `write_features` raises."""
+    return write_features(target, tok, rows, fcfg.dir, storage=str(fcfg.storage), int8_scale=str(fcfg.int8_scale),
+                          docs_per_shard=fcfg.docs_per_shard, **kw)
+
+
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
                    int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
                    tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None, log=print) -> dict:

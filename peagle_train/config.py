@@ -262,7 +262,8 @@ class ExportConfig:
 
 @dataclass
 class Config:
-    """train, prepare and features (conf/train.yaml): data → target features → head → τ → export."""
+    """Prepare data, write target features, train a head, measure τ and export (train, prepare and
+    features; conf/train.yaml)."""
 
     output_dir: str = opt("runs/${now:%Y-%m-%d_%H-%M-%S}", "everything a run writes goes under here")
     algorithm: Algorithm = opt(Algorithm.peagle, "peagle (parallel drafting) | eagle3 (the sequential baseline, "
@@ -296,8 +297,8 @@ class EvaluateEvalConfig(EvalConfig):
 
 @dataclass
 class EvaluateCommand(Config):
-    """evaluate (conf/evaluate.yaml): a rerun into the same output_dir resumes, eval/results.jsonl holds
-    every decoded (benchmark, id, turn, decoder)."""
+    """Measure τ, speed and latency of a head beside the target alone (conf/evaluate.yaml); a rerun into
+    the same output_dir resumes from eval/results.jsonl."""
 
     head: Optional[str] = opt(None, "the head to evaluate: runs/<run>/checkpoint or an export directory")
     baseline_head: Optional[str] = opt(None, "optional second head decoded in the same run (e.g. an EAGLE-3 "
@@ -307,7 +308,7 @@ class EvaluateCommand(Config):
 
 @dataclass
 class ExportCommand(Config):
-    """export (conf/export.yaml): write an export from a checkpoint, or validate one."""
+    """Write a speculators/vLLM export from a training checkpoint, or validate one (conf/export.yaml)."""
 
     checkpoint: Optional[str] = opt(None, "the training checkpoint to export: runs/<run>/checkpoint")
     output: Optional[str] = opt(None, "export directory; null = output_dir/export")
@@ -335,7 +336,7 @@ class RegenerateConfig:
 
 @dataclass
 class RegenerateCommand(Config):
-    """regenerate (conf/regenerate.yaml): the target rewrites the assistant turns of data.path."""
+    """Rewrite the assistant turns of data.path with the target: self-distillation (conf/regenerate.yaml)."""
 
     regenerate: RegenerateConfig = group(RegenerateConfig, "self-distillation: the backend and its limits")
 
@@ -365,7 +366,7 @@ class RecommendConfig:
 
 @dataclass
 class RecommendKCommand(Config):
-    """recommend-k (conf/recommend_k.yaml): K per batch size from measured acceptance and step costs."""
+    """Recommend K per batch size from measured acceptance and step costs (conf/recommend_k.yaml)."""
 
     head: Optional[str] = opt(None, "runs/<run>/checkpoint or an export directory; needed to measure costs")
     recommend: RecommendConfig = group(RecommendConfig, "the K recommendation")

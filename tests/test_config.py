@@ -170,7 +170,7 @@ def test_help_lists_every_key_with_type_default_and_help(capsys):
         C.check_or_exit(["--help"], "evaluate")
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("peagle evaluate: evaluate (conf/evaluate.yaml)")
+    assert out.startswith("peagle evaluate: Measure τ, speed and latency of a head beside the target alone")
     lines = out.splitlines()
     i = next(i for i, x in enumerate(lines) if x.split()[:1] == ["eval.temperature"])
     assert lines[i].split() == ["eval.temperature", "float", "=", "0.0"]

@@ -68,9 +68,9 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     ids = [torch.randint(0, V - 1, (48,), generator=g).tolist() for _ in range(8)]
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
     train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
-                                                   "save_every": None, "val_conversations": 0, "resume": False,
-                                                   "grad_accum": 1, "tracker": "none", "max_anchors": 32,
-                                                   "attention": "dense"})
+                                                    "save_every": None, "val_conversations": 0, "resume": False,
+                                                    "grad_accum": 1, "tracker": "none", "max_anchors": 32,
+                                                    "attention": "dense"})
     check_training_config(train_cfg)
     res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, train_cfg, Path(out_dir), log=log)
     back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))

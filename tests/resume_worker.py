@@ -39,9 +39,9 @@ def main(out: Path, resume: bool):
                              "norm_before_residual": False, "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127)
     train_cfg = OmegaConf.merge(default_config().training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
-                            "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
-                            "val_conversations": 2, "resume": resume})
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
+                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
+                                 "val_conversations": 2, "resume": resume})
     train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
     train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out, log=print)
 

@@ -35,8 +35,8 @@ def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
     draft = build_draft(t, dcfg, vocab, 127, algorithm)
     assert isinstance(draft, Eagle3Draft if algorithm == "eagle3" else PEagleDraft)
     train_cfg = OmegaConf.merge(default_config().training,
-                           {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
-                            "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
+                                {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
+                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
     res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, train_cfg, tmp_path, log=lambda *_: None)
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == res["steps"] > 10

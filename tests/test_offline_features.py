@@ -61,8 +61,8 @@ def test_offline_training_gives_the_online_losses(tmp_path, setup):
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
     train_cfg = OmegaConf.merge(default_config().training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
     losses = {}
     for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data, **QUIET))):
         torch.manual_seed(0)
@@ -237,8 +237,8 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
     train_cfg = OmegaConf.merge(default_config().training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
     torch.manual_seed(0)
     draft = build_draft(t, dcfg, vocab, 127)
 

@@ -75,9 +75,9 @@ def tiny_setup(**over):
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 2, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
     train_cfg = OmegaConf.merge(default_config().training,
-                           {"num_depths": 2, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 8, "save_every": 2, "keep_last": 1,
-                            "val_conversations": 2, "max_steps": 4, **over})
+                                {"num_depths": 2, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 8, "save_every": 2, "keep_last": 1,
+                                 "val_conversations": 2, "max_steps": 4, **over})
     return t, vocab, build_draft(t, dcfg, vocab, 127), train_cfg
 
 

@@ -3,7 +3,7 @@
 
     python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--no-write]
 
-Measures, on the target of conf/config.yaml (SmolLM2-135M-Instruct by default; bf16 on a GPU):
+Measures, on the default target (SmolLM2-135M-Instruct, peagle_train/config.py; bf16 on a GPU):
 1. capture overhead: FeatureTarget forward (hooks on 4 layers, full logits) vs the plain HF
    forward of the same [1, tokens] batch, median of `repeats` (target ≤ 1.05×);
 2. bytes per token on disk for bfloat16 and int8 shards (total and features only) and the

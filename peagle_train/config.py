@@ -667,7 +667,8 @@ def check_command_line(argv: list[str], command: str = "train") -> list[str]:
         elif (m := unknown_key_message(key, "the command line", command)):
             errors.append(m)
         elif "(" not in value:  # sweep functions (choice(...), range(...)) are left to Hydra
-            errors += [m for v in value.split(",") if (m := bad_value_message(key, v, "the command line", command))]
+            errors += [m for v in value.split(",")
+                       if (m := bad_value_message(key, v.strip().strip("'\""), "the command line", command))]
     return errors
 
 

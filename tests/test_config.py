@@ -159,8 +159,9 @@ def test_entry_point_keys_stay_at_their_entry_point():
                    "Did you mean eval.benchmark=mt_bench?")
     (err,) = C.check_command_line(["dtype=float32"], "export")  # two names for one concept: export.dtype only
     assert err.startswith("dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=")
-    assert C.check_command_line(["target.dtype=null", "precision=bf16,fp32", "recommend.extrapolate=zero"],
-                                "recommend-k") == []
+    assert C.check_command_line(["target.dtype=null", "precision=bf16,fp32", "recommend.extrapolate=zero",
+                                 "training.schedule='linear'"], "recommend-k") == []
+    assert compose_train(["training.schedule='linear'"]).training.schedule == "linear"  # Hydra unquotes
     with pytest.raises(ValueError, match="unknown entry point 'evaluat'"):
         C.check_command_line([], "evaluat")
 

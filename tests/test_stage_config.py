@@ -1,7 +1,7 @@
-"""Each stage takes its config group: a recipe of one's own (written here, found on hydra.searchpath)
+"""Each stage takes its config group. A recipe of one's own (written here, found on hydra.searchpath)
 that sets data.mix, data.chat_template and data.template_kwargs gives features (generate_hidden_states)
 that training accepts; training with another template_kwargs is refused, so the three keys reach
-both stages."""
+both stages. data_from_config reads data.prepared_dir, checked against the group."""
 
 import json
 import os
@@ -70,3 +70,27 @@ export: {{enabled: false}}
     bad = _run("train.py", tmp_path, f"output_dir={tmp_path / 'run2'}", "data.template_kwargs={prefix: 'A:'}")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
     assert "manifest.json: fingerprint check failed (template differ)" in bad.stderr.splitlines()[-1], bad.stderr[-3000:]
+
+
+def test_data_from_config_reads_prepared_dir_and_checks_it_against_the_group(tmp_path, chatml_tokenizer):
+    """data.prepared_dir set: the prepared rows (not a new preparation), refused when the group's
+    settings differ from the manifest's; unset: prepared from the group."""
+    import pytest
+
+    from peagle_train.config import default_config
+    from peagle_train.data.manifest import ManifestMismatchError
+    from peagle_train.data.prepare import data_from_config, save_prepared
+
+    (tmp_path / "a.json").write_text(json.dumps(_conversations(n=6)))
+    group = default_config().data
+    group.update({"path": str(tmp_path / "a.json"), "num_conversations": None, "max_length": 64,
+                  "min_supervised_tokens": 1, "draft_vocab_size": 32, "num_proc": 1, "cache_dir": str(tmp_path / "c")})
+    fresh = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+    save_prepared(fresh, tmp_path / "prep")
+    (tmp_path / "a.json").write_text("[]")  # a preparation from data.path would now fail
+    group.prepared_dir = str(tmp_path / "prep")
+    back = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+    assert back.rows["input_ids"] == fresh.rows["input_ids"] and back.mask_token_id == fresh.mask_token_id
+    group.max_length = 128
+    with pytest.raises(ManifestMismatchError, match="max_length: prepared with 64, training gives 128"):
+        data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)

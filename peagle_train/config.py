@@ -167,8 +167,9 @@ class DataConfig:
                              "rows taken by weight")
     chat_template: Optional[str] = opt(None, "Jinja string or .jinja file replacing the tokenizer's "
                                              "(required if it has none)")
-    template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, "
-                                              "e.g. {enable_thinking: false}")
+    template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, e.g. "
+                                              "{enable_thinking: false}; on the command line a new key is added "
+                                              "with ++: ++data.template_kwargs={enable_thinking: false}")
     num_proc: int = opt(2, "datasets.map workers for tokenising and masking")
     cache_dir: Optional[str] = opt(None, "Arrow cache of normalised/tokenised data; null = $PEAGLE_DATA_CACHE or "
                                          "~/.cache/peagle_train/data")
@@ -647,19 +648,32 @@ def _searchpath(argv: list[str]) -> tuple[Path, ...]:
     return ()
 
 
+def _in_a_dict_value(key: str, keys: dict[str, Any]) -> bool:
+    """`key` lies inside a dict-valued key of the schema (data.template_kwargs.enable_thinking)."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        t = keys.get(".".join(parts[:i]))
+        if t is not None and (t is dict or typing.get_origin(t) is dict):
+            return True
+    return False
+
+
 def check_command_line(argv: list[str], command: str = "train") -> list[str]:
     """Errors for the command-line overrides of entry point `command` (`key=value`, `-m` sweeps):
-    unknown keys with near matches, removed keys with their replacement, values outside a choice,
-    unknown recipes with the list of recipes. Hydra's own keys (hydra.*), appends (+key=) and
-    deletions (~key) are left to Hydra. Raises ValueError for an unknown entry point."""
-    schema_of(command)
+    unknown keys with near matches (also those added with +key= / ++key=, which Hydra would add
+    silently; keys inside a dict value such as +data.template_kwargs.enable_thinking= are free),
+    removed keys with their replacement, values outside a choice, unknown recipes with the list of
+    recipes. Hydra's own keys (hydra.*) and deletions (~key) are left to Hydra. Raises ValueError for
+    an unknown entry point."""
+    keys = schema_keys(schema_of(command))
     extra = _searchpath(argv)
     errors = []
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
-        if key.startswith(("+", "~", "hydra.", "hydra/")) or key == "hydra":
+        added, key = key.startswith("+"), key.lstrip("+")  # +key= / ++key= add keys: only where a dict takes them
+        if key.startswith(("~", "hydra.", "hydra/")) or key == "hydra" or (added and _in_a_dict_value(key, keys)):
             continue
         if key == "recipe":
             for name in value.split(","):

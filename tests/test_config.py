@@ -17,7 +17,7 @@ def compose_train(overrides):
 
 
 def test_misspelled_keys_list_near_matches():
-    errs = C.check_command_line(["-m", "training.lrr=1", "trainig.epochs=2", "draft.num_depths=2,4,8", "+x=1",
+    errs = C.check_command_line(["-m", "training.lrr=1", "trainig.epochs=2", "draft.num_depths=2,4,8",
                                  "hydra.verbose=true", "seed=3"])
     assert len(errs) == 2
     assert errs[0].startswith("unknown config key 'training.lrr' in the command line. Did you mean training.lr or ")
@@ -38,6 +38,18 @@ def test_unknown_recipe_lists_existing_ones_and_recipe_typos_are_caught(tmp_path
     assert "Did you mean training.warmup_steps" in bad[0]
     assert bad[1] == (f"training.schedule='cosin' must be cosine, linear or constant (in {tmp_path / 'bad.yaml'}). "
                       "Did you mean training.schedule=cosine?")
+
+
+def test_keys_added_with_plus_are_checked_too_except_inside_a_dict_value():
+    """Hydra adds +key= / ++key= silently even to a typed config: they are refused unless they lie
+    inside a dict value (data.template_kwargs)."""
+    assert compose_train(["+training.lrr=1"]).training.lrr == 1  # what Hydra alone does
+    errs = C.check_command_line(["+training.lrr=1", "++x=1", "+data.template_kwargs.enable_thinking=false",
+                                 "++data.template_kwargs={enable_thinking: false}", "~eval.categories"])
+    assert [e.split("'")[1] for e in errs] == ["training.lrr", "x"]
+    assert "Did you mean training.lr" in errs[0]
+    assert compose_train(["++data.template_kwargs={enable_thinking: false}"]).data.template_kwargs == {
+        "enable_thinking": False}
 
 
 def test_a_recipe_of_ones_own_is_found_on_hydra_searchpath(tmp_path):

@@ -94,3 +94,45 @@ def test_data_from_config_reads_prepared_dir_and_checks_it_against_the_group(tmp
     group.max_length = 128
     with pytest.raises(ManifestMismatchError, match="max_length: prepared with 64, training gives 128"):
         data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+
+
+def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):
+    """evaluate_from_config / prompts_from_config pass the eval group's keys by name (train's group has
+    fewer); backend_from_config builds the endpoint backend from the regenerate and data groups."""
+    from peagle_train.config import compose
+    from peagle_train.data.regenerate import EndpointBackend, backend_from_config
+    from peagle_train.evaluation import run
+    from peagle_train.evaluation.benchmarks import prompts_from_config
+
+    got = {}
+    monkeypatch.setattr(run, "evaluate_acceptance", lambda *a, **k: got.update(k) or "result")
+    cfg = compose("evaluate", ["eval.benchmark=mt_bench", "eval.temperature=0.7", "eval.seed=3", "eval.plot=false",
+                               "eval.batch_size=4", "eval.num_speculative_tokens=6"])
+    assert run.evaluate_from_config(cfg.eval, None, None, None, [], out_dir="o", precision="fp32",
+                                    baseline_draft="b") == "result"
+    assert got == {"out_dir": "o", "precision": "fp32", "log": print, "num_speculative_tokens": 6,
+                   "max_new_tokens": 128, "batch_size": 4, "temperature": 0.7, "seed": 3, "plot": False,
+                   "benchmark": "mt_bench", "baseline_draft": "b"}
+    assert type(got["benchmark"]) is str
+    got.clear()
+    run.evaluate_from_config(compose("train").eval, None, None, None, [], out_dir="o", precision=None,
+                             benchmark="spec_bench", num_speculative_tokens=3)
+    assert got == {"out_dir": "o", "precision": None, "log": print, "num_speculative_tokens": 3,
+                   "max_new_tokens": 128, "batch_size": 1, "benchmark": "spec_bench"}
+
+    prompts = prompts_from_config(compose("train").eval)  # Spec-Bench's MT-Bench categories, 20 prompts
+    assert len(prompts) == 20 and {p["category"] for p in prompts} <= {"writing", "roleplay", "reasoning", "math",
+                                                                      "coding", "extraction", "stem", "humanities"}
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    two = prompts_from_config(compose("evaluate", ["eval.benchmark=jsonl", f"eval.prompts={tmp_path / 'p.jsonl'}",
+                                                   "eval.num_prompts=2"]).eval)
+    assert [p["prompt"] for p in two] == ["a", "b"]
+
+    cfg = compose("regenerate", ["regenerate.backend=endpoint", "regenerate.endpoint_url=http://h:1/v1",
+                                 "target.name_or_path=org/m", "regenerate.max_new_tokens=7", "regenerate.concurrency=3",
+                                 "++data.template_kwargs={enable_thinking: false}"])
+    backend, tok = backend_from_config(cfg.regenerate, cfg.target, cfg.data)
+    assert isinstance(backend, EndpointBackend) and tok is None
+    assert (backend.url, backend.model, backend.max_new_tokens, backend.temperature, backend.concurrency,
+            backend.template_kwargs) == ("http://h:1/v1/chat/completions", "org/m", 7, 0.0, 3,
+                                         {"enable_thinking": False})

@@ -88,6 +88,8 @@ def test_choices_are_enums_that_compare_print_and_serialise_as_strings():
 
 
 def test_the_choices_are_the_ones_the_code_accepts():
+    """Registries of functions (losses, objectives) agree with the Enums; the name tuples are derived
+    from them (one list of names each)."""
     from peagle_train.algorithms import OBJECTIVES
     from peagle_train.evaluation.benchmarks import BENCHMARKS
     from peagle_train.target.offline import INT8_SCALES, STORAGES

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config import Benchmark
 from ..errors import ConfigError, UserError
 from ..paths import resolve_path
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-BENCHMARKS = ("spec_bench", "mt_bench", "humaneval", "jsonl")
+BENCHMARKS = tuple(Benchmark.values())  # the `eval.benchmark` choices (config.py)
 
 
 class BenchmarkError(UserError, ValueError):

@@ -32,13 +32,14 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .. import provenance
+from ..config import FeatureStorage, Int8Scale
 from ..errors import ConfigError, UserError
 from ..io import atomic_write_json
 from .features import FeatureTarget
 
 FORMAT_VERSION = 1
-STORAGES = ("float32", "bfloat16", "int8")
-INT8_SCALES = ("channel", "token")
+STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
+INT8_SCALES = tuple(Int8Scale.values())  # the `features.int8_scale` choices
 MANIFEST = "manifest.json"
 
 

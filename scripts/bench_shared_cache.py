@@ -40,8 +40,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     draft, _ = load_checkpoint(args.head)
     draft.eval()
-    tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(draft.config.aux_layer_ids)))
-    target, tok = build_target(tcfg, "cpu")
+    target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(draft.config.aux_layer_ids)))
+    target, tok = build_target(target_cfg, "cpu")
     prompts = load_benchmark("spec_bench", "pkg:spec_bench", MT_BENCH_CATEGORIES, args.num_prompts)
     ids = [chat_ids(tok, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
     load_before = os.getloadavg()

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from peagle_train.benchmarks import write_section
 from peagle_train.data.prepare import prepare_data  # noqa: E402
 from peagle_train.job import build_draft, build_target  # noqa: E402
+from peagle_train.config import default_config  # noqa: E402
 from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
 from peagle_train.algorithms import peagle  # noqa: E402
@@ -53,7 +54,7 @@ def main():
     ap.add_argument("--conversations", type=int, default=80)
     ap.add_argument("--tokens-per-step", type=int, default=1024)
     args = ap.parse_args()
-    cfg = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml")
+    cfg = default_config()
     recipe = OmegaConf.load(REPO_ROOT / "recipes" / "smollm2-135m-demo.yaml")
     cfg = OmegaConf.merge(cfg, recipe)
     target, tok = build_target(cfg.target, "cpu", log=lambda *_: None)
@@ -62,9 +63,9 @@ def main():
                         min_supervised_tokens=cfg.data.min_supervised_tokens, draft_vocab_size=cfg.data.draft_vocab_size,
                         seed=0, log=lambda *_: None)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
-    tcfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
-                             "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
-                             "max_minutes": None})
+    train_cfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
+                                  "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
+                                  "max_minutes": None})
     t_target, t_draft, t_opt = [], [], []
     FeatureTarget.__call__ = timed(FeatureTarget.__call__, t_target)
     peagle.draft_step = timed(peagle.draft_step, t_draft)
@@ -74,7 +75,7 @@ def main():
     trainer.metrics_from_counts = lambda c: (marks.append(time.perf_counter()), real_metrics(c))[1]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        res = trainer.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, tcfg, Path(tmp),
+        res = trainer.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, Path(tmp),
                             log=lambda *_: None)
     n = res["steps"]
     # step boundaries: the per-step metrics call; steps 2..n (step 1 is the warm-up)

@@ -20,9 +20,10 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from peagle_train.draft.io import load_head as read_head
+from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
-from peagle_train.evaluation.benchmarks import load_benchmark
-from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
+from peagle_train.evaluation.benchmarks import prompts_from_config
+from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
 
@@ -83,14 +84,13 @@ def main(cfg: DictConfig) -> dict:
         btarget = target if bids == ids else FeatureTarget(target.model, bids)
         check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
         baseline.to(device=target.model.device)
-    e = cfg.eval
-    prompts = load_benchmark(e.benchmark, e.prompts, tuple(e.categories) if e.categories else None, e.num_prompts)
-    return evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=e.num_speculative_tokens,
-                               max_new_tokens=e.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval",
-                               temperature=e.temperature, seed=e.seed, batch_size=e.batch_size,
-                               baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
-                               plot=e.plot, benchmark=e.benchmark, precision=cfg.precision)
+    return evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+                                out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
+                                baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics)
 
+
+register()  # the typed, strict schema (peagle_train/config.py) that conf/evaluate.yaml starts from
 
 if __name__ == "__main__":
+    check_or_exit(command="evaluate")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

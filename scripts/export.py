@@ -1,6 +1,6 @@
 """Export a training checkpoint in the speculators P-EAGLE format, or validate an export.
 
-    python scripts/export.py checkpoint=runs/demo/checkpoint output=runs/demo/export2 [dtype=bfloat16] [overwrite=true]
+    python scripts/export.py checkpoint=runs/demo/checkpoint output=runs/demo/export2 [export.dtype=bfloat16] [overwrite=true]
     python scripts/export.py validate=runs/demo/export
 """
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
 from peagle_train.export.speculators import ExportError, validate_export, verifier_name, write_export
 from peagle_train.job import dtype_of
@@ -55,11 +56,14 @@ def main(cfg: DictConfig) -> None:
         verifier = verifier_name(name, cfg.target.path) if cfg.check_target or not name else name
         write_export(draft, out, verifier_name_or_path=verifier,
                      verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
-                     dtype=dtype_of(cfg.dtype or cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
+                     dtype=dtype_of(cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
     except ValueError as e:  # ExportError, or a verifier name that does not match target.path
         raise SystemExit(f"export refused: {e}")
     print(f"export written and validated: {out}")
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/export.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="export")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

@@ -3,7 +3,7 @@
     python scripts/prepare_data.py recipe=smollm2-135m-demo output_dir=/tmp/prepared [data.num_conversations=null]
     python train.py recipe=smollm2-135m-demo data.prepared_dir=/tmp/prepared output_dir=runs/demo
 
-Uses conf/config.yaml's `target` (only its tokenizer and vocabulary size are loaded: no weights for an
+Uses the `target` (only its tokenizer and vocabulary size are loaded: no weights for an
 HF directory; a GGUF target is dequantised once and cached) and `data` groups. Writes under
 output_dir: rows/ (Arrow), draft_vocab.safetensors (d2t, t2d), summary.json, manifest.json, and
 packed/ with data.pack_length. Every normalised and tokenised table is cached by fingerprint under
@@ -21,15 +21,15 @@ from peagle_train.data.prepare import format_summary, prepare_from_config, save_
 from peagle_train.errors import cli_main
 
 
-def load_tokenizer_and_vocab_size(tcfg):
+def load_tokenizer_and_vocab_size(target_cfg):
     """(tokenizer, target vocabulary size) of the `target` config group without loading the weights
     where possible (an HF directory or hub cache id); a GGUF file goes through `load_target`'s cache."""
     from transformers import AutoTokenizer
 
     from peagle_train.target.load import load_target_config, model_source
 
-    tok = AutoTokenizer.from_pretrained(model_source(tcfg.path), local_files_only=True)
-    return tok, load_target_config(tcfg.path).vocab_size
+    tok = AutoTokenizer.from_pretrained(model_source(target_cfg.path), local_files_only=True)
+    return tok, load_target_config(target_cfg.path).vocab_size
 
 
 @cli_main(config_path="../conf", config_name="train", version_base="1.3")
@@ -48,5 +48,5 @@ def main(cfg: DictConfig) -> dict:
 register()  # the typed, strict schema (peagle_train/config.py) that conf/train.yaml starts from
 
 if __name__ == "__main__":
-    check_or_exit()  # misspelled keys and unknown recipes, with near matches
+    check_or_exit(command="prepare")  # misspelled keys and unknown recipes, with near matches
     main()

@@ -44,6 +44,7 @@ from peagle_train.decoding.cost_model import (  # noqa: E402
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
+from peagle_train.config import check_or_exit, register  # noqa: E402
 from peagle_train.errors import cli_main  # noqa: E402
 from peagle_train.job import write_json  # noqa: E402
 
@@ -224,14 +225,12 @@ def run(cfg: DictConfig) -> dict:
     if rc.acceptance is not None:
         acc_src, acc = str(rc.acceptance), load_acceptance(rc.acceptance)
     else:
-        from peagle_train.evaluation.benchmarks import load_spec_bench
-        from peagle_train.evaluation.run import evaluate_acceptance
+        from peagle_train.evaluation.benchmarks import prompts_from_config
+        from peagle_train.evaluation.run import evaluate_from_config
 
         k_eval = min(max(ks), k_train or max(ks))
-        prompts = load_spec_bench(cfg.eval.prompts, tuple(cfg.eval.categories) if cfg.eval.categories else None,
-                                  cfg.eval.num_prompts)
-        acc = evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=k_eval,
-                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval")
+        acc = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval), out_dir=out / "eval",
+                                   precision=None, num_speculative_tokens=k_eval)
         acc_src = str(out / "eval" / "acceptance.json")
     a_measured = conditional_acceptance(acc["per_position_acceptance"], acc_src)
     a, n_extra = extend_acceptance(a_measured, max(ks), rc.extrapolate)
@@ -303,5 +302,8 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(f"recommend_k: {e}") from None
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/recommend_k.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="recommend-k")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

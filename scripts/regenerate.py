@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from peagle_train.data.regenerate import EndpointBackend, HFBackend, regenerate
+from peagle_train.data.regenerate import backend_from_config, regenerate
 from peagle_train.data.sources import load_source
+from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
 from peagle_train.paths import resolve_path
 
@@ -53,20 +54,8 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     r = cfg.regenerate
-    kw = OmegaConf.to_container(cfg.data.template_kwargs) if cfg.data.template_kwargs else None
-    if r.backend == "hf":
-        from peagle_train.data.template import set_chat_template
-        from peagle_train.target.load import load_target
-
-        model, tok = load_target(cfg.target.path)
-        set_chat_template(tok, cfg.data.chat_template)
-        backend = HFBackend(model, tok, max_new_tokens=r.max_new_tokens, temperature=r.temperature, template_kwargs=kw)
-    elif r.backend == "endpoint":
-        backend = EndpointBackend(r.endpoint_url, r.model, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  concurrency=r.concurrency, template_kwargs=kw)
-    else:
-        raise SystemExit(f"regenerate.backend={r.backend}: use hf or endpoint")
-    convs, too_long = conversations(cfg, tok if r.backend == "hf" else None)
+    backend, tok = backend_from_config(r, cfg.target, cfg.data)
+    convs, too_long = conversations(cfg, tok)
     stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
                        extra={"regenerated_by": str((cfg.target.name_or_path or cfg.target.path) if r.backend == "hf" else r.model)})
     if too_long:
@@ -76,5 +65,8 @@ def main(cfg: DictConfig) -> dict:
     return out
 
 
+register()  # the typed, strict schema (peagle_train/config.py) that conf/regenerate.yaml starts from
+
 if __name__ == "__main__":
+    check_or_exit(command="regenerate")  # misspelled keys, values outside a choice and unknown recipes, with near matches
     main()

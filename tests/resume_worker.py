@@ -20,7 +20,7 @@ from tests.conftest import tiny_llama  # noqa: E402
 from tests.test_loop import tiny_rows  # noqa: E402
 from peagle_train.data.vocab import DraftVocab  # noqa: E402
 from peagle_train.job import build_draft  # noqa: E402
-from peagle_train.paths import REPO_ROOT  # noqa: E402
+from peagle_train.config import default_config  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
 from peagle_train.training.trainer import train  # noqa: E402
 
@@ -38,12 +38,12 @@ def main(out: Path, resume: bool):
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127)
-    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
-                            "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
-                            "val_conversations": 2, "resume": resume})
-    tcfg = OmegaConf.merge(tcfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
-    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, tcfg, out, log=print)
+    train_cfg = OmegaConf.merge(default_config().training,
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
+                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
+                                 "val_conversations": 2, "resume": resume})
+    train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
+    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out, log=print)
 
 
 if __name__ == "__main__":

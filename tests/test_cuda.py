@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from peagle_train.paths import REPO_ROOT
+from peagle_train.config import default_config
 from peagle_train.training.cod import cod_sample
 from peagle_train.precision import autocast_context
 from peagle_train.training.trainer import train
@@ -61,11 +61,11 @@ def test_one_gpu_training_learns(tmp_path):
 
     target = tiny_llama().cuda()
     t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
-    base = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training
-    tcfg = OmegaConf.merge(base, {"num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "auto",
-                                  "tokens_per_step": 64, "max_steps": 30, "warmup_steps": 2, "lr": 3e-3,
-                                  "max_anchors": None, "epochs": 3})
-    res = train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), tcfg, tmp_path, log=lambda *_: None)
+    base = default_config().training
+    train_cfg = OmegaConf.merge(base, {"num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "auto",
+                                       "tokens_per_step": 64, "max_steps": 30, "warmup_steps": 2, "lr": 3e-3,
+                                       "max_anchors": None, "epochs": 3})
+    res = train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), train_cfg, tmp_path, log=lambda *_: None)
     assert res["precision"] == "bf16" and res["steps"] > 10
     import json
 

@@ -78,9 +78,9 @@ def test_head_target_mismatch_is_named():
 
 
 def test_bad_training_config_is_named():
-    from peagle_train.paths import REPO_ROOT
+    from peagle_train.config import default_config
 
-    base = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training
+    base = default_config().training
     good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0, "algorithm": "peagle"})
     check_training_config(good)
     with pytest.raises(ValueError, match=r"down_sample_ratio=1.5 must be in \(0, 1\]"):

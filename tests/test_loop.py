@@ -12,7 +12,7 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
 from peagle_train.export.speculators import load_export, validate_export, write_export
 from peagle_train.job import build_draft
-from peagle_train.paths import REPO_ROOT
+from peagle_train.config import default_config
 from peagle_train.target.features import FeatureTarget
 from peagle_train.draft.io import load_checkpoint, save_checkpoint
 from peagle_train.training.trainer import train
@@ -34,10 +34,10 @@ def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
                              "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127, algorithm)
     assert isinstance(draft, Eagle3Draft if algorithm == "eagle3" else PEagleDraft)
-    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
-                           {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
-                            "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
-    res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, tcfg, tmp_path, log=lambda *_: None)
+    train_cfg = OmegaConf.merge(default_config().training,
+                                {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
+                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
+    res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, train_cfg, tmp_path, log=lambda *_: None)
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == res["steps"] > 10
     assert all(len(r["acc"]) == 3 for r in log)

@@ -12,7 +12,7 @@ from peagle_train import provenance
 import peagle_train.target.offline as offline
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
-from peagle_train.paths import REPO_ROOT
+from peagle_train.config import default_config
 from peagle_train.target.features import FeatureTarget
 from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.sources import packed_row
@@ -60,15 +60,15 @@ def test_offline_training_gives_the_online_losses(tmp_path, setup):
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
+    train_cfg = OmegaConf.merge(default_config().training,
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
     losses = {}
     for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data, **QUIET))):
         torch.manual_seed(0)
         draft = build_draft(t, dcfg, vocab, 127)
         (tmp_path / mode).mkdir()
-        train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, tcfg, tmp_path / mode, features=feats, **QUIET)
+        train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / mode, features=feats, **QUIET)
         losses[mode] = [json.loads(x)["loss"] for x in (tmp_path / mode / "train_log.jsonl").read_text().splitlines()]
     assert len(losses["online"]) >= 4
     assert losses["offline"] == losses["online"]  # float32 shards: bit-identical steps
@@ -236,9 +236,9 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
-                           {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
+    train_cfg = OmegaConf.merge(default_config().training,
+                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
     torch.manual_seed(0)
     draft = build_draft(t, dcfg, vocab, 127)
 
@@ -246,12 +246,12 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
         raise AssertionError("the target's decoder ran in an offline run")
 
     monkeypatch.setattr(FeatureTarget, "forward", no_decoder)
-    res = train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, tcfg, tmp_path / "run", features=reader, **QUIET)
+    res = train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / "run", features=reader, **QUIET)
     monkeypatch.undo()
     val = res["validation"]
     _, val_idx = split_validation(len(data), 2, 0)
     batches = [[val_idx[j] for j in b] for b in pack_documents([len(data[i]["input_ids"]) for i in val_idx], 48, 0)]
-    obj, head = make_objective(tcfg), res["draft"].eval()
+    obj, head = make_objective(train_cfg), res["draft"].eval()
 
     def val_loss(source):
         sums = [0.0, 0.0]

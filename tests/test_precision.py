@@ -21,7 +21,7 @@ def test_auto_follows_the_cpu_and_forced_settings_win(monkeypatch):
     assert r.as_dict() == {"precision": "bf16", "setting": "auto", "reason": "amx"}
     assert P.resolve_precision("fp32", "cpu").dtype == torch.float32
     monkeypatch.setattr(P, "cpu_bf16_units", lambda: None)
-    r = P.resolve_precision(P.Precision.AUTO, "cpu")
+    r = P.resolve_precision(P.Precision.auto, "cpu")
     assert (r.dtype, r.name) == (torch.float32, "fp32")
     assert P.resolve_precision("bf16", "cpu").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="not one of auto, fp32, bf16"):

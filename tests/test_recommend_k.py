@@ -107,11 +107,10 @@ def test_bad_costs_and_acceptance(tmp_path):
 
 
 def _config(tmp_path, **recommend):
-    from hydra import compose, initialize_config_dir
+    from peagle_train.config import compose
 
     overrides = [f"output_dir={tmp_path}"] + [f"recommend.{k}={v}" for k, v in recommend.items()]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="recommend_k", overrides=overrides)
+    return compose("recommend-k", overrides)
 
 
 def test_script_without_models(tmp_path, capsys):

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
+from peagle_train.config import default_config
 from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
@@ -73,16 +74,16 @@ def tiny_setup(**over):
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 2, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    tcfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training,
-                           {"num_depths": 2, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
-                            "lr": 3e-3, "warmup_steps": 1, "max_anchors": 8, "save_every": 2, "keep_last": 1,
-                            "val_conversations": 2, "max_steps": 4, **over})
-    return t, vocab, build_draft(t, dcfg, vocab, 127), tcfg
+    train_cfg = OmegaConf.merge(default_config().training,
+                                {"num_depths": 2, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
+                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 8, "save_every": 2, "keep_last": 1,
+                                 "val_conversations": 2, "max_steps": 4, **over})
+    return t, vocab, build_draft(t, dcfg, vocab, 127), train_cfg
 
 
 def run(out, **over):
-    t, vocab, draft, tcfg = tiny_setup(**over)
-    return train(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, tcfg, out, log=lambda *_: None)
+    t, vocab, draft, train_cfg = tiny_setup(**over)
+    return train(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, out, log=lambda *_: None)
 
 
 def test_keep_last_plus_best_and_refusals(tmp_path):

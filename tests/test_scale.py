@@ -40,7 +40,7 @@ def test_two_processes_match_one_process_with_grad_accum(tmp_path):
 
 def test_bf16_autocast_close_to_fp32_and_tensorboard_logs(tmp_path):
     ref = run(tmp_path / "fp32", max_steps=2, save_every=None, val_conversations=0)
-    bf = run(tmp_path / "bf16", max_steps=2, save_every=None, val_conversations=0, mixed_precision="bf16",
+    bf = run(tmp_path / "bf16", max_steps=2, save_every=None, val_conversations=0, precision="bf16",
              tracker="tensorboard")
     (l32, _), (l16, _) = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
     assert ref["steps"] == bf["steps"] == 2

@@ -9,11 +9,11 @@ from .peagle import PEagleObjective
 OBJECTIVES = {"peagle": PEagleObjective, "eagle3": Eagle3Objective}
 
 
-def make_objective(tcfg) -> Objective:
-    """The objective of `tcfg.algorithm` (peagle | eagle3); ValueError naming the accepted ones."""
-    if tcfg.algorithm not in OBJECTIVES:
-        raise ValueError(f"algorithm={tcfg.algorithm!r} must be one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[tcfg.algorithm](tcfg)
+def make_objective(train_cfg) -> Objective:
+    """The objective of `train_cfg.algorithm` (peagle | eagle3); ValueError naming the accepted ones."""
+    if train_cfg.algorithm not in OBJECTIVES:
+        raise ValueError(f"algorithm={train_cfg.algorithm!r} must be one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[train_cfg.algorithm](train_cfg)
 
 
 __all__ = ["OBJECTIVES", "Objective", "PEagleObjective", "Eagle3Objective", "make_objective"]

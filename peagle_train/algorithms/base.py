@@ -9,15 +9,15 @@ class Objective:
     """One training algorithm: how a packed row is sampled, the step over a few rows (forward, loss,
     backward) with its metric counts, and (where implemented) the validation forward.
 
-    `tcfg`: the training config (training/checks.py `check_training_config` checked it). Counts are
+    `train_cfg`: the training config (training/checks.py `check_training_config` checked it). Counts are
     the [4, K] float64 tensors of training/loss.py (`depth_counts`, `chain_counts`), summable over
     rows, steps and processes; `metrics_from_counts` turns them into accuracies and EAL.
     """
 
     name = "base"
 
-    def __init__(self, tcfg):
-        self.tcfg = tcfg
+    def __init__(self, train_cfg):
+        self.train_cfg = train_cfg
 
     def check(self, engine_kind: str, validating: bool) -> None:
         """Raise ValueError, naming the setting and the fix, for a distributed engine (ddp |

@@ -91,10 +91,10 @@ class Eagle3Objective(Objective):
                              "backward passes. Fix: distributed.engine=ddp for the EAGLE-3 baseline.")
 
     def sample(self, row, generator: torch.Generator) -> torch.Tensor:
-        return ttt_anchors(row.valid, row.doc_ids, self.tcfg.max_anchors, generator)
+        return ttt_anchors(row.valid, row.doc_ids, self.train_cfg.max_anchors, generator)
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
-        t = self.tcfg
+        t = self.train_cfg
         loss_value, counts = 0.0, 0
         for row, anchors in micro:  # eagle3_step normalises per row: mean over the micro-rows
             with amp:

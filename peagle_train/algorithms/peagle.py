@@ -115,12 +115,12 @@ class PEagleObjective(Objective):
     name = "peagle"
 
     def sample(self, row: PackedRow, generator: torch.Generator) -> CODElements:
-        t = self.tcfg
+        t = self.train_cfg
         return cod_sample(row.valid.cpu(), row.doc_ids.cpu(), t.num_depths, t.down_sample_ratio,
                           t.down_sample_ratio_min, t.max_anchors, generator)
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
-        t = self.tcfg
+        t = self.train_cfg
         norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())
                                                  for row, el in micro))
         loss_value, counts = 0.0, 0
@@ -133,7 +133,7 @@ class PEagleObjective(Objective):
 
     @torch.no_grad()
     def validate_row(self, model, row: PackedRow, generator: torch.Generator):
-        t = self.tcfg
+        t = self.train_cfg
         K = t.num_depths
         dev = row.tokens.device
         kind = attention_kind(t.attention, dev)

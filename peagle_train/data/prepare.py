@@ -45,9 +45,9 @@ class PreparedData:
 
 
 def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0, log=print) -> PreparedData:
-    """`prepare_data` for the `data` config group (conf/config.yaml `data:`): every key is passed by
-    its name, so the entry points (train.py, scripts/prepare_data.py, generate_hidden_states.py)
-    read the same rows from the same settings. Raises what `prepare_data` raises."""
+    """`prepare_data` for the `data` config group (config.py `DataConfig`): every key is passed by
+    its name, so the entry points (train, prepare, features) read the same rows from the same
+    settings. Raises what `prepare_data` raises."""
     from omegaconf import OmegaConf
 
     def plain(x):
@@ -58,6 +58,22 @@ def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 
                         draft_vocab_size=dcfg.draft_vocab_size, mask_token_id=dcfg.mask_token_id, seed=seed,
                         log=log, mix=plain(dcfg.mix) or None, num_proc=dcfg.num_proc, cache_dir=dcfg.cache_dir,
                         chat_template=dcfg.chat_template, template_kwargs=plain(dcfg.template_kwargs) or None)
+
+
+def data_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0, log=print) -> PreparedData:
+    """The rows of the `data` config group as every stage reads them (train, features): the directory
+    `data.prepared_dir` when set (`load_prepared`, refused when its manifest disagrees with the
+    tokenizer, the template with its `template_kwargs`, max_length, draft_vocab_size or mask_token_id),
+    else `prepare_from_config`. Raises what those raise."""
+    if not dcfg.prepared_dir:
+        return prepare_from_config(dcfg, tokenizer, target_vocab_size, seed=seed, log=log)
+    from omegaconf import OmegaConf
+
+    kwargs = OmegaConf.to_container(dcfg.template_kwargs) if OmegaConf.is_config(dcfg.template_kwargs) \
+        else dcfg.template_kwargs
+    return load_prepared(dcfg.prepared_dir, tokenizer, target_vocab_size, template_kwargs=kwargs,
+                         chat_template=dcfg.chat_template, max_length=dcfg.max_length,
+                         draft_vocab_size=dcfg.draft_vocab_size, mask_token_id=dcfg.mask_token_id)
 
 
 def prepare_data(

@@ -157,6 +157,32 @@ def done_ids(out_path: Path) -> set[str]:
     return ids
 
 
+def backend_from_config(rcfg, target_cfg, data_cfg):
+    """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
+    target.path in-process (with data.chat_template); `endpoint` talks to regenerate.endpoint_url
+    serving regenerate.model. Both render with data.template_kwargs and use regenerate.max_new_tokens
+    and temperature. Raises ConfigError for another backend."""
+    from omegaconf import OmegaConf
+
+    from ..errors import ConfigError
+
+    kw = OmegaConf.to_container(data_cfg.template_kwargs) if OmegaConf.is_config(data_cfg.template_kwargs) \
+        else data_cfg.template_kwargs
+    kw = kw or None
+    if rcfg.backend == "hf":
+        from ..target.load import load_target
+        from .template import set_chat_template
+
+        model, tok = load_target(target_cfg.path)
+        set_chat_template(tok, data_cfg.chat_template)
+        return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature,
+                         template_kwargs=kw), tok
+    if rcfg.backend == "endpoint":
+        return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
+                               temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None
+    raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf or endpoint")
+
+
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16, log=print,
                extra: dict | None = None, max_turns: int | None = None) -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.

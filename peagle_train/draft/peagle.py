@@ -73,46 +73,46 @@ class DraftConfig:
         if problems:
             raise ValueError("Invalid draft config: " + "; ".join(problems))
 
-    def check_target(self, tcfg) -> None:
-        """Raise ValueError naming the setting when this head cannot read the target `tcfg`
+    def check_target(self, hf_config) -> None:
+        """Raise ValueError naming the setting when this head cannot read the target `hf_config`
         (hidden size, vocabulary, aux layer ids)."""
         problems = []
-        if self.target_hidden_size != tcfg.hidden_size:
-            problems.append(f"the head reads features of width 3×{self.target_hidden_size}, the target's hidden size is {tcfg.hidden_size}")
-        if self.vocab_size != tcfg.vocab_size:
-            problems.append(f"the head's vocabulary is {self.vocab_size}, the target's is {tcfg.vocab_size}")
-        n = tcfg.num_hidden_layers
+        if self.target_hidden_size != hf_config.hidden_size:
+            problems.append(f"the head reads features of width 3×{self.target_hidden_size}, the target's hidden size is {hf_config.hidden_size}")
+        if self.vocab_size != hf_config.vocab_size:
+            problems.append(f"the head's vocabulary is {self.vocab_size}, the target's is {hf_config.vocab_size}")
+        n = hf_config.num_hidden_layers
         if any(not 0 <= i < n for i in self.aux_layer_ids):
             problems.append(f"aux_layer_ids={self.aux_layer_ids} must lie in [0, {n})")
         if problems:
             raise ValueError("Draft head and target disagree: " + "; ".join(problems))
 
     @classmethod
-    def from_target(cls, tcfg, *, num_layers: int, draft_vocab_size: int, mask_token_id: int,
+    def from_target(cls, hf_config, *, num_layers: int, draft_vocab_size: int, mask_token_id: int,
                     num_depths: int, aux_layer_ids: list[int], **overrides) -> "DraftConfig":
         """Draft sizes from a target HF config (Llama/Qwen3-style fields); max_position_embeddings
         and rope parameters are the target's (a shorter draft context is a known field bug)."""
-        rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tcfg, "rope_theta", 10000.0)}
-        heads = tcfg.num_attention_heads
+        rope = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+        heads = hf_config.num_attention_heads
         return cls(
-            vocab_size=tcfg.vocab_size,
+            vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads),
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-            rms_norm_eps=tcfg.rms_norm_eps,
-            max_position_embeddings=tcfg.max_position_embeddings,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", heads),
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
             rope_parameters=dict(rope),
-            hidden_act=getattr(tcfg, "hidden_act", "silu"),
-            target_hidden_size=tcfg.hidden_size,
+            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            target_hidden_size=hf_config.hidden_size,
             mask_token_id=mask_token_id,
             num_depths=num_depths,
             aux_layer_ids=list(aux_layer_ids),
-            model_type="qwen3" if "qwen3" in tcfg.model_type else "llama",
-            qk_norm="qwen3" in tcfg.model_type,
+            model_type="qwen3" if "qwen3" in hf_config.model_type else "llama",
+            qk_norm="qwen3" in hf_config.model_type,
             **overrides,
         )
 

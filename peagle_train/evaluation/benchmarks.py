@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config import Benchmark
 from ..errors import ConfigError, UserError
 from ..paths import resolve_path
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-BENCHMARKS = ("spec_bench", "mt_bench", "humaneval", "jsonl")
+BENCHMARKS = tuple(Benchmark.values())  # the `eval.benchmark` choices (config.py)
 
 
 class BenchmarkError(UserError, ValueError):
@@ -127,6 +128,13 @@ def load_benchmark(benchmark: str, path: str, categories: tuple[str, ...] | None
     if benchmark == "jsonl":
         return load_jsonl_prompts(path, num_prompts)
     raise ConfigError(f"eval.benchmark={benchmark!r} is not one of {BENCHMARKS}")
+
+
+def prompts_from_config(ecfg) -> list[dict]:
+    """The prompts of the `eval` config group: `load_benchmark` of eval.benchmark (spec_bench where the
+    group has no such key, as in train), eval.prompts, eval.categories (null = all) and eval.num_prompts."""
+    categories = tuple(ecfg.categories) if ecfg.categories else None
+    return load_benchmark(str(ecfg.get("benchmark", "spec_bench")), ecfg.prompts, categories, ecfg.num_prompts)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -166,6 +166,21 @@ def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult
     return row
 
 
+EVAL_KEYS = ("num_speculative_tokens", "max_new_tokens", "batch_size", "temperature", "seed", "plot", "benchmark")
+
+
+def evaluate_from_config(ecfg, target, draft, tokenizer, prompts: list[dict], *, out_dir: str | Path,
+                         precision: str | None, log=print, **extra) -> dict:
+    """`evaluate_acceptance` for the `eval` config group: its keys among EVAL_KEYS (train's group has
+    K, max_new_tokens and batch_size; evaluate's adds benchmark, temperature, seed and plot) passed by
+    name; `extra` (baseline_draft, train_metrics, ... or a key to override) as given."""
+    settings = {k: ecfg[k] for k in EVAL_KEYS if k in ecfg}
+    if "benchmark" in settings:
+        settings["benchmark"] = str(settings["benchmark"])
+    return evaluate_acceptance(target, draft, tokenizer, prompts, out_dir=out_dir, precision=precision, log=log,
+                               **{**settings, **extra})
+
+
 def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
                         max_new_tokens: int, out_dir: str | Path, log=print, temperature: float = 0.0, seed: int = 0,
                         batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,

@@ -32,13 +32,14 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .. import provenance
+from ..config import FeatureStorage, Int8Scale
 from ..errors import ConfigError, UserError
 from ..io import atomic_write_json
 from .features import FeatureTarget
 
 FORMAT_VERSION = 1
-STORAGES = ("float32", "bfloat16", "int8")
-INT8_SCALES = ("channel", "token")
+STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
+INT8_SCALES = tuple(Int8Scale.values())  # the `features.int8_scale` choices
 MANIFEST = "manifest.json"
 
 
@@ -158,6 +159,14 @@ def _fold_parts(out_dir: Path, manifest: dict) -> int:
         n += len(recs)
         part.unlink()
     return n
+
+
+def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> dict:
+    """`write_features` for the `features` config group: features.dir, storage, int8_scale and
+    docs_per_shard passed by name; `kw` = the rest (template_kwargs, tokens_per_forward, rank, ...).
+    Raises what `write_features` raises."""
+    return write_features(target, tok, rows, fcfg.dir, storage=str(fcfg.storage), int8_scale=str(fcfg.int8_scale),
+                          docs_per_shard=fcfg.docs_per_shard, **kw)
 
 
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",

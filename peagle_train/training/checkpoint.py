@@ -65,12 +65,12 @@ def data_fingerprint(lengths: list[int]) -> dict:
     return {"num_rows": len(lengths), "lengths_sha1": hashlib.sha1(json.dumps(lengths).encode()).hexdigest()[:16]}
 
 
-def flat_fingerprint(tcfg, draft_config: dict, data_fingerprint: dict) -> dict:
+def flat_fingerprint(train_cfg, draft_config: dict, data_fingerprint: dict) -> dict:
     """{"training.lr": ..., "draft.hidden_size": ..., "data.num_rows": ...}: what a checkpoint must
     agree with to be resumed (flat dotted keys, JSON values)."""
     from omegaconf import OmegaConf
 
-    t = OmegaConf.to_container(tcfg, resolve=True) if not isinstance(tcfg, dict) else dict(tcfg)
+    t = OmegaConf.to_container(train_cfg, resolve=True) if not isinstance(train_cfg, dict) else dict(train_cfg)
     flat = {f"training.{k}": v for k, v in t.items()}
     flat.update({f"draft.{k}": v for k, v in draft_config.items()})
     flat.update({f"data.{k}": v for k, v in data_fingerprint.items()})

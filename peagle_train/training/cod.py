@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import Attention
+
 
 @dataclass
 class CODElements:
@@ -123,7 +125,7 @@ def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor,
     return _cod_rule(anchors[q, None], depths[q, None], docs[q, None], anchors[None], depths[None], docs[None])[None]
 
 
-ATTENTION_SETTINGS = ("auto", "flex", "sparse", "dense")
+ATTENTION_SETTINGS = tuple(Attention.values())  # the `training.attention` choices (config.py)
 
 
 def attention_kind(attention: str, device: torch.device) -> str:

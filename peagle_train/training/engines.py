@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-ENGINES = ("ddp", "deepspeed", "fsdp")
+from ..config import Engine
+
+ENGINES = tuple(Engine.values())  # the `distributed.engine` choices (config.py)
 
 
 def check_distributed_config(engine: str, zero_stage: int) -> None:

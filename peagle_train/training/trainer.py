@@ -2,7 +2,7 @@
 (Accelerate: one process or many). It knows no algorithm: sampling, the step's forward, loss and
 backward and its metric counts are the `Objective`'s (peagle_train/algorithms/).
 
-    train(accelerator, draft, target, rows, draft_ids, tcfg, out_dir)   # = Trainer(...).fit()
+    train(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir)   # = Trainer(...).fit()
 
 `Trainer.setup` packs the documents into rows, builds the optimizer, schedule, distributed engine
 and resumes; `step` runs one optimizer step over W × grad_accum rows; `validate` the held-out rows
@@ -19,9 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms import make_objective
+from ..config import REMOVED_KEYS
+from ..errors import ConfigError
 from ..features.rows import pack_documents, split_validation
 from ..features.sources import FeatureSource, OnlineFeatures
-from ..precision import autocast_context, draft_precision
+from ..precision import autocast_context, resolve_precision
 from ..target.features import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
@@ -36,68 +38,69 @@ class Trainer:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with features from
     `features` (None = online: the frozen `target` runs in the step).
 
-    tcfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
+    train_cfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
     partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
     optional: save_every (steps between resumable checkpoints, null = none), keep_last
     (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
     out_dir/checkpoints; without it a folder holding checkpoints is refused), val_conversations
     (documents held out for validation loss/EAL at each checkpoint, which choose the best one),
-    grad_accum, mixed_precision, tracker, engine, zero_stage. Process r of W takes packed rows
-    r, r+W, ... Writes out_dir/train_log.jsonl (and out_dir/checkpoints/).
+    grad_accum, precision (auto | fp32 | bf16; unset = fp32), tracker, engine, zero_stage
+    (config.py `train_config` builds them). Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl (and out_dir/checkpoints/).
     Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
     mismatching checkpoint folder, ValueError for settings the objective does not support, OSError
     when a checkpoint save fails (previous one intact).
     """
 
-    def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path,
+    def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
                  log=print, features: FeatureSource | None = None):
-        self.accelerator, self.draft, self.target, self.rows, self.tcfg = accelerator, draft, target, rows, tcfg
+        self.accelerator, self.draft, self.target, self.rows, self.train_cfg = accelerator, draft, target, rows, train_cfg
         self.out_dir, self.log = Path(out_dir), log
         self.features = features if features is not None else OnlineFeatures(target)
-        self.objective = make_objective(tcfg)
+        self.objective = make_objective(train_cfg)
         self.draft_ids = draft_ids
 
     # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
-        acc, tcfg, log = self.accelerator, self.tcfg, self.log
+        acc, train_cfg, log = self.accelerator, self.train_cfg, self.log
         draft = self.draft
-        self.save_every, self.keep_last = tcfg.get("save_every"), tcfg.get("keep_last", 3)
-        n_val = tcfg.get("val_conversations") or 0
-        train_idx, val_idx = split_validation(len(self.rows), n_val, tcfg.seed)
+        self.save_every, self.keep_last = train_cfg.get("save_every"), train_cfg.get("keep_last", 3)
+        n_val = train_cfg.get("val_conversations") or 0
+        train_idx, val_idx = split_validation(len(self.rows), n_val, train_cfg.seed)
         all_lengths = [len(x) for x in self.rows["input_ids"]]
         lengths = [all_lengths[i] for i in train_idx]
         self.batches = []
-        for ep in range(tcfg.epochs):
-            self.batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, tcfg.tokens_per_step, tcfg.seed + ep)]
+        for ep in range(train_cfg.epochs):
+            self.batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, train_cfg.tokens_per_step, train_cfg.seed + ep)]
         self.val_batches = [[val_idx[j] for j in b] for b in pack_documents([all_lengths[i] for i in val_idx],
-                                                                             tcfg.tokens_per_step, tcfg.seed)] if n_val else []
+                                                                             train_cfg.tokens_per_step, train_cfg.seed)] if n_val else []
         if self.val_batches:
             self.objective.check("ddp", validating=True)
-        W, A = acc.num_processes, tcfg.get("grad_accum") or 1
+        W, A = acc.num_processes, train_cfg.get("grad_accum") or 1
         self.W, self.r, self.A = W, acc.process_index, A
         steps = len(self.batches) // (W * A)
-        if tcfg.max_steps:
-            steps = min(steps, tcfg.max_steps)
+        if train_cfg.max_steps:
+            steps = min(steps, train_cfg.max_steps)
         if steps == 0:
             raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
                              "Fix: more data.num_conversations.")
         self.steps = steps
-        # the draft's autocast: `precision` (train.py passes the resolved one), or the older training.mixed_precision
-        self.draft_prec = draft_precision(tcfg.get("precision"), tcfg.get("mixed_precision"), acc.device)
-        self.amp = autocast_context(self.draft_prec, acc.device)
-        # the frozen target's forward: bf16 compute under `precision` (train.py passes it; default: the draft's)
-        self.target_amp = autocast_context(tcfg.get("target_precision") or self.draft_prec, acc.device)
-        self.fingerprint = flat_fingerprint(tcfg, draft.config.to_dict(), data_fingerprint(all_lengths))
+        # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
+        if "mixed_precision" in train_cfg:  # removed: refused, not silently ignored
+            raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
+        self.prec = resolve_precision(train_cfg.get("precision") or "fp32", acc.device)
+        self.amp = autocast_context(self.prec, acc.device)
+        self.target_amp = autocast_context(self.prec, acc.device)
+        self.fingerprint = flat_fingerprint(train_cfg, draft.config.to_dict(), data_fingerprint(all_lengths))
         self.ckpt_root = checkpoints_root(self.out_dir)
-        self.resume_from = check_output_dir(self.ckpt_root, bool(tcfg.get("resume")), self.fingerprint)
-        self.opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr,
-                                     weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+        self.resume_from = check_output_dir(self.ckpt_root, bool(train_cfg.get("resume")), self.fingerprint)
+        self.opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=train_cfg.lr,
+                                     weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg.warmup_steps, steps, tcfg.schedule))
-        attention_kind(tcfg.attention, acc.device)  # raises now, not at the first backward
-        engine_kind, zero_stage = resolve_engine(acc, tcfg.get("engine") or "ddp", tcfg.get("zero_stage") or 2, log)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule))
+        attention_kind(train_cfg.attention, acc.device)  # raises now, not at the first backward
+        engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2, log)
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
             raise NotImplementedError(f"distributed type {acc.distributed_type.value} is not supported; "
@@ -110,7 +113,7 @@ class Trainer:
         self.objective.check(engine_kind, validating=bool(self.val_batches))
         draft = self.draft = draft.to(acc.device)
         self.gen = torch.Generator()  # re-seeded per packed row: the sample depends on the row, not on W or A
-        self.total_counts = torch.zeros(4, tcfg.num_depths, dtype=torch.float64)
+        self.total_counts = torch.zeros(4, train_cfg.num_depths, dtype=torch.float64)
         self.window = []
         self.tokens_seen, self.start_step, self.t0 = 0, 0, time.perf_counter()
         self.log_path = self.out_dir / "train_log.jsonl"
@@ -125,7 +128,7 @@ class Trainer:
                 dist.broadcast(t, 0)
         self.eng, self.model = None, draft  # model: what the step calls (the engine's wrapper under DeepSpeed)
         if engine_kind != "ddp":
-            self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, W, A, tcfg.grad_clip)
+            self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, W, A, train_cfg.grad_clip)
             self.model = self.eng.model
             log(f"distributed engine: {self.eng.name} on {W} process(es)")
             if self.resume_from is not None:
@@ -143,7 +146,7 @@ class Trainer:
         self.model.train()
         self.draft_ids = self.draft_ids.to(acc.device)
         self.logf = None
-        self.tracker = make_tracker(tcfg.get("tracker") or "none", self.out_dir, acc.is_main_process,
+        self.tracker = make_tracker(train_cfg.get("tracker") or "none", self.out_dir, acc.is_main_process,
                                     {k: v for k, v in self.fingerprint.items() if isinstance(v, (int, float, str, bool))},
                                     log)
         if acc.is_main_process:
@@ -162,12 +165,12 @@ class Trainer:
         """One optimizer step: this process's grad_accum micro-rows (global row g = (step·A + m)·W + r,
         so W·A rows per step whatever W is), the objective's step, gradient averaging, clipping and
         the optimizer. Returns the train_log record of the step."""
-        acc, tcfg, W, A = self.accelerator, self.tcfg, self.W, self.A
+        acc, train_cfg, W, A = self.accelerator, self.train_cfg, self.W, self.A
         micro, n_docs, n_tok = [], 0, 0
         for m in range(A):
             g = (step * A + m) * W + self.r
             row, nd = self._row(self.batches[g])
-            self.gen.manual_seed(tcfg.seed * 1_000_003 + g)
+            self.gen.manual_seed(train_cfg.seed * 1_000_003 + g)
             n_docs, n_tok = n_docs + nd, n_tok + row.tokens.numel()
             micro.append((row, self.objective.sample(row, self.gen)))
         loss_value, counts = self.objective.step(self.model, micro, accelerator=acc, amp=self.amp,
@@ -178,8 +181,8 @@ class Trainer:
             self.eng.step()
         else:
             average_gradients(self.draft, acc)
-            if tcfg.grad_clip:
-                acc.clip_grad_norm_(self.draft.parameters(), tcfg.grad_clip)
+            if train_cfg.grad_clip:
+                acc.clip_grad_norm_(self.draft.parameters(), train_cfg.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         self.sched.step()
@@ -210,13 +213,13 @@ class Trainer:
         was_training = model.training
         model.eval()
         W, r = acc.num_processes, acc.process_index
-        loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.tcfg.num_depths, dtype=torch.float64)
+        loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.train_cfg.num_depths, dtype=torch.float64)
         n_iter = -(-len(val_batches) // W) * W if self.eng is not None else len(val_batches)
         for i in range(r, n_iter, W):
             keep = i < len(val_batches)
             i = i if keep else i % len(val_batches)
             row, _ = self._row(val_batches[i])
-            gen = torch.Generator().manual_seed(self.tcfg.seed * 1000 + 99991 + i)
+            gen = torch.Generator().manual_seed(self.train_cfg.seed * 1000 + 99991 + i)
             with self.amp:  # validation computes as training does (the target's rows under target_amp, in _row)
                 ls, c, cn = self.objective.validate_row(model, row, gen)
             if not keep:
@@ -250,7 +253,7 @@ class Trainer:
         tokens, seconds, tokens_per_second, last20_metrics, all_metrics, validation, final_loss,
         best_checkpoint, last_checkpoint, engine, draft (the unsharded head)."""
         self.setup()
-        tcfg, acc, steps = self.tcfg, self.accelerator, self.steps
+        train_cfg, acc, steps = self.train_cfg, self.accelerator, self.steps
         bar = tqdm(range(self.start_step, steps), desc="training", unit="step", disable=not acc.is_main_process,
                    initial=self.start_step, total=steps)
         step = self.start_step - 1
@@ -265,8 +268,8 @@ class Trainer:
                             tok_s=f"{rec['tokens_per_second']:.0f}")
             if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
                 self.checkpoint(step + 1)
-            if tcfg.max_minutes and time.perf_counter() - self.t0 > 60 * tcfg.max_minutes:
-                self.log(f"stopping after {step + 1} steps: max_minutes={tcfg.max_minutes} reached")
+            if train_cfg.max_minutes and time.perf_counter() - self.t0 > 60 * train_cfg.max_minutes:
+                self.log(f"stopping after {step + 1} steps: max_minutes={train_cfg.max_minutes} reached")
                 break
         if self.save_every and not (self.ckpt_root / f"step_{step + 1:06d}").is_dir():
             self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
@@ -287,12 +290,12 @@ class Trainer:
                 "validation": self.val, "final_loss": self.last_loss,
                 "best_checkpoint": str(best) if best else None,
                 "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
-                "precision": self.draft_prec.name, "draft": plain}
+                "precision": self.prec.name, "draft": plain}
 
 
-def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, tcfg, out_dir: Path, log=print,
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path, log=print,
           features: FeatureSource | None = None) -> dict:
     """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
     `features`: None = online (the step runs the target), or a feature source such as
     features.offline.OfflineFeatures giving the same rows from shards (validation reads it too)."""
-    return Trainer(accelerator, draft, target, rows, draft_ids, tcfg, out_dir, log=log, features=features).fit()
+    return Trainer(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir, log=log, features=features).fit()

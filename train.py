@@ -4,18 +4,18 @@
     accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo
 
 Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
-eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json.
+eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json,
+train.log (every message of the run) and the tracker's files (training.tracker: peagle-train/ or wandb/).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate.logging import get_logger
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
@@ -31,7 +31,10 @@ from peagle_train.precision import (draft_precision, log_precision, precision_re
                                     target_weight_dtype)
 from peagle_train.training.checks import check_training_config
 from peagle_train.training.engines import check_distributed_config
+from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.training.trainer import train
+
+logger = get_logger(__name__)  # logs on the main process only
 
 
 def cpu_threads(threads: int | None) -> int:
@@ -67,24 +70,25 @@ def main(cfg: DictConfig) -> dict:
         res = dry_run(cfg, run_dir(cfg))
         write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
         return res
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    log = acc.print
     out = run_dir(cfg)
+    acc = tracked_accelerator(cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=not torch.cuda.is_available())  # Accelerate's trackers: training.tracker
+    log = logger.info
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
     draft_prec = draft_precision(prec.name, cfg.training.mixed_precision, acc.device)
     tcfg.precision, tcfg.target_precision = draft_prec.name, prec.name
     prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), draft_prec)
     log_precision(prec)
-    logging.getLogger(__name__).info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
-                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], draft_prec.name)
+    logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
+                prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], draft_prec.name)
     write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
                                   "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
-    target, tok = build_target(cfg.target, acc.device, log=log)
+    target, tok = build_target(cfg.target, acc.device)
     with acc.main_process_first():
         if cfg.data.prepared_dir:  # prepared by scripts/prepare_data.py; refused if made for another target
             data = load_prepared(cfg.data.prepared_dir, tok, target.config.vocab_size,
@@ -92,7 +96,7 @@ def main(cfg: DictConfig) -> dict:
                                  chat_template=cfg.data.chat_template, max_length=cfg.data.max_length,
                                  draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=cfg.data.mask_token_id)
         else:
-            data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
+            data = prepare_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))
@@ -100,9 +104,9 @@ def main(cfg: DictConfig) -> dict:
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
-    features = open_features(cfg.features, target, tok, data.rows, log=log,  # online target or offline shards
+    features = open_features(cfg.features, target, tok, data.rows,  # online target or offline shards
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
-    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, log=log, features=features)
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, tcfg, out, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}
     log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
@@ -119,9 +123,10 @@ def main(cfg: DictConfig) -> dict:
                                       cfg.eval.num_prompts)
             summary["eval"] = evaluate_acceptance(target, draft, tok, prompts,
                                                   num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval", log=log,
+                                                  max_new_tokens=cfg.eval.max_new_tokens, out_dir=out / "eval",
                                                   batch_size=cfg.eval.batch_size, benchmark="spec_bench",
                                                   precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            acc.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=verifier,

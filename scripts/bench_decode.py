@@ -73,7 +73,7 @@ def measure(args, dtype, name: str) -> list[dict]:
 
     head = _load_head(args.head)
     tcfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
-    target, tok = build_target(tcfg, "cpu", log=lambda *a: None)
+    target, tok = build_target(tcfg, "cpu")
     target.model.to(dtype)
     head.to(dtype)
     prompts = _prompts(tok, args.num_prompts)

@@ -9,6 +9,8 @@
 Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
 decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
 A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
+With training.tracker=tensorboard|wandb, τ and the per-position acceptance (unconditional and
+conditional) also go to that tracker under output_dir (peagle_train/training/tracking.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.draft.io import load_head as read_head
 from peagle_train.errors import cli_main
@@ -25,6 +27,7 @@ from peagle_train.evaluation.benchmarks import load_benchmark
 from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
+from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 
 
 def load_head(path: str):
@@ -85,11 +88,16 @@ def main(cfg: DictConfig) -> dict:
         baseline.to(device=target.model.device)
     e = cfg.eval
     prompts = load_benchmark(e.benchmark, e.prompts, tuple(e.categories) if e.categories else None, e.num_prompts)
-    return evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=e.num_speculative_tokens,
-                               max_new_tokens=e.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval",
-                               temperature=e.temperature, seed=e.seed, batch_size=e.batch_size,
-                               baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
-                               plot=e.plot, benchmark=e.benchmark, precision=cfg.precision)
+    acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=device == "cpu")
+    result = evaluate_acceptance(target, draft, tok, prompts, num_speculative_tokens=e.num_speculative_tokens,
+                                 max_new_tokens=e.max_new_tokens, out_dir=Path(cfg.output_dir) / "eval",
+                                 temperature=e.temperature, seed=e.seed, batch_size=e.batch_size,
+                                 baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
+                                 plot=e.plot, benchmark=e.benchmark, precision=cfg.precision)
+    acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
+    acc.end_training()
+    return result
 
 
 if __name__ == "__main__":

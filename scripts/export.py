@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from peagle_train.export.speculators import ExportError, validate_export, verifi
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.io import load_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 @cli_main(config_path="../conf", config_name="export", version_base="1.3")
@@ -58,7 +61,7 @@ def main(cfg: DictConfig) -> None:
                      dtype=dtype_of(cfg.dtype or cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
     except ValueError as e:  # ExportError, or a verifier name that does not match target.path
         raise SystemExit(f"export refused: {e}")
-    print(f"export written and validated: {out}")
+    logger.info(f"export written and validated: {out}")
 
 
 if __name__ == "__main__":

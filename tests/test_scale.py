@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from peagle_train.paths import REPO_ROOT
+from peagle_train.training.tracking import PROJECT
 
 from .test_resume import losses, run
 
@@ -47,7 +48,7 @@ def test_bf16_autocast_close_to_fp32_and_tensorboard_logs(tmp_path):
     assert l16[1] != l32[1] and l16[1] == pytest.approx(l32[1], rel=0.02)  # bf16 matmuls: close, not equal
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ev = EventAccumulator(str(tmp_path / "bf16" / "tensorboard"))
+    ev = EventAccumulator(str(tmp_path / "bf16" / PROJECT))  # Accelerate's TensorBoard folder
     ev.Reload()
     assert {"loss", "lr", "eal", "tokens_per_second", "acc/0", "acc/1"} <= set(ev.Tags()["scalars"])
     assert [(e.step, round(e.value, 5)) for e in ev.Scalars("loss")] == [(s, round(v, 5)) for s, v in sorted(l16.items())]

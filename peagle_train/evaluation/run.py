@@ -167,7 +167,7 @@ def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult
 
 
 def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
-                        max_new_tokens: int, out_dir: str | Path, log=print, temperature: float = 0.0, seed: int = 0,
+                        max_new_tokens: int, out_dir: str | Path, temperature: float = 0.0, seed: int = 0,
                         batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,
                         plot: bool = True, benchmark: str = "prompts", precision: str | None = None) -> dict:
     """Decode every prompt (every turn) with the target alone, with `draft`, and with `baseline_draft`
@@ -291,7 +291,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
                        train_metrics=train_metrics)
     write_report(result, rows, out_dir, plot)
-    log(format_acceptance(result))
+    logger.info(format_acceptance(result))
     return result
 
 

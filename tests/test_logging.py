@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import ConfigError

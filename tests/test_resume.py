@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train.data.vocab import DraftVocab

@@ -9,8 +9,8 @@ with the same inputs reads Arrow files and tokenises nothing):
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field

@@ -15,8 +15,8 @@ OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 import urllib.error
 import urllib.request

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from .rows import PackedRow, pack_row
 from .sources import FeatureSource
 
 logger = logging.getLogger(__name__)
+
 
 class OfflineFeatures(FeatureSource):
     """Memory-mapped reader of a features directory that builds the same `PackedRow`s as online

@@ -93,7 +93,8 @@ def dry_run(cfg, out_dir: Path) -> dict:
                           verifier_architectures=list(target.config.architectures or []),
                           dtype=dtype_of(cfg.export.dtype), data_token_ids={t for r in ids for t in r}, overwrite=True)
     acc.log(eval_scalars(acceptance), step=res["steps"])
-    acc.end_training()
+    for tracker in acc.trackers:  # end_training's first half: the process group stays for the next run in this process
+        tracker.finish()
     logger.info("dry run of a %s recipe: %s", family, summary)
     return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}, "eval": acceptance,
             "export": str(export)}

@@ -27,6 +27,8 @@ def test_two_processes_match_one_process_with_grad_accum(tmp_path):
     p2 = subprocess.run([*LAUNCH, "--multi_gpu", "--num_processes", "2", WORKER, str(two), "fresh", "0"], env=ENV,
                         capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]
+    for s in (3, 6, 9, 11):  # each validation logged once, by the main process only
+        assert p1.stdout.count(f"step {s}: validation loss") == p2.stdout.count(f"step {s}: validation loss") == 1
     (l1, v1), (l2, v2) = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 12))  # 22 packed rows, 2 per step
     for s in l1:

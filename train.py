@@ -10,12 +10,12 @@ train.log (every message of the run) and the tracker's files (training.tracker: 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import torch
-from accelerate.logging import get_logger
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register
@@ -34,7 +34,7 @@ from peagle_train.training.engines import check_distributed_config
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.training.trainer import train
 
-logger = get_logger(__name__)  # logs on the main process only
+logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
 
 
 def cpu_threads(threads: int | None) -> int:

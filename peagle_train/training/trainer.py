@@ -70,6 +70,10 @@ class Trainer:
     def setup(self) -> None:
         """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
         acc, tcfg = self.accelerator, self.tcfg
+        tracker = tracker_name(tcfg.get("tracker"))
+        if tracker != "none" and acc.is_main_process and not acc.trackers:
+            raise ConfigError(f"training.tracker={tracker}, but the accelerator has no started tracker. Fix: make it "
+                              "with peagle_train.training.tracking.tracked_accelerator(tracker, out_dir, ...).")
         draft = self.draft
         self.save_every, self.keep_last = tcfg.get("save_every"), tcfg.get("keep_last", 3)
         n_val = tcfg.get("val_conversations") or 0
@@ -151,10 +155,6 @@ class Trainer:
         self.model.train()
         self.draft_ids = self.draft_ids.to(acc.device)
         self.logf = None
-        tracker = tracker_name(tcfg.get("tracker"))
-        if tracker != "none" and acc.is_main_process and not acc.trackers:
-            raise ConfigError(f"training.tracker={tracker}, but the accelerator has no started tracker. Fix: make it "
-                              "with peagle_train.training.tracking.tracked_accelerator(tracker, out_dir, ...).")
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.logf = open(self.log_path, "w")

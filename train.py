@@ -4,7 +4,8 @@
     accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo
 
 Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
-eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json.
+eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json,
+train.log (every message of the run) and the tracker's files (training.tracker: peagle-train/ or wandb/).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_or_exit, register, train_config
@@ -30,7 +30,10 @@ from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, 
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import check_training_config
 from peagle_train.training.engines import check_distributed_config
+from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.training.trainer import train
+
+logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
 
 
 def cpu_threads(threads: int | None) -> int:
@@ -64,26 +67,27 @@ def main(cfg: DictConfig) -> dict:
         res = dry_run(cfg, run_dir(cfg))
         write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
         return res
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    log = acc.print
     out = run_dir(cfg)
+    acc = tracked_accelerator(cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=not torch.cuda.is_available())  # Accelerate's trackers: training.tracker
+    log = logger.info
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
     train_cfg.precision = prec.name  # the target forward and the draft's autocast
     prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), prec)
     log_precision(prec)
-    logging.getLogger(__name__).info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
-                                     prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], prec.name)
+    logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
+                prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], prec.name)
     write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
                                   "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
-    target, tok = build_target(cfg.target, acc.device, log=log)
+    target, tok = build_target(cfg.target, acc.device)
     with acc.main_process_first():
         # data.prepared_dir (scripts/prepare_data.py; refused if made for another target), else prepared here
-        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
+        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))
@@ -91,9 +95,9 @@ def main(cfg: DictConfig) -> dict:
     # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
     #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
-    features = open_features(cfg.features, target, tok, data.rows, log=log,  # online target or offline shards
+    features = open_features(cfg.features, target, tok, data.rows,  # online target or offline shards
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
-    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, train_cfg, out, log=log, features=features)
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, train_cfg, out, features=features)
     draft = result.pop("draft")
     summary = {"data": data.summary, "training": result}
     log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
@@ -107,9 +111,10 @@ def main(cfg: DictConfig) -> dict:
         draft.eval()
         if cfg.eval.enabled:
             summary["eval"] = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
-                                                   out_dir=out / "eval", precision=cfg.precision, log=log,
+                                                   out_dir=out / "eval", precision=cfg.precision,
                                                    benchmark="spec_bench", train_metrics={
                                                        **result["last20_metrics"], "source": "last 20 training steps"})
+            acc.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
         if cfg.export.enabled:
             used = {t for ids in data.rows["input_ids"] for t in ids}
             write_export(draft, out / "export", verifier_name_or_path=verifier,

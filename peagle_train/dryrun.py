@@ -2,15 +2,19 @@
 settings on a tiny random target of the same family (Llama, Qwen3, gpt-oss, Gemma-3), with random
 token rows, and runs two training steps, a checkpoint round trip, an acceptance evaluation of a few
 random prompts (the recipe's K, `precision` and target dtype: bf16 features into the fp32-trained
-head) and an export. Used by tests/test_recipes.py to check the GPU recipes on a CPU machine."""
+head) and an export, tracked by `training.tracker` as a real run is (loss per step, then τ). Used by
+tests/test_recipes.py to check the GPU recipes on a CPU machine."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import datasets
 import torch
 from omegaconf import OmegaConf
+
+logger = logging.getLogger(__name__)
 
 FAMILIES = {"gpt-oss": "gpt_oss", "gpt_oss": "gpt_oss", "qwen3": "qwen3", "gemma-3": "gemma3_text",
             "gemma3": "gemma3_text", "llama": "llama", "smollm": "llama"}
@@ -42,13 +46,12 @@ def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int =
     return AutoModelForCausalLM.from_config(cfg).to(dtype).eval().requires_grad_(False)
 
 
-def dry_run(cfg, out_dir: Path, log=print) -> dict:
+def dry_run(cfg, out_dir: Path) -> dict:
     """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family (in
-    target.dtype), then evaluation and export as train.py runs them.
+    target.dtype), then evaluation and export as train.py runs them; the trackers of
+    `training.tracker` get the training scalars and the evaluation's (`tracking.eval_scalars`).
     Returns {"family", "draft_layers", "num_depths", "steps", "loss", "precision" (the draft's autocast), "engine",
     "training", "eval" (the acceptance dict), "export" (its directory)}."""
-    from accelerate import Accelerator
-
     from .data.vocab import DraftVocab
     from .evaluation.run import evaluate_acceptance
     from .export.speculators import write_export
@@ -57,6 +60,7 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     from .target.features import FeatureTarget
     from .draft.io import load_checkpoint, save_checkpoint
     from .training.checks import check_training_config
+    from .training.tracking import eval_scalars, tracked_accelerator
     from .training.trainer import train
 
     family = family_of(cfg.target.name_or_path or cfg.target.path)
@@ -69,10 +73,11 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
     train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
                                                     "save_every": None, "val_conversations": 0, "resume": False,
-                                                    "grad_accum": 1, "tracker": "none", "max_anchors": 32,
+                                                    "grad_accum": 1, "max_anchors": 32,
                                                     "attention": "dense"})
     check_training_config(train_cfg)
-    res = train(Accelerator(cpu=True), draft, target, rows, vocab.draft_ids, train_cfg, Path(out_dir), log=log)
+    acc = tracked_accelerator(train_cfg.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True), cpu=True)
+    res = train(acc, draft, target, rows, vocab.draft_ids, train_cfg, Path(out_dir))
     back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))
     summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
                "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
@@ -82,12 +87,15 @@ def dry_run(cfg, out_dir: Path, log=print) -> dict:
     prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
                for i in range(2)]
     acceptance = evaluate_acceptance(target, draft, None, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                     max_new_tokens=16, out_dir=Path(out_dir) / "eval", log=log, plot=False,
+                                     max_new_tokens=16, out_dir=Path(out_dir) / "eval", plot=False,
                                      benchmark="random", precision=cfg.get("precision", "auto"))
     export = write_export(draft, Path(out_dir) / "export", verifier_name_or_path=cfg.target.name_or_path,
                           verifier_architectures=list(target.config.architectures or []),
                           dtype=dtype_of(cfg.export.dtype), data_token_ids={t for r in ids for t in r}, overwrite=True)
-    log(f"dry run of a {family} recipe: {summary}")
+    acc.log(eval_scalars(acceptance), step=res["steps"])
+    for tracker in acc.trackers:  # end_training's first half: the process group stays for the next run in this process
+        tracker.finish()
+    logger.info("dry run of a %s recipe: %s", family, summary)
     return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}, "eval": acceptance,
             "export": str(export)}
 

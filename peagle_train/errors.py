@@ -124,6 +124,8 @@ def cli_main(fn=None, /, **hydra_main_kwargs):
 
         cli_main(convert_features)(src, dst, storage)                              # any callable
 
+    Outside Hydra (the second use) the messages of `fn` are logged to the console (`logs.setup_logging`);
+    under Hydra, Hydra's job logging sends them to the console and output_dir/<job>.log.
     A user error (see `user_error_message`) is printed as `<program>: error: <message>` on stderr
     and the process exits with status 2, without a traceback; `raise SystemExit("text")` inside a
     main is a user error too. Internal errors propagate with their traceback. Under Hydra the job's
@@ -133,7 +135,7 @@ def cli_main(fn=None, /, **hydra_main_kwargs):
     exception on instead of printing it.
     """
     if fn is not None:
-        return _guarded(fn)
+        return _guarded(fn, console=True)
 
     def decorate(task):
         import hydra
@@ -150,12 +152,17 @@ def _in_multirun_job() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _guarded(fn, job: bool = False):
+def _guarded(fn, job: bool = False, console: bool = False):
     """fn with user errors reported (see cli_main). job: fn is a Hydra task function; in a -m sweep
-    its user error is passed on so that Hydra runs the other jobs before reporting the failure."""
+    its user error is passed on so that Hydra runs the other jobs before reporting the failure.
+    console: fn runs outside Hydra, so its log messages get a console handler (`logs.setup_logging`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if console:
+            from .logs import setup_logging
+
+            setup_logging()
         show_tb = os.environ.get("PEAGLE_TRACEBACK") == "1" or _USER_FULL_ERROR
         old = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -28,10 +28,10 @@ def dtype_of(name: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_target(target_cfg, device, log=print):
+def build_target(target_cfg, device):
     """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
     (null = float32; the forward's compute precision is `precision`'s, applied by the trainer)."""
-    model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device, log=log)
+    model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device)
     n = model.config.num_hidden_layers
     return FeatureTarget(model, list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)), tok
 

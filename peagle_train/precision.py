@@ -16,7 +16,7 @@ import torch
 
 from .config import Precision  # the `precision` key: auto | fp32 | bf16
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def resolve_precision(setting: str | Precision, device: torch.device | str) -> R
 
 def log_precision(resolved: ResolvedPrecision) -> None:
     """Log the choice once, e.g. "precision: bf16 (auto: avx512_bf16)"."""
-    log.info("precision: %s (%s: %s)", resolved.name, resolved.setting, resolved.reason)
+    logger.info("precision: %s (%s: %s)", resolved.name, resolved.setting, resolved.reason)
 
 
 def detected_unit(device: torch.device | str) -> str | None:

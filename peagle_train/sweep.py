@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+
+logger = logging.getLogger(__name__)
 
 COLUMNS = ["job", "overrides", "num_depths", "num_layers", "steps", "final_loss", "train_eal", "val_eal", "tau",
            "p_accept", "draft_ms_per_step", "speedup", "tokens_per_second", "wall_seconds"]
@@ -178,7 +181,7 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
             rows = write_summary(sweep_dir)
-            print(f"sweep summary of {len(rows)} jobs: {sweep_dir / 'sweep_summary.md'}")
+            logger.info("sweep summary of %d jobs: %s", len(rows), sweep_dir / "sweep_summary.md")
 
 
 def link_jobs(out_dir: Path, job_dirs: list[Path]) -> None:
@@ -199,7 +202,8 @@ def link_jobs(out_dir: Path, job_dirs: list[Path]) -> None:
 
 def main(argv: list[str]) -> int:
     """python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]: rewrite a sweep's summary, or with job
-    folders of several sweeps, link them into SWEEP_DIR (a new folder) and summarise them together."""
+    folders of several sweeps, link them into SWEEP_DIR (a new folder) and summarise them together.
+    Its product is stdout (usage, one row per job); print, not logging, is meant here."""
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]\n" + (main.__doc__ or ""))
         return 0 if argv else 2

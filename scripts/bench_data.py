@@ -87,7 +87,7 @@ def main():
             t0, c0 = time.perf_counter(), cpu_seconds()
             data = prepare_data(path, tok, vocab_size, num_conversations=None, max_length=args.max_length,
                                 min_supervised_tokens=16, draft_vocab_size=8192, num_proc=args.num_proc,
-                                cache_dir=args.cache_dir, log=lambda *_: None)
+                                cache_dir=args.cache_dir)
             secs, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         s = data.summary
         results.append((run, secs, cpu, mem.peak / 2**30, s["records_in_file"], s["conversations_kept"], s["tokens"],

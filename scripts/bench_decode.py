@@ -73,7 +73,7 @@ def measure(args, dtype, name: str) -> list[dict]:
 
     head = _load_head(args.head)
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
-    target, tok = build_target(target_cfg, "cpu", log=lambda *a: None)
+    target, tok = build_target(target_cfg, "cpu")
     target.model.to(dtype)
     head.to(dtype)
     prompts = _prompts(tok, args.num_prompts)

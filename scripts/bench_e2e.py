@@ -60,8 +60,7 @@ def target_forward_rates(threads: int, reps: int = 4) -> tuple[float, float, int
     from peagle_train.job import build_target
 
     torch.set_num_threads(threads)
-    t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu",
-                        log=lambda *_: None)
+    t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu")
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, t.config.vocab_size, (n,), generator=g) for n in (420, 260, 180, 150)]
     draft_ids = torch.arange(0, t.config.vocab_size, 6)

@@ -91,7 +91,7 @@ def main():
     # 2. shards: bytes per token, generation throughput
     data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size, num_conversations=args.docs,
                         max_length=cfg.data.max_length, min_supervised_tokens=cfg.data.min_supervised_tokens,
-                        draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=None, seed=0, log=lambda *_: None)
+                        draft_vocab_size=cfg.data.draft_vocab_size, mask_token_id=None, seed=0)
     n_tok = sum(len(x) for x in data.rows["input_ids"])
     H = target.config.hidden_size
     tmp = Path(tempfile.mkdtemp(prefix="bench_features_"))
@@ -99,9 +99,9 @@ def main():
     for storage, scale in (("bfloat16", "channel"), ("int8", "channel"), ("int8", "token")):
         name = storage if storage != "int8" else f"int8-{scale}"
         s = write_features(target, tok, data.rows, tmp / name, storage=storage, int8_scale=scale,
-                           docs_per_shard=16, log=lambda *_: None)
+                           docs_per_shard=16)
         summaries[name] = s
-        readers[name] = OfflineFeatures(tmp / name, target, tok, data.rows, int8_scale=scale, log=lambda *_: None)
+        readers[name] = OfflineFeatures(tmp / name, target, tok, data.rows, int8_scale=scale)
     for name, s in summaries.items():
         feat = (s["bytes"] - 4 * n_tok) / n_tok
         rows.append((f"bytes/token on disk, {name}", f"{s['bytes_per_token']:.0f}",

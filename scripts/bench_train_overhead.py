@@ -57,11 +57,11 @@ def main():
     cfg = default_config()
     recipe = OmegaConf.load(REPO_ROOT / "recipes" / "smollm2-135m-demo.yaml")
     cfg = OmegaConf.merge(cfg, recipe)
-    target, tok = build_target(cfg.target, "cpu", log=lambda *_: None)
+    target, tok = build_target(cfg.target, "cpu")
     data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
                         num_conversations=args.conversations, max_length=cfg.data.max_length,
                         min_supervised_tokens=cfg.data.min_supervised_tokens, draft_vocab_size=cfg.data.draft_vocab_size,
-                        seed=0, log=lambda *_: None)
+                        seed=0)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
     train_cfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
                                   "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
@@ -75,8 +75,7 @@ def main():
     trainer.metrics_from_counts = lambda c: (marks.append(time.perf_counter()), real_metrics(c))[1]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        res = trainer.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, Path(tmp),
-                            log=lambda *_: None)
+        res = trainer.train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, Path(tmp))
     n = res["steps"]
     # step boundaries: the per-step metrics call; steps 2..n (step 1 is the warm-up)
     step_marks = [t0] + marks[:n]

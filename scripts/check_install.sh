@@ -39,7 +39,7 @@ with initialize_config_dir(str(paths.CONF_DIR), version_base="1.3"):
     cfg = compose("train", overrides=["recipe=smollm2-135m-demo", f"output_dir={sys.argv[1]}/dry", "dry_run=true"])
 assert cfg.training.max_steps == 64 and cfg.target.path == "pkg:smollm2"
 from peagle_train.dryrun import dry_run
-res = dry_run(cfg, Path(sys.argv[1]) / "dry", log=lambda *_: None)
+res = dry_run(cfg, Path(sys.argv[1]) / "dry")
 print("installed package:", pkg)
 print("dry run of smollm2-135m-demo from the packaged config:", {k: v for k, v in res.items() if k != "training"})
 assert res["steps"] == 2

@@ -9,6 +9,8 @@
 Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
 decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
 A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
+With training.tracker=tensorboard|wandb, τ and the per-position acceptance (unconditional and
+conditional) also go to that tracker under output_dir (peagle_train/training/tracking.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.draft.io import load_head as read_head
 from peagle_train.config import check_or_exit, register
@@ -26,6 +28,7 @@ from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
+from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 
 
 def load_head(path: str):
@@ -84,9 +87,14 @@ def main(cfg: DictConfig) -> dict:
         btarget = target if bids == ids else FeatureTarget(target.model, bids)
         check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
         baseline.to(device=target.model.device)
-    return evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
-                                out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
-                                baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics)
+    acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=device == "cpu")
+    result = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+                                  out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
+                                  baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics)
+    acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
+    acc.end_training()
+    return result
 
 
 register()  # the typed, strict schema (peagle_train/config.py) that conf/evaluate.yaml starts from

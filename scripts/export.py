@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from peagle_train.export.speculators import ExportError, validate_export, verifi
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.io import load_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 @cli_main(config_path="../conf", config_name="export", version_base="1.3")
@@ -59,7 +62,7 @@ def main(cfg: DictConfig) -> None:
                      dtype=dtype_of(cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
     except ValueError as e:  # ExportError, or a verifier name that does not match target.path
         raise SystemExit(f"export refused: {e}")
-    print(f"export written and validated: {out}")
+    logger.info(f"export written and validated: {out}")
 
 
 register()  # the typed, strict schema (peagle_train/config.py) that conf/export.yaml starts from

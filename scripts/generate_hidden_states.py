@@ -43,10 +43,9 @@ def main(cfg: DictConfig) -> dict:
     if world != acc.num_processes:
         raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "
                          "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
-    log = print if acc.is_main_process else (lambda *_: None)
-    target, tok = build_target(cfg.target, acc.device, log=log)
+    target, tok = build_target(cfg.target, acc.device)
     with acc.main_process_first():  # one process fills the data cache, the others read it
-        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed, log=log)
+        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     # the target's forward computes in `precision`, as in online training (bf16 autocast where the hardware has it)
     prec = resolve_precision(cfg.precision, acc.device)
     log_precision(prec)
@@ -54,7 +53,7 @@ def main(cfg: DictConfig) -> dict:
         summary = write_features_from_config(cfg.features, target, tok, data.rows,
                                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
                                              tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index,
-                                             world=world, barrier=acc.wait_for_everyone, log=log)
+                                             world=world, barrier=acc.wait_for_everyone)
     summary["precision"] = prec.as_dict()
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)

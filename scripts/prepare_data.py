@@ -12,6 +12,7 @@ data.cache_dir: a second run with the same inputs is a cache hit.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from omegaconf import DictConfig
@@ -19,6 +20,8 @@ from omegaconf import DictConfig
 from peagle_train.config import check_or_exit, register
 from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared
 from peagle_train.errors import cli_main
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer_and_vocab_size(target_cfg):
@@ -39,8 +42,8 @@ def main(cfg: DictConfig) -> dict:
     d = cfg.data
     data = prepare_from_config(d, tok, vocab_size, seed=cfg.seed)
     save_prepared(data, cfg.output_dir, pack_length=d.pack_length)
-    print("data summary:\n" + format_summary(data.summary))
-    print(f"prepared data in {cfg.output_dir} ({time.perf_counter() - t0:.1f} s); train with "
+    logger.info("data summary:\n" + format_summary(data.summary))
+    logger.info(f"prepared data in {cfg.output_dir} ({time.perf_counter() - t0:.1f} s); train with "
           f"data.prepared_dir={cfg.output_dir}")
     return data.summary
 

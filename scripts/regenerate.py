@@ -14,6 +14,7 @@ target, turn by turn with the target's own history (peagle_train/data/regenerate
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 
@@ -25,6 +26,8 @@ from peagle_train.config import check_or_exit, register
 from peagle_train.errors import cli_main
 from peagle_train.paths import resolve_path
 
+logger = logging.getLogger(__name__)
+
 
 def conversations(cfg, tok=None) -> tuple[list, int]:
     """(id, messages) of data.path: normalisable ones, shuffled with seed, the first
@@ -33,7 +36,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     length so that a batch pads little while a run stopped early still has a random sample (the
     output is keyed by id, so the order does not matter)."""
     ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
-    print(info.summary())
+    logger.info(info.summary())
     ds = ds.filter(lambda d: d == "" , input_columns="drop").filter(lambda m: len(m) > 0, input_columns="messages")
     ds = ds.shuffle(seed=cfg.seed)
     if cfg.data.num_conversations:
@@ -61,7 +64,7 @@ def main(cfg: DictConfig) -> dict:
     if too_long:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
-    print("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
+    logger.info("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
     return out
 
 

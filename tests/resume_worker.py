@@ -21,6 +21,7 @@ from tests.test_loop import tiny_rows  # noqa: E402
 from peagle_train.data.vocab import DraftVocab  # noqa: E402
 from peagle_train.job import build_draft  # noqa: E402
 from peagle_train.config import default_config  # noqa: E402
+from peagle_train.logs import setup_logging  # noqa: E402
 from peagle_train.target.features import FeatureTarget  # noqa: E402
 from peagle_train.training.trainer import train  # noqa: E402
 
@@ -33,6 +34,7 @@ class SlowTarget(FeatureTarget):
 
 def main(out: Path, resume: bool):
     torch.set_num_threads(1)
+    setup_logging()  # outside Hydra: the trainer's messages ("resuming from ...") on stdout
     t = SlowTarget(tiny_llama())
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
@@ -43,7 +45,7 @@ def main(out: Path, resume: bool):
                                  "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
                                  "val_conversations": 2, "resume": resume})
     train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
-    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out, log=print)
+    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def jsonl(records) -> str:
 
 
 def prep(path, tok, **kw):
-    args = dict(num_conversations=None, max_length=64, min_supervised_tokens=1, draft_vocab_size=20, log=lambda *_: None)
+    args = dict(num_conversations=None, max_length=64, min_supervised_tokens=1, draft_vocab_size=20)
     return prepare_data(path, tok, len(tok), **{**args, **kw})
 
 

@@ -119,14 +119,14 @@ def test_full_disk_keeps_finished_shards_and_says_how_to_resume(tmp_path, target
     with pytest.raises(FeatureShardError, match=r"writing .*shard-00001\.safetensors failed \(No space left on device\); "
                                                 r"the 1 shards recorded in .*manifest\.json are complete and verified.*"
                                                 r"rerun the same command: it resumes at this shard"):
-        write_features(t, chatml_tokenizer, data, d, storage="float32", docs_per_shard=3, log=lambda *_: None)
+        write_features(t, chatml_tokenizer, data, d, storage="float32", docs_per_shard=3)
     assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "shard-00000.safetensors"]  # no temp file left
     manifest = json.loads((d / "manifest.json").read_text())
     assert list(manifest["shards"]) == ["0"] and offline._shard_is_complete(d, manifest, 0)
     monkeypatch.setattr(offline, "save_file", real_save)
-    s = write_features(t, chatml_tokenizer, data, d, storage="float32", docs_per_shard=3, log=lambda *_: None)
+    s = write_features(t, chatml_tokenizer, data, d, storage="float32", docs_per_shard=3)
     assert (s["shards_written"], s["shards_skipped"]) == (2, 1)
-    OfflineFeatures(d, t, chatml_tokenizer, data, log=lambda *_: None)  # complete and verified
+    OfflineFeatures(d, t, chatml_tokenizer, data)  # complete and verified
 
 
 def test_feature_shard_errors_are_user_errors():

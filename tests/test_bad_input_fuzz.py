@@ -111,7 +111,7 @@ def test_fuzzed_file_keeps_every_good_record_and_counts_every_bad_one(tmp_path, 
     f = tmp_path / "fuzz.jsonl"
     f.write_bytes(b"\n".join(lines) + b"\n")
     d = prepare_data(f, chatml_tokenizer, 400, num_conversations=None, max_length=128, min_supervised_tokens=1,
-                     draft_vocab_size=20, log=lambda *_: None)
+                     draft_vocab_size=20)
     s = d.summary
     kept = set(d.rows["source"])
     assert kept == good_ids                                  # every good record kept, no bad one
@@ -136,7 +136,7 @@ def test_fuzzed_json_array_gives_the_same_counts(tmp_path, chatml_tokenizer):
     f = tmp_path / "fuzz.json"
     f.write_text(json.dumps(recs, indent=2))
     d = prepare_data(f, chatml_tokenizer, 400, num_conversations=None, max_length=128, min_supervised_tokens=1,
-                     draft_vocab_size=20, log=lambda *_: None)
+                     draft_vocab_size=20)
     s = d.summary
     assert set(d.rows["source"]) == good_ids
     assert s["conversations_kept"] + sum(s["dropped"].values()) + s["malformed_records_skipped"] == 300

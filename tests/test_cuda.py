@@ -65,7 +65,7 @@ def test_one_gpu_training_learns(tmp_path):
     train_cfg = OmegaConf.merge(base, {"num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "auto",
                                        "tokens_per_step": 64, "max_steps": 30, "warmup_steps": 2, "lr": 3e-3,
                                        "max_anchors": None, "epochs": 3})
-    res = train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), train_cfg, tmp_path, log=lambda *_: None)
+    res = train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), train_cfg, tmp_path)
     assert res["precision"] == "bf16" and res["steps"] > 10
     import json
 

@@ -128,7 +128,7 @@ def test_prepare_data_counts_every_drop(tmp_path, chatml_tokenizer):
     f = tmp_path / "d.json"
     write_array(f, recs)
     d = prepare_data(f, chatml_tokenizer, len(chatml_tokenizer), num_conversations=None, max_length=64,
-                     min_supervised_tokens=5, draft_vocab_size=20, log=lambda *_: None)
+                     min_supervised_tokens=5, draft_vocab_size=20)
     s = d.summary
     assert s["conversations_read"] == 4 and s["conversations_kept"] == 1
     assert s["dropped"] == {"unknown role 'robot'": 1, "no assistant turn": 1, "fewer than 5 supervised tokens": 1}
@@ -145,7 +145,7 @@ def data_cache(tmp_path, monkeypatch):
 
 
 def prep(path, tok, **kw):
-    args = dict(num_conversations=None, max_length=64, min_supervised_tokens=1, draft_vocab_size=20, log=lambda *_: None)
+    args = dict(num_conversations=None, max_length=64, min_supervised_tokens=1, draft_vocab_size=20)
     return prepare_data(path, tok, len(tok), **{**args, **kw})
 
 

@@ -150,7 +150,7 @@ def test_lossless_is_exact_in_fp32_and_in_bf16_with_the_verifiers_numerics(tmp_p
         t, d = small_pair(K=3)
         ref = FeatureTarget(small_pair(K=3)[0].model, [0, 1, 2])  # an fp32 copy of the same target
         r = evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=32,
-                                out_dir=tmp_path / prec, plot=False, log=lambda s: None, precision=prec)
+                                out_dir=tmp_path / prec, plot=False, precision=prec)
         recs = [json.loads(x) for x in (tmp_path / prec / "results.jsonl").read_text().splitlines()]
         by = {(x["id"], x["decoder"]): x["tokens"] for x in recs}
         assert r["precision"] == prec and r["lossless"] is True and r["lossless_mismatches"] == 0
@@ -179,7 +179,7 @@ _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
 prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
            for i in range(int(sys.argv[2]))]
 evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=int(sys.argv[3]), out_dir=sys.argv[1],
-                    baseline_draft=e3, plot=False, log=lambda s: None, benchmark="random", precision="fp32")
+                    baseline_draft=e3, plot=False, benchmark="random", precision="fp32")
 """
 
 TIMING = ("tokens_per_second", "speedup", "time_shares", "latency", "draft_seconds_per_step",
@@ -218,7 +218,7 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
     _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
     prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
                for i in range(n)]
-    kw = dict(num_speculative_tokens=3, max_new_tokens=new, baseline_draft=e3, plot=False, log=lambda s: None,
+    kw = dict(num_speculative_tokens=3, max_new_tokens=new, baseline_draft=e3, plot=False,
               benchmark="random", precision="fp32")
     with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
         resumed = evaluate_acceptance(t, d, None, prompts, out_dir=killed, **kw)

@@ -37,7 +37,7 @@ def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
     train_cfg = OmegaConf.merge(default_config().training,
                                 {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
                                  "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
-    res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, train_cfg, tmp_path, log=lambda *_: None)
+    res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, train_cfg, tmp_path)
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == res["steps"] > 10
     assert all(len(r["acc"]) == 3 for r in log)

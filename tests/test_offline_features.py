@@ -22,9 +22,6 @@ from peagle_train.training.trainer import train
 
 from .conftest import tiny_llama
 
-QUIET = dict(log=lambda *_: None)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -38,7 +35,7 @@ def rows(n=7, seed=0):
 def setup(tmp_path, target_model, chatml_tokenizer):
     t = FeatureTarget(target_model, [1, 3, 5])
     data = rows()
-    write_features(t, chatml_tokenizer, data, tmp_path / "f32", storage="float32", docs_per_shard=3, **QUIET)
+    write_features(t, chatml_tokenizer, data, tmp_path / "f32", storage="float32", docs_per_shard=3)
     return t, chatml_tokenizer, data, tmp_path / "f32"
 
 
@@ -46,7 +43,7 @@ def test_offline_rows_equal_online_rows(setup):
     t, tok, data, d = setup
     assert sorted(p.name for p in d.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors",
                                                          "shard-00002.safetensors"]  # 7 docs, 3 per shard
-    reader = OfflineFeatures(d, t, tok, data, **QUIET)
+    reader = OfflineFeatures(d, t, tok, data)
     draft_ids = torch.arange(0, 128, 2)
     idx = [6, 1, 3]  # across shards, out of order
     docs = [(data[i]["input_ids"], data[i]["loss_mask"]) for i in idx]
@@ -64,11 +61,11 @@ def test_offline_training_gives_the_online_losses(tmp_path, setup):
                                 {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
                                  "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
     losses = {}
-    for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data, **QUIET))):
+    for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data))):
         torch.manual_seed(0)
         draft = build_draft(t, dcfg, vocab, 127)
         (tmp_path / mode).mkdir()
-        train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / mode, features=feats, **QUIET)
+        train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / mode, features=feats)
         losses[mode] = [json.loads(x)["loss"] for x in (tmp_path / mode / "train_log.jsonl").read_text().splitlines()]
     assert len(losses["online"]) >= 4
     assert losses["offline"] == losses["online"]  # float32 shards: bit-identical steps
@@ -91,7 +88,7 @@ def test_int8_shards_halve_bf16_and_stay_close(tmp_path, setup):
     t, tok, data, d = setup
     sizes = {}
     for storage in ("bfloat16", "int8"):
-        s = write_features(t, tok, data, tmp_path / storage, storage=storage, docs_per_shard=3, **QUIET)
+        s = write_features(t, tok, data, tmp_path / storage, storage=storage, docs_per_shard=3)
         sizes[storage] = s["bytes"]
     H = t.config.hidden_size
     n_tok = sum(len(x) for x in data["input_ids"])
@@ -99,13 +96,13 @@ def test_int8_shards_halve_bf16_and_stay_close(tmp_path, setup):
     feat_bf16, feat_int8 = sizes["bfloat16"] - 4 * n_tok, sizes["int8"] - 4 * n_tok
     assert feat_int8 <= 0.5 * feat_bf16 + 3 * (4 * 4 * H + 400)  # per shard: scales + 2 more header entries
     for storage in ("bfloat16", "int8"):  # converting the float32 shards gives the same files, byte for byte
-        convert_features(d, tmp_path / f"conv-{storage}", storage, **QUIET)
+        convert_features(d, tmp_path / f"conv-{storage}", storage)
         for k in range(3):
             name = f"shard-{k:05d}.safetensors"
             assert (tmp_path / f"conv-{storage}" / name).read_bytes() == (tmp_path / storage / name).read_bytes()
-        OfflineFeatures(tmp_path / f"conv-{storage}", t, tok, data, **QUIET)
-    r8 = OfflineFeatures(tmp_path / "int8", t, tok, data, **QUIET)
-    ref = OfflineFeatures(d, t, tok, data, **QUIET)
+        OfflineFeatures(tmp_path / f"conv-{storage}", t, tok, data)
+    r8 = OfflineFeatures(tmp_path / "int8", t, tok, data)
+    ref = OfflineFeatures(d, t, tok, data)
     _, aux8, fin8 = r8.document(2)
     _, aux, fin = ref.document(2)
     assert ((aux8 - aux).norm() / aux.norm()) < 0.02 and ((fin8 - fin).norm() / fin.norm()) < 0.02
@@ -124,21 +121,21 @@ def test_resume_after_interruption_recomputes_only_missing_shards(tmp_path, setu
 
     monkeypatch.setattr(offline, "save_file", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+        write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3)
     monkeypatch.setattr(offline, "save_file", real_save)
     forwards = []
     orig = FeatureTarget.forward
     monkeypatch.setattr(FeatureTarget, "__call__", lambda self, ids, **kw: forwards.append(ids.shape[1]) or orig(self, ids, **kw))
-    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3)
     assert (s["shards_written"], s["shards_skipped"]) == (2, 1)
     # docs 0-2 (shard 0) not recomputed; one forward per shard's packed documents: shard 1 = docs 3-5, shard 2 = doc 6
     assert forwards == [sum(len(data[i]["input_ids"]) for i in range(3, 6)), len(data[6]["input_ids"])]
     assert not list((tmp_path / "r").glob("*.tmp*"))
-    OfflineFeatures(tmp_path / "r", t, tok, data, **QUIET)  # complete and verified
+    OfflineFeatures(tmp_path / "r", t, tok, data)  # complete and verified
     shard1 = tmp_path / "r" / "shard-00001.safetensors"
     good = shard1.read_bytes()
     shard1.write_bytes(good[:100])  # damaged after writing: a rerun recomputes just that shard
-    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3, **QUIET)
+    s = write_features(t, tok, data, tmp_path / "r", storage="bfloat16", docs_per_shard=3)
     assert (s["shards_written"], s["shards_skipped"]) == (1, 2) and shard1.read_bytes() == good
 
 
@@ -148,26 +145,26 @@ def test_truncated_or_altered_shard_is_named(setup):
     raw = shard.read_bytes()
     shard.write_bytes(raw[:-10])
     with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: truncated.*check: size"):
-        OfflineFeatures(d, t, tok, data, **QUIET)
+        OfflineFeatures(d, t, tok, data)
     shard.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
     with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: altered.*sha256"):
-        OfflineFeatures(d, t, tok, data, **QUIET)
+        OfflineFeatures(d, t, tok, data)
     (d / "shard-00002.safetensors").unlink()
     shard.write_bytes(raw)
     with pytest.raises(FeatureShardError, match=r"shard-00002\.safetensors: missing"):
-        OfflineFeatures(d, t, tok, data, **QUIET)
+        OfflineFeatures(d, t, tok, data)
 
 
 def test_manifest_of_another_target_or_layer_set_is_refused(setup):
     t, tok, data, d = setup
     with pytest.raises(FeatureShardError, match=r"manifest\.json: fingerprint check failed \(target\b"):
-        OfflineFeatures(d, FeatureTarget(tiny_llama(seed=1), [1, 3, 5]), tok, data, **QUIET)
+        OfflineFeatures(d, FeatureTarget(tiny_llama(seed=1), [1, 3, 5]), tok, data)
     with pytest.raises(FeatureShardError, match=r"fingerprint check failed \(aux_layer_ids differ\)"):
-        OfflineFeatures(d, FeatureTarget(t.model, [1, 3, 6]), tok, data, **QUIET)
+        OfflineFeatures(d, FeatureTarget(t.model, [1, 3, 6]), tok, data)
     with pytest.raises(FeatureShardError, match=r"fingerprint check failed \(storage"):
-        OfflineFeatures(d, t, tok, data, storage="int8", **QUIET)
+        OfflineFeatures(d, t, tok, data, storage="int8")
     with pytest.raises(FeatureShardError, match="fingerprint check failed"):  # and the writer refuses to mix
-        write_features(t, tok, data, d, storage="bfloat16", docs_per_shard=3, **QUIET)
+        write_features(t, tok, data, d, storage="bfloat16", docs_per_shard=3)
 
 
 def test_data_row_with_other_tokens_is_named(setup):
@@ -176,8 +173,8 @@ def test_data_row_with_other_tokens_is_named(setup):
     ids[4] = ids[4][:-1] + [(ids[4][-1] + 1) % 120]
     changed = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": data["loss_mask"]})
     with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: document 1 \(data row 4\).*check: token ids"):
-        OfflineFeatures(d, t, tok, changed, **QUIET)
-    reader = OfflineFeatures(d, t, tok, data, **QUIET)  # a batch whose row differs from the shard's
+        OfflineFeatures(d, t, tok, changed)
+    reader = OfflineFeatures(d, t, tok, data)  # a batch whose row differs from the shard's
     with pytest.raises(FeatureShardError, match=r"shard-00001\.safetensors: data row 4.*token ids"):
         reader.packed_row([4], [(ids[4], data[4]["loss_mask"])], torch.arange(128))
 
@@ -194,14 +191,14 @@ def test_nan_features_are_refused_at_write_and_read(tmp_path, setup, monkeypatch
     m = json.loads((d / "manifest.json").read_text())
     m["shards"]["2"].update(bytes=path.stat().st_size, sha256=provenance.sha256_file(path))
     (d / "manifest.json").write_text(json.dumps(m))
-    reader = OfflineFeatures(d, t, tok, data, **QUIET)
+    reader = OfflineFeatures(d, t, tok, data)
     with pytest.raises(FeatureShardError, match=r"shard-00002\.safetensors: document 0 \(data row 6\).*NaN/Inf"):
         reader.packed_row([6], [(data[6]["input_ids"], data[6]["loss_mask"])], torch.arange(128))
     # write: the target gives NaN for a row
     with torch.no_grad():
         t.model.model.layers[3].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(FeatureShardError, match=r"data row 0 \(shard shard-00000\.safetensors\).*NaN/Inf"):
-        write_features(t, tok, data, tmp_path / "nan", storage="bfloat16", docs_per_shard=3, **QUIET)
+        write_features(t, tok, data, tmp_path / "nan", storage="bfloat16", docs_per_shard=3)
 
 
 def test_gemma3_capture_and_offline_logits():
@@ -231,8 +228,8 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     from peagle_train.features.sources import OnlineFeatures
 
     t, tok, data, _ = setup
-    write_features(t, tok, data, tmp_path / "i8", storage="int8", int8_scale="token", docs_per_shard=3, **QUIET)
-    reader = OfflineFeatures(tmp_path / "i8", t, tok, data, int8_scale="token", **QUIET)
+    write_features(t, tok, data, tmp_path / "i8", storage="int8", int8_scale="token", docs_per_shard=3)
+    reader = OfflineFeatures(tmp_path / "i8", t, tok, data, int8_scale="token")
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
@@ -246,7 +243,7 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
         raise AssertionError("the target's decoder ran in an offline run")
 
     monkeypatch.setattr(FeatureTarget, "forward", no_decoder)
-    res = train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / "run", features=reader, **QUIET)
+    res = train(Accelerator(cpu=True), draft, t, data, vocab.draft_ids, train_cfg, tmp_path / "run", features=reader)
     monkeypatch.undo()
     val = res["validation"]
     _, val_idx = split_validation(len(data), 2, 0)

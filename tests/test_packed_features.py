@@ -84,8 +84,7 @@ def test_real_smollm2_packed_row_equals_per_document(tmp_path):
         from peagle_train.job import build_target
         from omegaconf import OmegaConf
 
-        t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu",
-                            log=lambda *_: None)
+        t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu")
     except (FileNotFoundError, OSError, ImportError) as e:
         pytest.skip(f"SmolLM2-135M not available here: {e}")
     assert t.packs_documents

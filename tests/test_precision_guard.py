@@ -22,9 +22,9 @@ pytestmark = pytest.mark.real
 def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
     torch.set_num_threads(1)
     cfg = default_config()
-    target, tok = build_target(cfg.target, "cpu", log=lambda *_: None)  # fp32 weights
+    target, tok = build_target(cfg.target, "cpu")  # fp32 weights
     data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size, num_conversations=48,
-                        max_length=256, min_supervised_tokens=16, draft_vocab_size=2048, seed=0, log=lambda *_: None)
+                        max_length=256, min_supervised_tokens=16, draft_vocab_size=2048, seed=0)
     results = {}
     for name in ("fp32", "bf16"):  # bf16: the target's forward and the draft under bf16 autocast
         torch.manual_seed(0)
@@ -32,8 +32,7 @@ def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
         train_cfg = OmegaConf.merge(cfg.training, {
             "num_depths": 8, "seed": 0, "algorithm": "peagle", "precision": name, "tokens_per_step": 1024,
             "max_steps": 9, "warmup_steps": 4, "lr": 5e-4, "val_conversations": 12, "save_every": 9})
-        res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name,
-                    log=lambda *_: None)
+        res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name)
         assert res["precision"] == name and res["steps"] == 9
         assert all(p.dtype == torch.float32 for p in res["draft"].parameters())  # master weights stay fp32
         results[name] = res["validation"]

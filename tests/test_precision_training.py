@@ -38,8 +38,7 @@ def test_precision_alone_sets_the_draft_autocast_and_mixed_precision_is_refused(
 
     for over, want in (({}, "fp32"), ({"precision": "bf16"}, "bf16"), ({"precision": "fp32"}, "fp32")):
         t, vocab, draft, train_cfg = tiny_setup(**over)
-        tr = Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / want,
-                     log=lambda *_: None)
+        tr = Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / want)
         tr.setup()
         assert tr.prec.name == want, over
     # the removed key: refused by the start-up check, the trainer and the command line, naming `precision`
@@ -47,8 +46,7 @@ def test_precision_alone_sets_the_draft_autocast_and_mixed_precision_is_refused(
     with pytest.raises(ConfigError, match=r"training.mixed_precision was removed.*Fix: precision=bf16"):
         check_training_config(OmegaConf.merge(train_cfg, {"num_depths": 2}))
     with pytest.raises(ConfigError, match=r"training.mixed_precision was removed: `precision`"):
-        Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / "x",
-                log=lambda *_: None).setup()
+        Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / "x").setup()
     from peagle_train.config import check_command_line
 
     (err,) = check_command_line(["training.mixed_precision=no"])

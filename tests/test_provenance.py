@@ -85,11 +85,10 @@ def test_prepared_manifest_and_features_fingerprint_see_template_kwargs(tmp_path
     assert fp["tokenizer"] == m["tokenizer"]["sha256"]
     assert fp["template"] == m["chat_template"]["sha256"]
     assert fp["data"] == provenance.rows_fingerprint(rows) and fp["target"] == provenance.weights_fingerprint(target_model)
-    write_features(t, tok, rows, tmp_path / "f", storage="float32", template_kwargs={"enable_thinking": False},
-                   log=lambda *_: None)
-    OfflineFeatures(tmp_path / "f", t, tok, rows, template_kwargs={"enable_thinking": False}, log=lambda *_: None)
+    write_features(t, tok, rows, tmp_path / "f", storage="float32", template_kwargs={"enable_thinking": False})
+    OfflineFeatures(tmp_path / "f", t, tok, rows, template_kwargs={"enable_thinking": False})
     with pytest.raises(FeatureShardError, match="template"):
-        OfflineFeatures(tmp_path / "f", t, tok, rows, log=lambda *_: None)  # rendered without the kwargs
+        OfflineFeatures(tmp_path / "f", t, tok, rows)  # rendered without the kwargs
     shard = tmp_path / "f" / "shard-00000.safetensors"
     manifest = json.loads((tmp_path / "f" / "manifest.json").read_text())
     assert manifest["shards"]["0"]["sha256"] == provenance.sha256_file(shard)

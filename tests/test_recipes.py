@@ -31,7 +31,7 @@ def test_gpu_recipe_dry_run(tmp_path, name):
     if ENGINE[name].startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     cfg = compose_train([f"recipe={name}", f"output_dir={tmp_path}", "dry_run=true"])
-    got = dry_run(cfg, tmp_path, log=lambda *_: None)
+    got = dry_run(cfg, tmp_path)
     assert got.pop("training")["steps"] == 2
     ev, export = got.pop("eval"), got.pop("export")  # training, then evaluation and export
     from peagle_train.precision import resolve_precision

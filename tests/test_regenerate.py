@@ -53,7 +53,7 @@ def convs(n):
 def test_endpoint_turn_by_turn_with_own_history(tmp_path, server):
     url, requests = server
     out = tmp_path / "regen.jsonl"
-    st = regenerate(convs(2), EndpointBackend(url, "m", concurrency=2), out, batch_size=2, log=lambda *_: None)
+    st = regenerate(convs(2), EndpointBackend(url, "m", concurrency=2), out, batch_size=2)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines] == ["c0", "c1"]
     assert lines[0]["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q0a"},
@@ -68,7 +68,7 @@ def test_endpoint_turn_by_turn_with_own_history(tmp_path, server):
 def test_max_turns_answers_only_the_first_turns(tmp_path, server):
     url, requests = server
     out = tmp_path / "regen.jsonl"
-    st = regenerate(convs(3), EndpointBackend(url, "m"), out, batch_size=2, max_turns=1, log=lambda *_: None)
+    st = regenerate(convs(3), EndpointBackend(url, "m"), out, batch_size=2, max_turns=1)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[2]["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q2a"},
                                     {"role": "assistant", "content": "ans(q2a)#0"}]
@@ -89,12 +89,12 @@ def test_resume_after_kill_redoes_nothing_finished(tmp_path, server):
             return super().generate(c)
 
     with pytest.raises(KeyboardInterrupt):
-        regenerate(convs(5), Dying(url, "m"), out, batch_size=2, log=lambda *_: None)
+        regenerate(convs(5), Dying(url, "m"), out, batch_size=2)
     with open(out, "a") as f:
         f.write('{"id": "c2", "messa')  # a torn line, as a kill in the middle of a write leaves
     assert done_ids(out) == {"c0", "c1"} and out.read_text().endswith("\n")
     n_before = len(requests)
-    st = regenerate(convs(5), EndpointBackend(url, "m"), out, batch_size=2, log=lambda *_: None)
+    st = regenerate(convs(5), EndpointBackend(url, "m"), out, batch_size=2)
     assert st.skipped_done == 2 and st.written == 3
     asked = {r["messages"][1]["content"] for r in requests[n_before:]}
     assert asked == {"q2a", "q3a", "q4a"}  # c0, c1 were not asked again
@@ -108,7 +108,7 @@ def test_empty_answer_ends_the_conversation(tmp_path, server):
     c = [("x", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
                 {"role": "user", "content": "say nothing"}, {"role": "assistant", "content": "old"}]),
          ("y", [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": "old"}])]
-    st = regenerate(c, EndpointBackend(url, "m"), out, log=lambda *_: None)
+    st = regenerate(c, EndpointBackend(url, "m"), out)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines == [{"id": "x", "messages": [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "ans(hi)#0"}]}]

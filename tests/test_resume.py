@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train.data.vocab import DraftVocab
@@ -20,6 +19,7 @@ from peagle_train.paths import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints
+from peagle_train.training.tracking import tracked_accelerator
 from peagle_train.draft.io import load_checkpoint
 from peagle_train.features.rows import pack_documents, split_validation
 from peagle_train.training.trainer import train
@@ -83,7 +83,10 @@ def tiny_setup(**over):
 
 def run(out, **over):
     t, vocab, draft, train_cfg = tiny_setup(**over)
-    return train(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, out, log=lambda *_: None)
+    acc = tracked_accelerator(train_cfg.tracker, out, cpu=True)  # training.tracker through Accelerate's trackers
+    res = train(acc, draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, out)
+    acc.end_training()
+    return res
 
 
 def test_keep_last_plus_best_and_refusals(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from peagle_train.paths import REPO_ROOT
+from peagle_train.training.tracking import PROJECT
 
 from .test_resume import losses, run
 
@@ -26,6 +27,8 @@ def test_two_processes_match_one_process_with_grad_accum(tmp_path):
     p2 = subprocess.run([*LAUNCH, "--multi_gpu", "--num_processes", "2", WORKER, str(two), "fresh", "0"], env=ENV,
                         capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]
+    for s in (3, 6, 9, 11):  # each validation logged once, by the main process only
+        assert p1.stdout.count(f"step {s}: validation loss") == p2.stdout.count(f"step {s}: validation loss") == 1
     (l1, v1), (l2, v2) = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 12))  # 22 packed rows, 2 per step
     for s in l1:
@@ -47,7 +50,7 @@ def test_bf16_autocast_close_to_fp32_and_tensorboard_logs(tmp_path):
     assert l16[1] != l32[1] and l16[1] == pytest.approx(l32[1], rel=0.02)  # bf16 matmuls: close, not equal
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ev = EventAccumulator(str(tmp_path / "bf16" / "tensorboard"))
+    ev = EventAccumulator(str(tmp_path / "bf16" / PROJECT))  # Accelerate's TensorBoard folder
     ev.Reload()
     assert {"loss", "lr", "eal", "tokens_per_second", "acc/0", "acc/1"} <= set(ev.Tags()["scalars"])
     assert [(e.step, round(e.value, 5)) for e in ev.Scalars("loss")] == [(s, round(v, 5)) for s, v in sorted(l16.items())]

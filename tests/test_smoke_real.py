@@ -31,3 +31,8 @@ def test_demo_recipe_shrunk_end_to_end(tmp_path):
     assert cfg["transformer_layer_config"]["max_position_embeddings"] == 8192
     assert (out / "export" / "model.safetensors").stat().st_size > 1_000_000
     assert "τ (acceptance length)" in proc.stdout
+    log = (out / "train.log").read_text()  # Hydra's run log holds the run's messages (the console's too)
+    assert log.count("precision: ") == 2  # resolved for training, then for the evaluation
+    for line in ("bf16 unit: ", "data summary:", "trained 2 steps, ", "τ (acceptance length) = ",
+                 f"export written and validated: {out / 'export'}", "done in "):
+        assert log.count(line) == 1 and line in proc.stdout, line

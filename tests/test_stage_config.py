@@ -85,15 +85,15 @@ def test_data_from_config_reads_prepared_dir_and_checks_it_against_the_group(tmp
     group = default_config().data
     group.update({"path": str(tmp_path / "a.json"), "num_conversations": None, "max_length": 64,
                   "min_supervised_tokens": 1, "draft_vocab_size": 32, "num_proc": 1, "cache_dir": str(tmp_path / "c")})
-    fresh = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+    fresh = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer))
     save_prepared(fresh, tmp_path / "prep")
     (tmp_path / "a.json").write_text("[]")  # a preparation from data.path would now fail
     group.prepared_dir = str(tmp_path / "prep")
-    back = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+    back = data_from_config(group, chatml_tokenizer, len(chatml_tokenizer))
     assert back.rows["input_ids"] == fresh.rows["input_ids"] and back.mask_token_id == fresh.mask_token_id
     group.max_length = 128
     with pytest.raises(ManifestMismatchError, match="max_length: prepared with 64, training gives 128"):
-        data_from_config(group, chatml_tokenizer, len(chatml_tokenizer), log=lambda *_: None)
+        data_from_config(group, chatml_tokenizer, len(chatml_tokenizer))
 
 
 def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):

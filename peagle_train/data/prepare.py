@@ -10,6 +10,7 @@ with the same inputs reads Arrow files and tokenises nothing):
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_stri
                        tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
 
+logger = logging.getLogger(__name__)
+
 TOKENIZE_VERSION = "4"  # bump when tokenisation/masking changes: invalidates cached token rows
 
 
@@ -44,7 +47,7 @@ class PreparedData:
     manifest: dict = field(default_factory=dict)
 
 
-def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0, log=print) -> PreparedData:
+def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0) -> PreparedData:
     """`prepare_data` for the `data` config group (config.py `DataConfig`): every key is passed by
     its name, so the entry points (train, prepare, features) read the same rows from the same
     settings. Raises what `prepare_data` raises."""
@@ -56,17 +59,17 @@ def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 
     return prepare_data(dcfg.path, tokenizer, target_vocab_size, num_conversations=dcfg.num_conversations,
                         max_length=dcfg.max_length, min_supervised_tokens=dcfg.min_supervised_tokens,
                         draft_vocab_size=dcfg.draft_vocab_size, mask_token_id=dcfg.mask_token_id, seed=seed,
-                        log=log, mix=plain(dcfg.mix) or None, num_proc=dcfg.num_proc, cache_dir=dcfg.cache_dir,
+                        mix=plain(dcfg.mix) or None, num_proc=dcfg.num_proc, cache_dir=dcfg.cache_dir,
                         chat_template=dcfg.chat_template, template_kwargs=plain(dcfg.template_kwargs) or None)
 
 
-def data_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0, log=print) -> PreparedData:
+def data_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0) -> PreparedData:
     """The rows of the `data` config group as every stage reads them (train, features): the directory
     `data.prepared_dir` when set (`load_prepared`, refused when its manifest disagrees with the
     tokenizer, the template with its `template_kwargs`, max_length, draft_vocab_size or mask_token_id),
     else `prepare_from_config`. Raises what those raise."""
     if not dcfg.prepared_dir:
-        return prepare_from_config(dcfg, tokenizer, target_vocab_size, seed=seed, log=log)
+        return prepare_from_config(dcfg, tokenizer, target_vocab_size, seed=seed)
     from omegaconf import OmegaConf
 
     kwargs = OmegaConf.to_container(dcfg.template_kwargs) if OmegaConf.is_config(dcfg.template_kwargs) \
@@ -87,7 +90,6 @@ def prepare_data(
     draft_vocab_size: int,
     mask_token_id: int | None = None,
     seed: int = 0,
-    log=print,
     mix: list | None = None,
     num_proc: int | None = None,
     cache_dir: str | Path | None = None,
@@ -126,8 +128,8 @@ def prepare_data(
     shares = _shares(num_conversations, [s["weight"] for s in specs])
     read = tokenised = 0
     for spec, share in zip(specs, shares):
-        ds, info = load_source(spec["path"], cache, log=log)
-        log(info.summary())
+        ds, info = load_source(spec["path"], cache)
+        logger.info(info.summary())
         infos.append({**source_info_dict(info), "weight": spec["weight"]})
         read += info.records
         drops = ds.select_columns(["drop", "changes"]).to_dict()
@@ -142,7 +144,7 @@ def prepare_data(
         kept, n_tok = _tokenise_until(valid, share, kwargs, tok_key, num_proc, dropped, changed)
         tokenised += n_tok
         kept_sets.append((spec, kept))
-    rows = _mix(kept_sets, shares, specs, seed, log)
+    rows = _mix(kept_sets, shares, specs, seed)
     if len(rows) == 0 or any(len(k) == 0 for _, k in kept_sets):
         empty = [s["path"] for s, k in kept_sets if len(k) == 0]
         raise DataFileError(no_row_message(", ".join(empty), dropped, min_supervised_tokens))
@@ -298,7 +300,7 @@ def _tokenise_batch(batch: dict, tokenizer, max_length: int, min_supervised_toke
     return out
 
 
-def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
+def _mix(kept_sets, shares, specs, seed: int) -> datasets.Dataset:
     """Concatenate each source's share (with a `source` column naming the record), shuffled if several."""
     if shares[0] is None and len(kept_sets) > 1:  # all data: the largest exact-proportion mix
         scale = min(len(k) / s["weight"] for s, k in kept_sets)
@@ -307,7 +309,7 @@ def _mix(kept_sets, shares, specs, seed: int, log) -> datasets.Dataset:
     for (spec, kept), share in zip(kept_sets, shares):
         n = len(kept) if share is None else min(share, len(kept))
         if share is not None and 0 < n < share:
-            log(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
+            logger.info(f"{spec['path']}: only {len(kept)} trainable rows for a share of {share}; using all of them")
         part = kept.select(range(n))
         if len(kept_sets) > 1:  # a mix: the source column names the file too
             prefix = f"{Path(spec['path']).stem}:"

@@ -16,6 +16,7 @@ OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import urllib.error
 import urllib.request
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,7 +186,7 @@ def backend_from_config(rcfg, target_cfg, data_cfg):
     raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf or endpoint")
 
 
-def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16, log=print,
+def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,
                extra: dict | None = None, max_turns: int | None = None) -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
 
@@ -206,7 +209,7 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
         else:
             todo.append((str(cid), _first_turns(msgs, max_turns, stats)))
     if stats.skipped_done:
-        log(f"{out_path}: {stats.skipped_done} conversations already regenerated, skipped")
+        logger.info(f"{out_path}: {stats.skipped_done} conversations already regenerated, skipped")
     with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for b in range(0, len(todo), batch_size):
             batch = todo[b: b + batch_size]

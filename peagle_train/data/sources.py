@@ -68,7 +68,7 @@ class SourceInfo:
                             self.first_malformed, self.notes)
 
 
-def load_source(path: str | Path, cache_dir: str | Path | None = None, log=print) -> tuple[datasets.Dataset, SourceInfo]:
+def load_source(path: str | Path, cache_dir: str | Path | None = None) -> tuple[datasets.Dataset, SourceInfo]:
     """Load one source as the normalised table described in the module docstring.
 
     A JSON/JSONL file (or a directory of them) goes through `read_records`, which salvages cut-off

@@ -170,19 +170,19 @@ EVAL_KEYS = ("num_speculative_tokens", "max_new_tokens", "batch_size", "temperat
 
 
 def evaluate_from_config(ecfg, target, draft, tokenizer, prompts: list[dict], *, out_dir: str | Path,
-                         precision: str | None, log=print, **extra) -> dict:
+                         precision: str | None, **extra) -> dict:
     """`evaluate_acceptance` for the `eval` config group: its keys among EVAL_KEYS (train's group has
     K, max_new_tokens and batch_size; evaluate's adds benchmark, temperature, seed and plot) passed by
     name; `extra` (baseline_draft, train_metrics, ... or a key to override) as given."""
     settings = {k: ecfg[k] for k in EVAL_KEYS if k in ecfg}
     if "benchmark" in settings:
         settings["benchmark"] = str(settings["benchmark"])
-    return evaluate_acceptance(target, draft, tokenizer, prompts, out_dir=out_dir, precision=precision, log=log,
+    return evaluate_acceptance(target, draft, tokenizer, prompts, out_dir=out_dir, precision=precision,
                                **{**settings, **extra})
 
 
 def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
-                        max_new_tokens: int, out_dir: str | Path, log=print, temperature: float = 0.0, seed: int = 0,
+                        max_new_tokens: int, out_dir: str | Path, temperature: float = 0.0, seed: int = 0,
                         batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,
                         plot: bool = True, benchmark: str = "prompts", precision: str | None = None) -> dict:
     """Decode every prompt (every turn) with the target alone, with `draft`, and with `baseline_draft`
@@ -306,7 +306,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
                        train_metrics=train_metrics)
     write_report(result, rows, out_dir, plot)
-    log(format_acceptance(result))
+    logger.info(format_acceptance(result))
     return result
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,9 @@ from ..target.offline import (MANIFEST, FeatureShardError, _compare, dequantize_
                               features_fingerprint, shard_name)
 from .rows import PackedRow, pack_row
 from .sources import FeatureSource
+
+logger = logging.getLogger(__name__)
+
 
 class OfflineFeatures(FeatureSource):
     """Memory-mapped reader of a features directory that builds the same `PackedRow`s as online
@@ -31,7 +35,7 @@ class OfflineFeatures(FeatureSource):
     """
 
     def __init__(self, feat_dir, target: FeatureTarget, tok, rows, *, storage: str | None = None,
-                 int8_scale: str = "channel", verify: bool = True, template_kwargs: dict | None = None, log=print):
+                 int8_scale: str = "channel", verify: bool = True, template_kwargs: dict | None = None):
         self.dir = Path(feat_dir)
         self.target = target
         mpath = self.dir / MANIFEST
@@ -53,8 +57,8 @@ class OfflineFeatures(FeatureSource):
         self._check_rows(rows)  # names the shard and the first data row whose tokens differ
         _compare(found, expected, mpath)  # then the loss masks (the rest of the data fingerprint)
         self.num_tokens = sum(s["num_tokens"] for s in manifest["shards"].values())
-        log(f"offline features: {len(rows)} docs, {self.num_tokens} tokens, {len(self._files)} shards ({storage}) "
-            f"from {self.dir}{', checksums verified' if verify else ''}")
+        logger.info(f"offline features: {len(rows)} docs, {self.num_tokens} tokens, {len(self._files)} shards "
+                    f"({storage}) from {self.dir}{', checksums verified' if verify else ''}")
 
     def _open_shards(self, manifest: dict, verify: bool) -> None:
         n = manifest["fingerprint"]["num_docs"]

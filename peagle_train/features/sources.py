@@ -50,7 +50,7 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
     return OnlineFeatures(target).packed_row(None, docs, draft_ids)
 
 
-def open_features(fcfg, target: FeatureTarget, tok, rows, log=print, template_kwargs: dict | None = None) -> FeatureSource:
+def open_features(fcfg, target: FeatureTarget, tok, rows, template_kwargs: dict | None = None) -> FeatureSource:
     """From the `features` config group: `OnlineFeatures` for `source=online` (the training step runs
     the target), an `OfflineFeatures` reader for `source=offline`. Raises ConfigError (a ValueError) for an unknown
     source or a missing `features.dir`, FeatureShardError for a directory that fails its checks.
@@ -64,4 +64,4 @@ def open_features(fcfg, target: FeatureTarget, tok, rows, log=print, template_kw
     from .offline import OfflineFeatures
 
     return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
-                           verify=fcfg.verify, template_kwargs=template_kwargs, log=log)
+                           verify=fcfg.verify, template_kwargs=template_kwargs)

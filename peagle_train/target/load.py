@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from ..io import atomic_dir
 from ..paths import resolve_path
 from ..provenance import path_fingerprint
 
+logger = logging.getLogger(__name__)
+
 CACHE_DIR = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle_train"))
 
 
-def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", log=print):
+def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load (model, tokenizer) of a target, frozen and in eval mode.
 
     `path`: a `.gguf` file (dequantised by transformers with the `gguf` package; the dequantised
@@ -27,7 +30,7 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | tor
     Raises:
         FileNotFoundError: the path does not exist and is not a cached hub id.
     """
-    src = model_source(path, log)
+    src = model_source(path)
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
@@ -40,7 +43,7 @@ def load_target(path: str, dtype: torch.dtype = torch.float32, device: str | tor
     return model, tok
 
 
-def model_source(path: str, log=print) -> str:
+def model_source(path: str) -> str:
     """What `from_pretrained` should read for a target path: the dequantised HF directory of a
     .gguf file (made once, cached), a local HF directory, or a hub id (local cache only).
 
@@ -51,16 +54,16 @@ def model_source(path: str, log=print) -> str:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"GGUF file not found: {p}. Fix: set target.path to an existing .gguf file.")
-        return str(_dequantised_gguf_dir(p, log))
+        return str(_dequantised_gguf_dir(p))
     return str(p) if p.exists() else path
 
 
-def _dequantised_gguf_dir(gguf: Path, log) -> Path:
+def _dequantised_gguf_dir(gguf: Path) -> Path:
     key = path_fingerprint(gguf)[:16]
     out = CACHE_DIR / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    log(f"dequantising {gguf.name} (first load only; cached in {out})")
+    logger.info("dequantising %s (first load only; cached in %s)", gguf.name, out)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cfg = q.config

@@ -22,6 +22,7 @@ with the same fingerprint skips every recorded shard and recomputes only the oth
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -36,6 +37,8 @@ from ..config import FeatureStorage, Int8Scale
 from ..errors import ConfigError, UserError
 from ..io import atomic_write_json
 from .features import FeatureTarget
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
@@ -171,7 +174,7 @@ def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> 
 
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
                    int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
-                   tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None, log=print) -> dict:
+                   tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
 
     rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. The documents of a
@@ -232,11 +235,11 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     num_shards = (n + docs_per_shard - 1) // docs_per_shard
     done = {k for k in range(num_shards) if _shard_is_complete(out_dir, manifest, k)}
     if done and rank == 0:
-        log(f"resuming {out_dir}: {len(done)}/{num_shards} shards already written and checked, skipped")
+        logger.info("resuming %s: %d/%d shards already written and checked, skipped", out_dir, len(done), num_shards)
     damaged = sorted(int(k) for k in manifest["shards"] if int(k) not in done)
     if damaged and rank == 0:
-        log(f"{len(damaged)} recorded shard(s) missing or failing size/sha256, recomputed: "
-            + ", ".join(shard_name(k) for k in damaged))
+        logger.info("%d recorded shard(s) missing or failing size/sha256, recomputed: %s", len(damaged),
+                    ", ".join(shard_name(k) for k in damaged))
     mine = [k for k in range(num_shards) if k % world == rank and k not in done]
     records = {}  # what this process wrote (merged into the manifest by process 0 when world > 1)
     dev = target.model.device
@@ -300,13 +303,13 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
                "bytes_per_token": total_bytes / max(total_tokens, 1), "storage": storage,
                "seconds": secs, "tokens_per_second": tokens_all / secs if secs > 0 else 0.0, "processes": world}
     if rank == 0:
-        log(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {len(done)} resumed) "
+        logger.info(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {len(done)} resumed) "
             f"in {out_dir}; {total_bytes / 2**20:.1f} MiB, {summary['bytes_per_token']:.0f} bytes/token ({storage}); "
             f"{summary['tokens_per_second']:.0f} tokens/s on {world} process(es)")
     return summary
 
 
-def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=print) -> dict:
+def convert_features(src, dst, storage: str, int8_scale: str = "channel") -> dict:
     """Re-store a verified features directory in another storage dtype without running the target
     (e.g. float32 → bfloat16 or int8): every shard is read (size and sha256 checked), re-encoded
     and written with a manifest that differs only in storage/int8_scale. Converting float32 gives
@@ -340,7 +343,7 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel", log=pr
     atomic_write_json(dst / MANIFEST, out, indent=1)
     total = sum(s["bytes"] for s in out["shards"].values())
     tokens = sum(s["num_tokens"] for s in out["shards"].values())
-    log(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
+    logger.info(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
     return {"bytes": total, "bytes_per_token": total / max(tokens, 1)}
 
 

@@ -23,12 +23,15 @@ The process group comes from Accelerate (`accelerate launch --multi_gpu ...`; on
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 from ..config import Engine
+
+logger = logging.getLogger(__name__)
 
 ENGINES = tuple(Engine.values())  # the `distributed.engine` choices (config.py)
 
@@ -42,24 +45,24 @@ def check_distributed_config(engine: str, zero_stage: int) -> None:
                          "partitioning; use 2)")
 
 
-def resolve_engine(accelerator, engine: str, zero_stage: int, log=print) -> tuple[str, int]:
+def resolve_engine(accelerator, engine: str, zero_stage: int) -> tuple[str, int]:
     """(engine, zero_stage) to use: the config's, or Accelerate's when launched with --use_deepspeed /
     --use_fsdp (its plugin wins; logged). Raises ValueError for a bad config."""
     dt = accelerator.distributed_type.value
     if dt == "DEEPSPEED":
         stage = int(accelerator.state.deepspeed_plugin.zero_stage)
         if (engine, zero_stage) != ("deepspeed", stage):
-            log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
+            logger.info(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
         engine, zero_stage = "deepspeed", stage
     elif dt == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         if engine != "fsdp":
-            log(f"accelerate launch --use_fsdp: engine fsdp (config said {engine})")
+            logger.info(f"accelerate launch --use_fsdp: engine fsdp (config said {engine})")
         engine = "fsdp"
     elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         # a CPU Accelerator (cpu=True) ignores --use_deepspeed and stays on gloo DDP: take it from the launcher
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", zero_stage))
         if (engine, zero_stage) != ("deepspeed", stage):
-            log(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
+            logger.info(f"accelerate launch --use_deepspeed: engine deepspeed, ZeRO-{stage} (config said {engine}/{zero_stage})")
         engine, zero_stage = "deepspeed", stage
     check_distributed_config(engine, zero_stage)
     return engine, zero_stage

@@ -12,11 +12,13 @@ and resumes; `step` runs one optimizer step over W × grad_accum rows; `validate
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..algorithms import make_objective
 from ..config import REMOVED_KEYS
@@ -31,7 +33,9 @@ from .cod import attention_kind
 from .engines import average_gradients, make_engine, resolve_engine
 from .loss import metrics_from_counts
 from .schedule import lr_lambda
-from .tracking import make_tracker, step_scalars
+from .tracking import step_scalars, tracker_name
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -46,16 +50,20 @@ class Trainer:
     out_dir/checkpoints; without it a folder holding checkpoints is refused), val_conversations
     (documents held out for validation loss/EAL at each checkpoint, which choose the best one),
     grad_accum, precision (auto | fp32 | bf16; unset = fp32), tracker, engine, zero_stage
-    (config.py `train_config` builds them). Process r of W takes packed rows r, r+W, ... Writes out_dir/train_log.jsonl (and out_dir/checkpoints/).
+    (config.py `train_config` builds them). Process r of W takes packed rows r, r+W, ... Writes
+    out_dir/train_log.jsonl (and out_dir/checkpoints/); every record also goes to the accelerator's
+    trackers (`accelerator.log`; a `tracker` other than none needs an accelerator from
+    `tracking.tracked_accelerator`, whose caller ends it with `end_training`).
     Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
-    mismatching checkpoint folder, ValueError for settings the objective does not support, OSError
+    mismatching checkpoint folder, ValueError for settings the objective does not support,
+    ConfigError for a `tracker` the accelerator has not started, OSError
     when a checkpoint save fails (previous one intact).
     """
 
     def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
-                 log=print, features: FeatureSource | None = None):
+                 features: FeatureSource | None = None):
         self.accelerator, self.draft, self.target, self.rows, self.train_cfg = accelerator, draft, target, rows, train_cfg
-        self.out_dir, self.log = Path(out_dir), log
+        self.out_dir = Path(out_dir)
         self.features = features if features is not None else OnlineFeatures(target)
         self.objective = make_objective(train_cfg)
         self.draft_ids = draft_ids
@@ -63,7 +71,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
-        acc, train_cfg, log = self.accelerator, self.train_cfg, self.log
+        acc, train_cfg = self.accelerator, self.train_cfg
+        tracker = tracker_name(train_cfg.get("tracker"))
+        if tracker != "none" and acc.is_main_process and not acc.trackers:
+            raise ConfigError(f"training.tracker={tracker}, but the accelerator has no started tracker. Fix: make it "
+                              "with peagle_train.training.tracking.tracked_accelerator(tracker, out_dir, ...).")
         draft = self.draft
         self.save_every, self.keep_last = train_cfg.get("save_every"), train_cfg.get("keep_last", 3)
         n_val = train_cfg.get("val_conversations") or 0
@@ -100,7 +112,7 @@ class Trainer:
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule))
         attention_kind(train_cfg.attention, acc.device)  # raises now, not at the first backward
-        engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2, log)
+        engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2)
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
             raise NotImplementedError(f"distributed type {acc.distributed_type.value} is not supported; "
@@ -130,7 +142,7 @@ class Trainer:
         if engine_kind != "ddp":
             self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, W, A, train_cfg.grad_clip)
             self.model = self.eng.model
-            log(f"distributed engine: {self.eng.name} on {W} process(es)")
+            logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
             if self.resume_from is not None:
                 st = load_training_checkpoint(acc, self.resume_from, draft, self.opt, self.sched, self.gen,
                                               engine=self.eng)
@@ -142,13 +154,10 @@ class Trainer:
             if self.log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
                 old_log = [x for x in self.log_path.read_text().splitlines()
                            if x and json.loads(x)["step"] <= self.start_step]
-            log(f"resuming from {self.resume_from} (step {self.start_step} of {steps})")
+            logger.info("resuming from %s (step %d of %d)", self.resume_from, self.start_step, steps)
         self.model.train()
         self.draft_ids = self.draft_ids.to(acc.device)
         self.logf = None
-        self.tracker = make_tracker(train_cfg.get("tracker") or "none", self.out_dir, acc.is_main_process,
-                                    {k: v for k, v in self.fingerprint.items() if isinstance(v, (int, float, str, bool))},
-                                    log)
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.logf = open(self.log_path, "w")
@@ -242,10 +251,9 @@ class Trainer:
         if val and self.logf:
             self.logf.write(json.dumps({"step": done, **val}) + "\n")
             self.logf.flush()
-        if val and self.tracker:
-            self.tracker.log(step_scalars(val), step=done)
         if val:
-            self.log(f"step {done}: validation loss {val['val_loss']:.4f}, EAL {val['val_eal']:.3f}")
+            self.accelerator.log(step_scalars(val), step=done)
+            logger.info("step %d: validation loss %.4f, EAL %.3f", done, val["val_loss"], val["val_eal"])
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -257,26 +265,24 @@ class Trainer:
         bar = tqdm(range(self.start_step, steps), desc="training", unit="step", disable=not acc.is_main_process,
                    initial=self.start_step, total=steps)
         step = self.start_step - 1
-        for step in bar:
-            rec = self.step(step)
-            if self.logf:
-                self.logf.write(json.dumps(rec) + "\n")
-                self.logf.flush()
-            if self.tracker:
-                self.tracker.log(step_scalars(rec), step=step + 1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", EAL=f"{rec['eal']:.2f}",
-                            tok_s=f"{rec['tokens_per_second']:.0f}")
-            if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
-                self.checkpoint(step + 1)
-            if train_cfg.max_minutes and time.perf_counter() - self.t0 > 60 * train_cfg.max_minutes:
-                self.log(f"stopping after {step + 1} steps: max_minutes={train_cfg.max_minutes} reached")
-                break
+        with logging_redirect_tqdm():  # log lines go above the bar, not through it
+            for step in bar:
+                rec = self.step(step)
+                if self.logf:
+                    self.logf.write(json.dumps(rec) + "\n")
+                    self.logf.flush()
+                acc.log(step_scalars(rec), step=step + 1)  # the trackers (main process; none: a no-op)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", EAL=f"{rec['eal']:.2f}",
+                                tok_s=f"{rec['tokens_per_second']:.0f}")
+                if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
+                    self.checkpoint(step + 1)
+                if train_cfg.max_minutes and time.perf_counter() - self.t0 > 60 * train_cfg.max_minutes:
+                    logger.info("stopping after %d steps: max_minutes=%s reached", step + 1, train_cfg.max_minutes)
+                    break
         if self.save_every and not (self.ckpt_root / f"step_{step + 1:06d}").is_dir():
             self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
         if self.logf:
             self.logf.close()
-        if self.tracker:
-            self.tracker.finish()
         final = metrics_from_counts(sum(self.window)) if self.window else metrics_from_counts(self.total_counts)
         ckpts = list_checkpoints(self.ckpt_root)
         eng = self.eng
@@ -293,9 +299,9 @@ class Trainer:
                 "precision": self.prec.name, "draft": plain}
 
 
-def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path, log=print,
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
           features: FeatureSource | None = None) -> dict:
     """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
     `features`: None = online (the step runs the target), or a feature source such as
     features.offline.OfflineFeatures giving the same rows from shards (validation reads it too)."""
-    return Trainer(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir, log=log, features=features).fit()
+    return Trainer(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir, features=features).fit()

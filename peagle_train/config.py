@@ -214,8 +214,9 @@ def check_command_line(argv: list[str]) -> list[str]:
     return errors
 
 
-def check_or_exit(argv: list[str] | None = None) -> None:
-    """`check_command_line(sys.argv[1:])`; prints the errors and exits with status 2 if any."""
+def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None:
+    """`check_command_line(sys.argv[1:])`; prints the errors and exits with status 2 if any.
+    `command`: the `peagle` subcommand whose command line this is."""
     errors = check_command_line(sys.argv[1:] if argv is None else argv)
     if errors:
         print("Config error:\n  " + "\n  ".join(errors), file=sys.stderr)

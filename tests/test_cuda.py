@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.training.cod import cod_sample
 from peagle_train.precision import autocast_context
 from peagle_train.training.trainer import train

@@ -78,7 +78,7 @@ def test_head_target_mismatch_is_named():
 
 
 def test_bad_training_config_is_named():
-    from peagle_train.paths import REPO_ROOT
+    from .conftest import REPO_ROOT
 
     base = OmegaConf.load(REPO_ROOT / "conf" / "config.yaml").training
     good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0, "algorithm": "peagle"})

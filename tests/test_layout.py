@@ -4,7 +4,7 @@ feature side imports no training code, and the trainer has no algorithm branch."
 import ast
 from pathlib import Path
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 PKG = REPO_ROOT / "peagle_train"
 
@@ -31,7 +31,16 @@ def test_nothing_below_the_trainer_imports_it():
             continue
         bad = {m for m in imported_modules(path) if m.startswith(("peagle_train.training.loop",
                                                                     "peagle_train.training.trainer"))}
-        if rel != "dryrun.py":  # the dry run drives the trainer, like train.py
+        if rel != "dryrun.py" and not rel.startswith("cli/"):  # the dry run and the commands drive the trainer
+            assert not bad, f"{rel} imports {bad}"
+
+
+def test_only_the_commands_import_the_cli():
+    """peagle_train/cli/ is the top of the house: no module below it imports it."""
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if not rel.startswith("cli/"):
+            bad = {m for m in imported_modules(path) if m.startswith("peagle_train.cli")}
             assert not bad, f"{rel} imports {bad}"
 
 

@@ -12,7 +12,7 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
 from peagle_train.export.speculators import load_export, validate_export, write_export
 from peagle_train.job import build_draft
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.draft.io import load_checkpoint, save_checkpoint
 from peagle_train.training.trainer import train

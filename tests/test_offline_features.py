@@ -12,7 +12,7 @@ from peagle_train import provenance
 import peagle_train.target.offline as offline
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.sources import packed_row

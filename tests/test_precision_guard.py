@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
-from peagle_train.paths import REPO_ROOT, resolve_path
+from peagle_train.paths import resolve_path
+
+from .conftest import REPO_ROOT
 from peagle_train.training.trainer import train
 
 pytestmark = pytest.mark.real

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 from .test_resume import losses, run
 

@@ -69,11 +69,12 @@ def run_hydra(hydra_main, argv: list[str] | None, doc: str, config_name: str, ch
     """Run one Hydra subcommand: `--help` prints `doc` and the keys (`config_help`); `checked`
     commands (the typed schema) refuse misspelled keys and unknown recipes before Hydra starts;
     then `hydra_main()` parses sys.argv as usual. Returns 0."""
-    from ..config import check_or_exit
+    from ..config import check_or_exit, recipe_names
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in HELP_FLAGS for a in argv):
-        print(doc.strip() + "\n\nKeys (key=value; conf/" + config_name + ".yaml and what it includes):\n\n"
+        print(doc.strip() + "\n\nRecipes (recipe=NAME): " + ", ".join(recipe_names())
+              + "\n\nKeys (key=value; conf/" + config_name + ".yaml and what it includes):\n\n"
               + config_help(config_name))
         return 0
     if checked:

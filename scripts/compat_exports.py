@@ -1,5 +1,5 @@
 """Write a matrix of small exports (P-EAGLE / EAGLE-3, Llama / Qwen3 layers, fc options) with tiny
-random targets saved beside them, for `scripts/check_speculators.sh --matrix` to load with the
+random targets saved beside them, for `scripts/check_speculators.sh matrix=true` to load with the
 speculators library.
 
     python scripts/compat_exports.py output_dir=OUT_DIR

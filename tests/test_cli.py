@@ -102,3 +102,13 @@ def test_train_dry_run_through_the_command_from_an_empty_directory(tmp_path):
     assert (out / ".hydra" / "config.yaml").is_file() and (out / "train.log").is_file()
     assert (out / "export" / "config.json").is_file()
     assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.skipif(os.environ.get("PEAGLE_INSTALL_CHECK") != "1",
+                    reason="PEAGLE_INSTALL_CHECK=1 runs scripts/check_install.sh (a fresh venv, a few minutes)")
+def test_install_check(tmp_path):
+    """The non-editable install in a fresh venv runs the shrunk demo with the installed `peagle`."""
+    p = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "check_install.sh"), str(tmp_path / "venv")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "install check passed" in p.stdout and "export valid" in p.stdout, p.stdout[-2000:]

@@ -167,7 +167,7 @@ def main() -> None:
         "one draft + (K+1)-token verify + bookkeeping per step). The fastest target-alone step of the table is the "
         "baseline of the ratio and of the speedup. Mismatches: turns whose speculative output differs from the "
         "target alone in the same precision (greedy; bf16 rounding differs between a 1-token and a "
-        f"{args.k + 1}-token forward; scripts/evaluate.py therefore compares below fp32 with the target alone decoded "
+        f"{args.k + 1}-token forward; `peagle evaluate` therefore compares below fp32 with the target alone decoded "
         "in the verifier's numerics, `lossless_mismatches` in acceptance.json).", "",
     ])
     print(md)

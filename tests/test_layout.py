@@ -59,3 +59,16 @@ def test_trainer_has_no_algorithm_branch():
             names = {getattr(x, "attr", None) for x in [node.left, *node.comparators]}
             consts = {getattr(x, "value", None) for x in [node.left, *node.comparators]}
             assert "algorithm" not in names and not consts & {"peagle", "eagle3"}, ast.unparse(node)
+
+
+def test_no_sys_path_insert_and_the_package_never_uses_the_checkout():
+    """Scripts and tests import the installed (or PYTHONPATH) package; the package finds its own
+    files as package data and has no notion of a checkout root."""
+    from .conftest import REPO_ROOT as root
+
+    for path in [*PKG.rglob("*.py"), *(root / "scripts").glob("*.py"), *(root / "tests").glob("*.py"), root / "train.py"]:
+        if path.name == "test_layout.py":
+            continue
+        assert "sys.path.insert" not in path.read_text(), path
+    for path in PKG.rglob("*.py"):
+        assert "REPO_ROOT" not in path.read_text() and "parent.parent" not in path.read_text(), path

@@ -8,6 +8,7 @@
 # pip installs from the machine's configured index (torch first and pinned: PEAGLE_TORCH, default
 # torch==2.13.0, the CPU build; a bare `torch` would pull a CUDA build).
 set -euo pipefail
+unset PYTHONPATH PYTHONHOME          # only the venv's own site-packages (a checkout on PYTHONPATH would win)
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
 WORK=$(mktemp -d)
 [ "${PEAGLE_KEEP:-0}" = "1" ] || trap 'rm -rf "$WORK"' EXIT   # PEAGLE_KEEP=1 keeps the venv, the run and its logs

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts (scripts/bench_*.py): their tables go into docs/BENCHMARKS.md."""
+"""Shared by the benchmark scripts (scripts/bench_*.py): their tables go into the markdown file they
+pass (`--out`, default the checkout's docs/BENCHMARKS.md, computed in scripts/)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,9 @@ import platform
 from pathlib import Path
 
 from .io import atomic_write_text
-from .paths import REPO_ROOT
-
-BENCHMARKS_MD = REPO_ROOT / "docs" / "BENCHMARKS.md"
 
 
-def write_section(heading: str, section: str, path: str | Path = BENCHMARKS_MD) -> Path:
+def write_section(heading: str, section: str, path: str | Path) -> Path:
     """Put `section` (markdown that starts with the line `heading`, e.g. "## Data preparation")
     into `path`: it replaces the existing section of that heading (up to the next "## " heading)
     and leaves every other section alone, or is appended when the heading is new. Returns the path."""
@@ -26,6 +24,17 @@ def write_section(heading: str, section: str, path: str | Path = BENCHMARKS_MD) 
         text = text.rstrip("\n") + "\n\n" + section
     atomic_write_text(path, text)
     return path
+
+
+def bench_arguments(ap, docs: Path, threads: int | None = 1):
+    """Add the options every benchmark script has to its argparse parser `ap` and return it:
+    `--out FILE` (the markdown file its table goes into; default `docs`, the checkout's
+    docs/BENCHMARKS.md as the script computes it from its own path), `--no-docs` (print the table
+    only) and `--threads N` (torch threads; default `threads`; the machine is shared)."""
+    ap.add_argument("--out", type=Path, default=docs, help=f"markdown file the table goes into (default {docs})")
+    ap.add_argument("--no-docs", action="store_true", help="print the table only, write no file")
+    ap.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    return ap
 
 
 def cpu_model() -> str:

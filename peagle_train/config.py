@@ -311,7 +311,7 @@ class EvaluateCommand(Config):
 class ExportCommand(Config):
     """Write a speculators/vLLM export from a training checkpoint, or validate one (conf/export.yaml)."""
 
-    checkpoint: Optional[str] = opt(None, "the training checkpoint to export: runs/<run>/checkpoint")
+    head: Optional[str] = opt(None, "the training checkpoint to export: runs/<run>/checkpoint")
     output: Optional[str] = opt(None, "export directory; null = output_dir/export")
     validate: Optional[str] = opt(None, "an export directory to check instead")
     overwrite: bool = opt(False, "replace an existing export at output")
@@ -391,7 +391,8 @@ _MIXED_PRECISION = ("training.mixed_precision was removed: `precision` (auto | f
 REMOVED_KEYS: dict[str, dict[str, str]] = {
     "*": {"training.mixed_precision": _MIXED_PRECISION},
     "export": {"dtype": "dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=<bfloat16 | "
-                        "float32 | float16>"},
+                        "float32 | float16>",
+               "checkpoint": "checkpoint was renamed: the head to export is head=. Fix: head=runs/<run>/checkpoint"},
 }
 
 

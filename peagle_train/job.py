@@ -12,7 +12,7 @@ import torch
 from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 from .errors import ConfigError
 from .io import atomic_write_json
-from .paths import REPO_ROOT
+from .paths import PACKAGE_DIR
 from .target.features import FeatureTarget, default_aux_layer_ids
 from .target.load import load_target
 
@@ -56,12 +56,8 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
 
 
 def run_metadata() -> dict:
-    """Git commit, package versions and platform of this run (written next to its outputs)."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    """Git commit, package versions and platform of this run (written next to its outputs).
+    `git_commit` is that of the checkout the package runs from, null for an installed package."""
     pkgs = {}
     for p in ("peagle-train", "torch", "transformers", "accelerate", "datasets", "hydra-core", "safetensors", "gguf",
               "deepspeed", "wandb", "tensorboard"):
@@ -69,7 +65,21 @@ def run_metadata() -> dict:
             pkgs[p] = version(p)
         except PackageNotFoundError:
             pkgs[p] = None
-    return {"git_commit": commit, "packages": pkgs, "python": platform.python_version(), "machine": platform.machine()}
+    return {"git_commit": git_commit(), "packages": pkgs, "python": platform.python_version(), "machine": platform.machine()}
+
+
+def git_commit() -> str | None:
+    """HEAD of the git checkout this package's files are tracked in; None outside one (an installed
+    package, also one whose venv lies inside some other repository) or without git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=10)
+
+    try:
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
+            return None
+        return git("rev-parse", "HEAD").stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def write_json(path: Path, obj) -> None:

@@ -3,7 +3,8 @@
 The Hydra configs (`conf/`), the recipes (`recipes/`) and the Spec-Bench questions (`spec_bench/`)
 ship inside the package (package data; in a checkout `peagle_train/conf`, `recipes` and
 `spec_bench` are links to the top-level `conf/`, `recipes/` and `data/spec_bench/`), so a
-non-editable install finds them from any working directory. The target and the training data are
+non-editable install finds them from any working directory. The package neither reads nor writes
+the checkout it may have been installed from. The target and the training data are
 found inside their own installed PyPI packages, without importing them. Nothing here downloads.
 """
 
@@ -16,9 +17,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"                             # Hydra config groups (train.yaml, config.yaml, ...)
 RECIPES_DIR = PACKAGE_DIR / "recipes"                       # one file per (target, purpose)
 SPEC_BENCH = PACKAGE_DIR / "spec_bench" / "question.jsonl"  # Spec-Bench questions (its LICENSE beside it)
-# The checkout root, when the package runs from one (tests, benchmarks writing docs/, git metadata);
-# in a non-editable install this is site-packages' parent and holds none of the above.
-REPO_ROOT = PACKAGE_DIR.parent
 
 
 def package_dir(module: str, pip_name: str) -> Path:
@@ -68,13 +66,10 @@ def gemma3_gguf() -> Path:
 
 def resolve_path(value: str) -> Path:
     """Turn a config path into a real path; `pkg:smollm2`, `pkg:sharegpt` and `pkg:spec_bench`
-    name the embedded defaults, anything else is a filesystem path (relative to the repo root when
-    it does not exist relative to the working directory)."""
+    name the embedded defaults, anything else is a filesystem path (a relative one is relative to
+    the working directory)."""
     named = {"pkg:smollm2": smollm2_gguf, "pkg:sharegpt": sharegpt_json, "pkg:spec_bench": lambda: SPEC_BENCH,
              "pkg:gemma3": gemma3_gguf}
     if value in named:
         return named[value]()
-    p = Path(value).expanduser()
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        return REPO_ROOT / p
-    return p
+    return Path(value).expanduser()

@@ -1,17 +1,17 @@
 """Hydra multirun sweeps (K_train and ablations): one table and one plot over the jobs of a sweep.
 
-    python train.py -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k
-    python train.py -m recipe=smollm2-135m draft.num_layers=1,2,4 output_dir=runs/ablate-layers
+    peagle train -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k
+    peagle train -m recipe=smollm2-135m draft.num_layers=1,2,4 output_dir=runs/ablate-layers
 
-Each job writes <sweep dir>/<job number>/summary.json (train.py); `SweepSummary` (a Hydra callback,
+Each job writes <sweep dir>/<job number>/summary.json (`peagle train`); `SweepSummary` (a Hydra callback,
 registered in conf/config.yaml) runs when the sweep ends and writes into the sweep dir
 sweep_summary.csv, sweep_summary.md and a plot: acceptance against the swept key
 (acceptance_vs_k.png for draft.num_depths, acceptance_vs_<key>.png for another single key, bars in
 acceptance_by_job.png when several keys vary). Its panels are τ (reference-decoder acceptance
 length) when evaluation ran and the validation EAL (held-out conversations) when validation ran,
 else the training EAL of the last 20 steps. Rewrite the files of a finished or interrupted sweep with
-`python -m peagle_train.sweep <sweep dir>`; summarise jobs of several sweeps together (ablations
-run one multirun each) with `python -m peagle_train.sweep <new dir> <sweep>/<job> <sweep>/<job> ...`.
+`peagle sweep output_dir=<sweep dir>`; summarise jobs of several sweeps together (ablations run one
+multirun each) with `peagle sweep output_dir=<new dir> jobs=[<sweep>/<job>,<sweep>/<job>,...]`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -198,25 +197,3 @@ def link_jobs(out_dir: Path, job_dirs: list[Path]) -> None:
         raise FileExistsError(f"{out_dir} already holds job folders. Fix: pick a new directory for the combined summary.")
     for i, j in enumerate(jobs):
         (out_dir / str(i)).symlink_to(j, target_is_directory=True)
-
-
-def main(argv: list[str]) -> int:
-    """python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]: rewrite a sweep's summary, or with job
-    folders of several sweeps, link them into SWEEP_DIR (a new folder) and summarise them together.
-    Its product is stdout (usage, one row per job); print, not logging, is meant here."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m peagle_train.sweep SWEEP_DIR [JOB_DIR ...]\n" + (main.__doc__ or ""))
-        return 0 if argv else 2
-    out = Path(argv[0])
-    if argv[1:]:
-        link_jobs(out, [Path(a) for a in argv[1:]])
-    elif not out.is_dir():
-        print(f"{out}: no such sweep folder (the output_dir of a train.py -m run)", file=sys.stderr)
-        return 2
-    for r in write_summary(out):
-        print({k: v for k, v in r.items() if v is not None})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

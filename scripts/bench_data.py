@@ -1,6 +1,6 @@
 """Benchmark data preparation: the whole recovered ShareGPT V3 (17,671 records) for SmolLM2.
 
-    python scripts/bench_data.py [--num-proc 2] [--max-length 512] [--no-docs]
+    python scripts/bench_data.py [--num-proc 2] [--max-length 512] [--threads 1] [--out FILE | --no-docs]
 
 Runs `prepare_data` twice on every conversation (num_conversations=None) with a fresh Arrow cache:
 cold (read, normalise, tokenise and mask with `num_proc` workers, draft vocabulary, mask token) and
@@ -19,14 +19,17 @@ import shutil
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psutil
+import torch
 
-from peagle_train.benchmarks import write_section
+from peagle_train.benchmarks import bench_arguments, write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 
 HEADING = "## Data preparation"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"  # where the table goes by default (--out)
 
 
 class PeakRSS:
@@ -75,8 +78,8 @@ def main():
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--cache-dir", default="/tmp/peagle_bench_data_cache")
-    ap.add_argument("--no-docs", action="store_true")
-    args = ap.parse_args()
+    args = bench_arguments(ap, DOCS).parse_args()
+    torch.set_num_threads(args.threads)
     shutil.rmtree(args.cache_dir, ignore_errors=True)
     tok, vocab_size = smollm2_tokenizer()
     path = resolve_path("pkg:sharegpt")
@@ -106,7 +109,7 @@ def main():
                f"{table}\n\nTargets: cold under 120 s, peak memory under 4 GiB.\n")
     print(section)
     if not args.no_docs:
-        print(f"written to {write_section(HEADING, section)}")
+        print(f"written to {write_section(HEADING, section, args.out)}")
 
 
 if __name__ == "__main__":

@@ -23,15 +23,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "BENCHMARKS.md"  # where the table goes by default (--out)
 HEADING = "## Decoding step costs (scripts/bench_decode.py)"
 OLD_HEADING = "## Reference decoder (scripts/bench_decode.py)"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-
-
-def _load_head(path: str):
-    from peagle_train.draft.io import load_checkpoint
-
-    return load_checkpoint(path)[0].eval()
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
@@ -71,7 +66,9 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.decoding.engine import generate
     from peagle_train.job import build_target
 
-    head = _load_head(args.head)
+    from peagle_train.draft.io import load_head
+
+    head = load_head(args.head)[0].eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
     target, tok = build_target(target_cfg, "cpu")
     target.model.to(dtype)
@@ -142,15 +139,15 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
-    ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
-    args = ap.parse_args()
-    from peagle_train.benchmarks import write_section
+    from peagle_train.benchmarks import bench_arguments, write_section
+
+    args = bench_arguments(ap, DOCS).parse_args()
     from peagle_train.benchmarks import cpu_model
     from peagle_train.precision import cpu_bf16_units
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     load_before, t0, rows = os.getloadavg(), time.time(), []
     for prec in args.precisions.split(","):
         print(f"{prec} ...", flush=True)
@@ -161,8 +158,8 @@ def main() -> None:
         HEADING, "",
         f"SmolLM2-135M-Instruct target (pkg:smollm2), head `{args.head}`, batch 1, greedy, K = {args.k}, "
         f"{args.max_new_tokens} new tokens, {args.num_prompts} MT-Bench first turns (mean prompt "
-        f"{rows[0]['context']:.0f} tokens). {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), one torch "
-        f"thread, every prompt decoded {args.rounds}× by each code, interleaved, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
+        f"{rows[0]['context']:.0f} tokens). {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
+        f"{args.threads} torch thread(s), every prompt decoded {args.rounds}× by each code, interleaved, torch {torch.__version__}; load average {load_before[0]:.1f} before / "
         f"{load_after[0]:.1f} after ({(time.time() - t0) / 60:.1f} min; the machine was shared, so absolute "
         "times are noisy).", "",
         table(rows), "",
@@ -170,15 +167,13 @@ def main() -> None:
         "one draft + (K+1)-token verify + bookkeeping per step). The fastest target-alone step of the table is the "
         "baseline of the ratio and of the speedup. Mismatches: turns whose speculative output differs from the "
         "target alone in the same precision (greedy; bf16 rounding differs between a 1-token and a "
-        f"{args.k + 1}-token forward; scripts/evaluate.py therefore compares below fp32 with the target alone decoded "
+        f"{args.k + 1}-token forward; `peagle evaluate` therefore compares below fp32 with the target alone decoded "
         "in the verifier's numerics, `lossless_mismatches` in acceptance.json).", "",
     ])
     print(md)
     if not args.no_docs:
-        from peagle_train.benchmarks import BENCHMARKS_MD
-
-        text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.is_file() else ""
-        print(f"wrote {write_section(OLD_HEADING if OLD_HEADING in text else HEADING, md)}")
+        text = args.out.read_text() if args.out.is_file() else ""
+        print(f"wrote {write_section(OLD_HEADING if OLD_HEADING in text else HEADING, md, args.out)}")
 
 
 if __name__ == "__main__":

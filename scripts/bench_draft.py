@@ -39,15 +39,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from peagle_train.benchmarks import cpu_model, write_section  # noqa: E402
-from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft  # noqa: E402
-from peagle_train.precision import cpu_bf16_units, resolve_precision  # noqa: E402
-from peagle_train.training.cod import attention_kind, cod_sample  # noqa: E402
-from peagle_train.algorithms.peagle import draft_step  # noqa: E402
-from peagle_train.features.rows import PackedRow  # noqa: E402
-from peagle_train.precision import autocast_context  # noqa: E402
+from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft
+from peagle_train.precision import cpu_bf16_units, resolve_precision
+from peagle_train.training.cod import attention_kind, cod_sample
+from peagle_train.algorithms.peagle import draft_step
+from peagle_train.features.rows import PackedRow
+from peagle_train.precision import autocast_context
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
@@ -280,7 +279,6 @@ def main():
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="rows of 512 and 2048, 1 and 4 layers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per configuration (the machine is shared)")
     ap.add_argument("--sizes", default=None, help="comma-separated row lengths (default 512,2048,8192)")
     ap.add_argument("--layers", default=None, help="comma-separated layer counts (default 1,2,4)")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of today,new,speculators")
@@ -290,8 +288,7 @@ def main():
                     help="skip dense-mask paths (today on CPU, speculators) above this many elements on the axis "
                          "(default: 12,000 on CPU, where an M×M mask of 34k elements needs minutes per layer and GBs)")
     ap.add_argument("--no-drafting", action="store_true", help="skip the drafting-cost table")
-    ap.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"))
-    args = ap.parse_args()
+    args = bench_arguments(ap, REPO / "docs" / "BENCHMARKS.md").parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
         spec = json.loads(args.one)
@@ -341,7 +338,8 @@ def main():
              "absolute speeds are noisy, ratios within a row less so.")
     md = markdown(name, setup, train, drafting, "python scripts/bench_draft.py " + " ".join(sys.argv[1:]))
     print(md)
-    write_section(HEADING, md, args.out)
+    if not args.no_docs:
+        write_section(HEADING, md, args.out)
 
 
 if __name__ == "__main__":

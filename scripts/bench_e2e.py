@@ -2,7 +2,7 @@
 and with offline features, and offline feature generation tokens/s.
 
     git worktree add /tmp/base main        # the code to compare against
-    python scripts/bench_e2e.py --base /tmp/base --conversations 40 --steps 8
+    python scripts/bench_e2e.py --base /tmp/base --conversations 40 --steps 8 [--threads 1] [--out FILE | --no-docs]
 
 Each measurement is a subprocess of the tree's own entry points (scripts/generate_hidden_states.py,
 train.py with eval and export off), runs of the two trees interleaved so that both see the same
@@ -21,11 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.precision import resolve_precision
 
-from peagle_train.benchmarks import write_section  # noqa: E402
-from peagle_train.paths import REPO_ROOT  # noqa: E402
-from peagle_train.precision import resolve_precision  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # this checkout: the "after" tree
 
 HEADING = "## End to end: demo training and feature generation, before and after"
 
@@ -90,9 +89,8 @@ def main():
     ap.add_argument("--base", required=True, help="the tree to compare against (e.g. a worktree of main)")
     ap.add_argument("--conversations", type=int, default=40)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    trees = {"before": Path(args.base).resolve(), "after_fp32": REPO_ROOT, "after_auto": REPO_ROOT}
+    args = bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md").parse_args()
+    trees = {"before": Path(args.base).resolve(), "after_fp32": ROOT, "after_auto": ROOT}
     # the base tree runs its own defaults (fp32); this tree once forced to fp32 (the structural changes
     # alone) and once with `precision: auto` (bf16 where the CPU has AVX512-BF16 or AMX)
     setting = {"before": [], "after_fp32": ["precision=fp32"], "after_auto": ["precision=auto"]}
@@ -144,7 +142,8 @@ def main():
               f"--steps {args.steps} --threads {args.threads}`."]
     text = "\n".join(lines)
     print(text)
-    write_section(HEADING, f"{HEADING}\n\n{text}\n")
+    if not args.no_docs:
+        write_section(HEADING, f"{HEADING}\n\n{text}\n", args.out)
 
 
 if __name__ == "__main__":

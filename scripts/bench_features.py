@@ -1,7 +1,7 @@
 """Benchmark target feature capture and offline shards (issue 4); prints a table and writes the
 "Target features" section of docs/BENCHMARKS.md.
 
-    python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--no-write]
+    python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--threads N] [--out FILE | --no-docs]
 
 Measures, on the default target (SmolLM2-135M-Instruct, peagle_train/config.py; bf16 on a GPU):
 1. capture overhead: FeatureTarget forward (hooks on 4 layers, full logits) vs the plain HF
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import write_section
+from peagle_train.benchmarks import bench_arguments, write_section
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
@@ -64,9 +64,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--docs", type=int, default=32, help="ShareGPT rows written as shards")
     ap.add_argument("--steps", type=int, default=6, help="training steps timed per mode")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-write", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
-    args = ap.parse_args()
+    args = bench_arguments(ap, Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md",
+                           threads=None).parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = default_config()
@@ -144,8 +143,8 @@ def main():
     table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join([HEADING, "", header, "", *table, ""])
     print(text)
-    if not args.no_write:
-        print(f"written: {write_section(HEADING, text)}")
+    if not args.no_docs:
+        print(f"written: {write_section(HEADING, text, args.out)}")
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)

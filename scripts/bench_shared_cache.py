@@ -3,7 +3,7 @@ decoded with shared forwards with and without `compact`, their wall time, final 
 tokens (which must be equal).
 
     python scripts/bench_shared_cache.py --head runs/smollm2/peagle/checkpoint [--num-prompts 16]
-        [--max-new-tokens 256] [--threads 2] [--no-docs]
+        [--max-new-tokens 256] [--threads 2] [--out FILE | --no-docs]
 
 SmolLM2-135M-Instruct target, greedy, K = 5, MT-Bench first turns of Spec-Bench. Prints a table and
 replaces the "Shared-forward cache compaction" section of docs/BENCHMARKS.md. Timings on a shared
@@ -16,15 +16,16 @@ import argparse
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import write_section
+from peagle_train.benchmarks import bench_arguments, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
-from peagle_train.draft.io import load_checkpoint
+from peagle_train.draft.io import load_head
 
 HEADING = "## Shared-forward cache compaction (scripts/bench_shared_cache.py)"
 
@@ -34,11 +35,9 @@ def main() -> None:
     ap.add_argument("--head", required=True, help="a training checkpoint directory (runs/<run>/checkpoint)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-docs", action="store_true", help="print only, leave docs/BENCHMARKS.md alone")
-    args = ap.parse_args()
+    args = bench_arguments(ap, Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md", threads=2).parse_args()
     torch.set_num_threads(args.threads)
-    draft, _ = load_checkpoint(args.head)
+    draft, _ = load_head(args.head)
     draft.eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(draft.config.aux_layer_ids)))
     target, tok = build_target(target_cfg, "cpu")
@@ -76,7 +75,7 @@ def main() -> None:
     if not same:
         raise SystemExit("compaction changed the tokens: a bug in decoding/engine.py")
     if not args.no_docs:
-        print(f"wrote {write_section(HEADING, md)}")
+        print(f"wrote {write_section(HEADING, md, args.out)}")
 
 
 if __name__ == "__main__":

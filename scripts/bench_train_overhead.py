@@ -1,6 +1,7 @@
 """Benchmark: share of the training step spent outside target and draft compute (online features).
 
-    python scripts/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024]
+    python scripts/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024] [--threads N]
+        [--out FILE | --no-docs]
 
 Runs `training.trainer.train` on SmolLM2-135M-Instruct (pkg:smollm2) and ShareGPT with the demo
 recipe's head (1 layer, K = 8), timing every target forward (FeatureTarget.__call__), every draft
@@ -15,26 +16,22 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from accelerate import Accelerator  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from peagle_train.benchmarks import write_section
-from peagle_train.data.prepare import prepare_data  # noqa: E402
-from peagle_train.job import build_draft, build_target  # noqa: E402
-from peagle_train.config import default_config  # noqa: E402
-from peagle_train.paths import REPO_ROOT, resolve_path  # noqa: E402
-from peagle_train.target.features import FeatureTarget  # noqa: E402
-from peagle_train.algorithms import peagle  # noqa: E402
-from peagle_train.training import trainer  # noqa: E402
+from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.config import default_config
+from peagle_train.data.prepare import prepare_data
+from peagle_train.job import build_draft, build_target
+from peagle_train.paths import RECIPES_DIR, resolve_path
+from peagle_train.target.features import FeatureTarget
+from peagle_train.algorithms import peagle
+from peagle_train.training import trainer
 
 HEADING = "## Training-step overhead with online features"
 
@@ -53,9 +50,12 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--conversations", type=int, default=80)
     ap.add_argument("--tokens-per-step", type=int, default=1024)
-    args = ap.parse_args()
+    args = bench_arguments(ap, Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md",
+                           threads=None).parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = default_config()
-    recipe = OmegaConf.load(REPO_ROOT / "recipes" / "smollm2-135m-demo.yaml")
+    recipe = OmegaConf.load(RECIPES_DIR / "smollm2-135m-demo.yaml")
     cfg = OmegaConf.merge(cfg, recipe)
     target, tok = build_target(cfg.target, "cpu")
     data = prepare_data(resolve_path(cfg.data.path), tok, target.config.vocab_size,
@@ -102,7 +102,8 @@ def main():
               f"{args.conversations} --tokens-per-step {args.tokens_per_step}`."]
     text = "\n".join(table)
     print(text)
-    write_section(HEADING, f"{HEADING}\n\n{text}\n")
+    if not args.no_docs:
+        write_section(HEADING, f"{HEADING}\n\n{text}\n", args.out)
 
 
 if __name__ == "__main__":

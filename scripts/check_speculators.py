@@ -1,8 +1,10 @@
 """The real client test: load an export with the `speculators` library's own loader.
 
-Usage: check_speculators.py EXPORT_DIR [VERIFIER_DIR]. speculators loads the verifier's lm_head
-when it loads a head; with no hub access, give a local HF directory of the target (for the GGUF
-default: the dequantised copy under ~/.cache/peagle_train/).
+    python scripts/check_speculators.py head=EXPORT_DIR [target.path=LOCAL_TARGET_HF_DIR]
+
+speculators loads the verifier's lm_head when it loads a head; with no hub access, give a local HF
+directory of the target as target.path (for the GGUF default: the dequantised copy under
+~/.cache/peagle_train/).
 
 Runs in its own environment (speculators 0.9 needs torch ≤ 2.14.1 with torchvision/torchaudio,
 unlike the CPU build used for the tests); `scripts/check_speculators.sh EXPORT_DIR` builds it.
@@ -53,5 +55,21 @@ def main(export_dir: str, verifier: str | None = None) -> int:
     return 1 if problems else 0
 
 
+def parse_pairs(argv: list[str]) -> dict[str, str]:
+    """`key=value` arguments as {key: value}; this venv has no peagle_train (nor, maybe, omegaconf),
+    so the pairs are split here. SystemExit naming a bad argument or key."""
+    keys = ("head", "target.path")
+    out = {}
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if not eq or key not in keys:
+            raise SystemExit(f"check_speculators.py: error: argument '{a}': use {' '.join(k + '=...' for k in keys)}")
+        out[key] = value
+    if "head" not in out:
+        raise SystemExit("check_speculators.py: error: give head=EXPORT_DIR [target.path=LOCAL_TARGET_HF_DIR]")
+    return out
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
+    args = parse_pairs(sys.argv[1:])
+    sys.exit(main(args["head"], args.get("target.path")))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Load exports with the speculators library (its own test job: it needs its own torch).
-#   bash scripts/check_speculators.sh runs/demo/export [LOCAL_TARGET_HF_DIR]
-#   bash scripts/check_speculators.sh --matrix     # 12 small exports: P-EAGLE/EAGLE-3 × Llama/Qwen3 × fc options
+#   bash scripts/check_speculators.sh head=runs/demo/export [target.path=LOCAL_TARGET_HF_DIR]
+#   bash scripts/check_speculators.sh matrix=true  # 12 small exports: P-EAGLE/EAGLE-3 × Llama/Qwen3 × fc options
 # Builds .venv-speculators once (torch 2.9.1 + torchvision + torchaudio + speculators 0.9.0,
 # several GB; set SPECULATORS_VENV to reuse one), then runs scripts/check_speculators.py in it.
 set -euo pipefail
@@ -13,12 +13,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q torch==2.9.1 'torchaudio==2.9.*' speculators==0.9.0 'transformers<=5.19.0'
 fi
 export HF_HUB_OFFLINE=1
-if [ "${1:-}" = "--matrix" ]; then
+if [ "${1:-}" = "matrix=true" ]; then
   out=$(mktemp -d)
-  python scripts/compat_exports.py "$out" > /dev/null
+  python scripts/compat_exports.py output_dir="$out" > /dev/null
   fail=0
   while read -r exp verifier; do
-    if log=$("$VENV/bin/python" scripts/check_speculators.py "$exp" "$verifier" 2>&1); then rc=0; else rc=$?; fail=1; fi
+    if log=$("$VENV/bin/python" scripts/check_speculators.py head="$exp" target.path="$verifier" 2>&1); then rc=0; else rc=$?; fail=1; fi
     echo "$log" | grep -E "^(speculators loaded|PROBLEM|OK|[0-9]+ problems)" || echo "$log" | tail -3
     [ $rc -eq 0 ] || echo "FAILED: $exp"
   done < "$out/exports.txt"

@@ -1,19 +1,29 @@
 """Write a matrix of small exports (P-EAGLE / EAGLE-3, Llama / Qwen3 layers, fc options) with tiny
-random targets saved beside them, for `scripts/check_speculators.sh --matrix` to load with the
-speculators library. Usage: python scripts/compat_exports.py OUT_DIR (writes OUT_DIR/exports.txt, one line per
-export: EXPORT_DIR VERIFIER_DIR)."""
+random targets saved beside them, for `scripts/check_speculators.sh matrix=true` to load with the
+speculators library.
+
+    python scripts/compat_exports.py output_dir=OUT_DIR
+
+Writes OUT_DIR/exports.txt, one line per export: EXPORT_DIR VERIFIER_DIR."""
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from peagle_train.cli import parse_pairs
+from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.errors import cli_main
+from peagle_train.export.speculators import write_export
+from peagle_train.target.features import default_aux_layer_ids
 
-from peagle_train.draft.peagle import DraftConfig, make_draft_head  # noqa: E402
-from peagle_train.export.speculators import write_export  # noqa: E402
-from peagle_train.target.features import default_aux_layer_ids  # noqa: E402
+
+@dataclass
+class Args:
+    output_dir: str = MISSING  # where the exports, their verifiers and exports.txt go
 
 
 def main(out: Path):
@@ -39,4 +49,4 @@ def main(out: Path):
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    cli_main(lambda argv: main(Path(parse_pairs(argv, Args, __doc__).output_dir)))(sys.argv[1:])

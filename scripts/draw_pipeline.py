@@ -1,13 +1,18 @@
 """Draw docs/pipeline.png (the README's picture): the training pipeline and one P-EAGLE decoding step.
 
-    python scripts/draw_pipeline.py [OUT.png]
+    python scripts/draw_pipeline.py [--out docs/pipeline.png]
 """
-import sys
+import argparse
+from pathlib import Path
 
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "pipeline.png")
+args = ap.parse_args()
 
 fig, ax = plt.subplots(figsize=(12, 5.0), dpi=110)
 ax.set_xlim(0, 12); ax.set_ylim(0.45, 5.6); ax.axis("off")
@@ -51,4 +56,4 @@ arrow(6.1, 1.2, 6.6, 1.5)
 box(9.8, 0.75, 2.1, 1.6, "τ = tokens per\nverify step\n(1 … K+1);\noutput = the target's\nown (lossless)", "#fff4d6", fs=8.5)
 arrow(9.3, 1.55, 9.8, 1.55)
 fig.tight_layout()
-fig.savefig(sys.argv[1] if len(sys.argv) > 1 else "docs/pipeline.png")
+fig.savefig(args.out)

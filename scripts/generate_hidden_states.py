@@ -1,69 +1,12 @@
-"""Write offline target features (aux + pre-norm final hidden states) for a recipe's data.
+"""`peagle features` as a script (the command: peagle_train/cli/features.py; `peagle features --help` lists its keys).
 
     python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats
-    python scripts/generate_hidden_states.py recipe=smollm2-135m-demo features.dir=/tmp/feats8 features.storage=int8
     accelerate launch --multi_gpu --num_processes 2 scripts/generate_hidden_states.py recipe=... features.dir=...
-    python train.py recipe=smollm2-135m-demo features.source=offline features.dir=/tmp/feats
-
-Uses the target, data and features groups (same recipe = same rows as training, data.prepared_dir included).
-Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/target/offline.py): the
-documents of a shard go through the target in forwards of up to training.tokens_per_step tokens.
-With N processes, process r writes shards r, r+N, ...; the shards equal a one-process run's. Killed
-and rerun with the same config, it resumes: finished shards are checked and skipped, only the
-others are computed. A directory made for another target/tokenizer/template/layer set/data is
-refused with the differing fields named.
 """
 
-from __future__ import annotations
+import sys
 
-from pathlib import Path
-
-import torch
-from accelerate import Accelerator
-from omegaconf import DictConfig, OmegaConf
-
-from peagle_train.config import check_or_exit, register
-from peagle_train.data.prepare import data_from_config
-from peagle_train.errors import cli_main
-from peagle_train.io import atomic_write_json
-from peagle_train.job import build_target
-from peagle_train.precision import autocast_context, log_precision, resolve_precision
-from peagle_train.target.offline import write_features_from_config
-
-
-@cli_main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if not cfg.features.dir:
-        raise SystemExit("Give the output directory: features.dir=/path/to/features (kept out of git).")
-    torch.manual_seed(cfg.seed)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if world != acc.num_processes:
-        raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "
-                         "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
-    target, tok = build_target(cfg.target, acc.device)
-    with acc.main_process_first():  # one process fills the data cache, the others read it
-        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
-    # the target's forward computes in `precision`, as in online training (bf16 autocast where the hardware has it)
-    prec = resolve_precision(cfg.precision, acc.device)
-    log_precision(prec)
-    with autocast_context(prec, acc.device):
-        summary = write_features_from_config(cfg.features, target, tok, data.rows,
-                                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
-                                             tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index,
-                                             world=world, barrier=acc.wait_for_everyone)
-    summary["precision"] = prec.as_dict()
-    if acc.is_main_process:
-        atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
-    acc.wait_for_everyone()
-    acc.end_training()  # trackers closed, process group destroyed before the interpreter exits
-    return summary
-
-
-register()  # the typed, strict schema (peagle_train/config.py) that conf/train.yaml starts from
+from peagle_train.cli.features import run
 
 if __name__ == "__main__":
-    check_or_exit(command="features")  # misspelled keys and unknown recipes, with near matches
-    main()
+    sys.exit(run())

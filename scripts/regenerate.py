@@ -1,75 +1,11 @@
-"""Regenerate the assistant turns of a conversation file with the target (self-distillation).
+"""`peagle regenerate` as a script (the command: peagle_train/cli/regenerate.py; `peagle regenerate --help` lists its keys).
 
     python scripts/regenerate.py recipe=smollm2-135m-demo data.num_conversations=50 output_dir=/tmp/regen
-    python scripts/regenerate.py regenerate.backend=endpoint regenerate.endpoint_url=http://HOST:8000/v1 \
-        regenerate.model=MODEL data.path=conversations.jsonl data.num_conversations=null output_dir=/tmp/regen
-
-Reads data.path (any format of scripts/prepare_data.py), keeps the normalisable conversations,
-shuffles them with `seed`, takes data.num_conversations, and rewrites every assistant turn with the
-target, turn by turn with the target's own history (peagle_train/data/regenerate.py). The output
-(regenerate.output, a `messages` JSONL) is resumable after a kill and is a valid data.path:
-
-    python scripts/prepare_data.py data.path=/tmp/regen/regenerated.jsonl output_dir=/tmp/prepared
 """
 
-from __future__ import annotations
+import sys
 
-import logging
-import time
-from dataclasses import asdict
-
-from omegaconf import DictConfig
-
-from peagle_train.data.regenerate import backend_from_config, regenerate
-from peagle_train.data.sources import load_source
-from peagle_train.config import check_or_exit, register
-from peagle_train.errors import cli_main
-from peagle_train.paths import resolve_path
-
-logger = logging.getLogger(__name__)
-
-
-def conversations(cfg, tok=None) -> tuple[list, int]:
-    """(id, messages) of data.path: normalisable ones, shuffled with seed, the first
-    num_conversations; and how many were skipped for a first user turn over
-    regenerate.max_prompt_tokens. With a tokenizer, each window of 16 batches is sorted by that
-    length so that a batch pads little while a run stopped early still has a random sample (the
-    output is keyed by id, so the order does not matter)."""
-    ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
-    logger.info(info.summary())
-    ds = ds.filter(lambda d: d == "" , input_columns="drop").filter(lambda m: len(m) > 0, input_columns="messages")
-    ds = ds.shuffle(seed=cfg.seed)
-    if cfg.data.num_conversations:
-        ds = ds.select(range(min(cfg.data.num_conversations, len(ds))))
-    rows = [(r["id"], r["messages"]) for r in ds.select_columns(["id", "messages"])]
-    if tok is None:
-        return rows, 0
-    limit = cfg.regenerate.max_prompt_tokens
-    first = [next((m["content"] for m in msgs if m["role"] == "user"), "") for _, msgs in rows]
-    lengths = [len(ids) for ids in tok(first, add_special_tokens=False)["input_ids"]]
-    keep = [i for i, n in enumerate(lengths) if not limit or n <= limit]
-    w = 16 * cfg.regenerate.batch_size
-    order = [i for s in range(0, len(keep), w) for i in sorted(keep[s: s + w], key=lengths.__getitem__)]
-    return [rows[i] for i in order], len(rows) - len(keep)
-
-
-@cli_main(config_path="../conf", config_name="regenerate", version_base="1.3")
-def main(cfg: DictConfig) -> dict:
-    t0 = time.perf_counter()
-    r = cfg.regenerate
-    backend, tok = backend_from_config(r, cfg.target, cfg.data)
-    convs, too_long = conversations(cfg, tok)
-    stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
-                       extra={"regenerated_by": str((cfg.target.name_or_path or cfg.target.path) if r.backend == "hf" else r.model)})
-    if too_long:
-        stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
-    out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
-    logger.info("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
-    return out
-
-
-register()  # the typed, strict schema (peagle_train/config.py) that conf/regenerate.yaml starts from
+from peagle_train.cli.regenerate import run
 
 if __name__ == "__main__":
-    check_or_exit(command="regenerate")  # misspelled keys, values outside a choice and unknown recipes, with near matches
-    main()
+    sys.exit(run())

@@ -25,30 +25,30 @@ DATA="$OUT/regen/regenerated.jsonl"
 stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/pipeline.log"; }
 
 stamp "1/5 regeneration (greedy, first user turn, ≤ 256 new tokens; stops after ${REGEN_MINUTES} min)"
-timeout --signal=INT "$((REGEN_MINUTES * 60))" "$PY" scripts/regenerate.py recipe=smollm2-135m \
+timeout --signal=INT "$((REGEN_MINUTES * 60))" "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m \
     data.num_conversations=3000 regenerate.max_turns=1 regenerate.max_prompt_tokens=256 \
     regenerate.max_new_tokens=256 regenerate.batch_size=48 output_dir="$OUT/regen" || true
 stamp "   $(wc -l < "$DATA") conversations regenerated"
 
 stamp "2/5 target features (offline shards)"
-"$PY" scripts/generate_hidden_states.py recipe=smollm2-135m data.path="$DATA" \
+"$PY" -m peagle_train.cli features recipe=smollm2-135m data.path="$DATA" \
     features.dir="$OUT/features" output_dir="$OUT/features-run"
 
 stamp "3/5 training P-EAGLE and EAGLE-3 side by side (${TRAIN_MINUTES} min each, 1 thread each)"
 common=(recipe=smollm2-135m data.path="$DATA" features.source=offline features.dir="$OUT/features"
         threads=1 training.max_minutes="$TRAIN_MINUTES" eval.enabled=false)
-"$PY" train.py "${common[@]}" training.max_steps="$PEAGLE_STEPS" output_dir="$OUT/peagle" > "$OUT/peagle.log" 2>&1 &
-"$PY" train.py "${common[@]}" algorithm=eagle3 training.max_steps="$EAGLE3_STEPS" training.val_conversations=0 \
+"$PY" -m peagle_train.cli train "${common[@]}" training.max_steps="$PEAGLE_STEPS" output_dir="$OUT/peagle" > "$OUT/peagle.log" 2>&1 &
+"$PY" -m peagle_train.cli train "${common[@]}" algorithm=eagle3 training.max_steps="$EAGLE3_STEPS" training.val_conversations=0 \
     output_dir="$OUT/eagle3" > "$OUT/eagle3.log" 2>&1 &
 wait
 
 stamp "4/5 evaluation: ${EVAL_PROMPTS/null/all 80} MT-Bench first turns, K=5, ${EVAL_TOKENS} new tokens, target alone + both heads"
 # 41 min on 2 CPU cores for the 80 first turns at 256 tokens (docs/RESULTS.md); both turns of each
 # question: eval.benchmark=mt_bench
-"$PY" scripts/evaluate.py head="$OUT/peagle/checkpoint" baseline_head="$OUT/eagle3/checkpoint" \
+"$PY" -m peagle_train.cli evaluate head="$OUT/peagle/checkpoint" baseline_head="$OUT/eagle3/checkpoint" \
     eval.benchmark=spec_bench eval.num_prompts="$EVAL_PROMPTS" eval.max_new_tokens="$EVAL_TOKENS" \
     eval.num_speculative_tokens=5 eval.batch_size=16 output_dir="$OUT/eval-mtbench-k5"
 
-stamp "5/5 export check (train.py wrote $OUT/peagle/export)"
-"$PY" scripts/export.py validate="$OUT/peagle/export"
+stamp "5/5 export check (peagle train wrote $OUT/peagle/export)"
+"$PY" -m peagle_train.cli export validate="$OUT/peagle/export"
 stamp "done: $OUT/eval-mtbench-k5/eval/acceptance.json"

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# The checkout the tests run from (its conf/, recipes/, scripts/, train.py). The package itself never
+# uses it: peagle_train finds its configs as package data (peagle_train/paths.py).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

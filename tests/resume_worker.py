@@ -1,7 +1,7 @@
 """A real training process for tests/test_resume.py: tiny in-process target, checkpoints every 3
 steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL it mid-epoch.
 
-    python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
+    PYTHONPATH=. python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
 
 Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
 """
@@ -14,16 +14,14 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.conftest import tiny_llama  # noqa: E402
-from tests.test_loop import tiny_rows  # noqa: E402
-from peagle_train.data.vocab import DraftVocab  # noqa: E402
-from peagle_train.job import build_draft  # noqa: E402
-from peagle_train.config import default_config  # noqa: E402
-from peagle_train.logs import setup_logging  # noqa: E402
-from peagle_train.target.features import FeatureTarget  # noqa: E402
-from peagle_train.training.trainer import train  # noqa: E402
+from tests.conftest import tiny_llama
+from tests.test_loop import tiny_rows
+from peagle_train.config import default_config
+from peagle_train.data.vocab import DraftVocab
+from peagle_train.job import build_draft
+from peagle_train.logs import setup_logging
+from peagle_train.target.features import FeatureTarget
+from peagle_train.training.trainer import train
 
 
 class SlowTarget(FeatureTarget):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peagle_train.errors import UserError, cli_main
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.draft.io import save_checkpoint
 
 from .conftest import tiny_llama
@@ -83,12 +83,13 @@ def test_evaluate_and_export_with_a_damaged_head(tmp_path, target_model, tiny_ta
     (ckpt / "model.safetensors").write_bytes(raw[: len(raw) // 2])
     p = run("scripts/evaluate.py", f"head={ckpt}", f"target.path={tiny_target}", f"output_dir={tmp_path / 'e'}")
     user_error(p, "evaluate.py: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
-    p = run("scripts/export.py", f"checkpoint={ckpt}", f"output={tmp_path / 'x'}", f"output_dir={tmp_path / 'e'}")
+    p = run("scripts/export.py", f"head={ckpt}", f"output={tmp_path / 'x'}", f"output_dir={tmp_path / 'e'}")
     user_error(p, "export.py: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
 
 
 def test_other_entry_points_report_user_errors_in_one_line(tmp_path):
-    p = run("scripts/convert_features.py", str(tmp_path / "nofeats"), str(tmp_path / "dst"), "--storage", "int8")
+    p = run("scripts/convert_features.py", f"features.dir={tmp_path / 'nofeats'}", f"output_dir={tmp_path / 'dst'}",
+          "storage=int8")
     user_error(p, "convert_features.py: error: ", "nofeats")
     p = run("scripts/generate_hidden_states.py", f"output_dir={tmp_path / 'g'}")
     user_error(p, "Give the output directory: features.dir=")

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from peagle_train import config as C
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 
 def compose_train(overrides):
@@ -209,11 +209,7 @@ def test_help_lists_every_key_with_type_default_and_help(capsys):
 
 
 def test_cpu_threads_default_is_this_process_share_of_the_cores(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_main", REPO_ROOT / "train.py")
-    train_main = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_main)
+    from peagle_train.cli import train as train_main
     monkeypatch.setattr(train_main.os, "cpu_count", lambda: 8)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert train_main.cpu_threads(None) == 8     # one process: all cores (accelerate launch would give 1)

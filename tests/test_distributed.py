@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.training.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step
 
@@ -18,7 +18,7 @@ from .test_training import random_row
 
 def test_two_processes_match_one(tmp_path):
     out = tmp_path / "dist.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "--main_process_port", _free_port(), str(REPO_ROOT / "tests" / "dist_worker.py"), str(out)],

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.draft.io import save_checkpoint
 
 from .conftest import tiny_llama
@@ -25,12 +25,12 @@ def test_export_cli(tmp_path, target_model):
     other = tiny_llama(vocab_size=256)
     other.save_pretrained(str(tmp_path / "other"))
     out = tmp_path / "export"
-    ok = run(f"checkpoint={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
+    ok = run(f"head={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (out / "config.json").is_file() and (out / "README.md").is_file()
-    again = run(f"checkpoint={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
+    again = run(f"head={ckpt}", f"output={out}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}")
     assert again.returncode != 0 and "overwrite=true" in again.stderr
-    wrong = run(f"checkpoint={ckpt}", f"output={tmp_path / 'e2'}", f"target.path={tmp_path / 'other'}",
+    wrong = run(f"head={ckpt}", f"output={tmp_path / 'e2'}", f"target.path={tmp_path / 'other'}",
                 f"output_dir={tmp_path / 'o'}")
     assert wrong.returncode != 0 and "the head's vocabulary is 128, the target's is 256" in wrong.stderr
     assert not (tmp_path / "e2").exists()
@@ -49,7 +49,7 @@ def test_export_cli_verifier_name(tmp_path, target_model):
     _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
     ckpt = save_checkpoint(d, tmp_path / "run" / "checkpoint", {"verifier_architectures": ["LlamaForCausalLM"]})
     target_model.save_pretrained(str(tmp_path / "target"))
-    common = [f"checkpoint={ckpt}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}"]
+    common = [f"head={ckpt}", f"target.path={tmp_path / 'target'}", f"output_dir={tmp_path / 'o'}"]
     nameless = run(*common, f"output={tmp_path / 'e1'}")
     assert nameless.returncode != 0 and "target.name_or_path is not set" in nameless.stderr
     assert not (tmp_path / "e1").exists()

@@ -4,7 +4,7 @@ feature side imports no training code, and the trainer has no algorithm branch."
 import ast
 from pathlib import Path
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 PKG = REPO_ROOT / "peagle_train"
 
@@ -31,7 +31,16 @@ def test_nothing_below_the_trainer_imports_it():
             continue
         bad = {m for m in imported_modules(path) if m.startswith(("peagle_train.training.loop",
                                                                     "peagle_train.training.trainer"))}
-        if rel != "dryrun.py":  # the dry run drives the trainer, like train.py
+        if rel != "dryrun.py" and not rel.startswith("cli/"):  # the dry run and the commands drive the trainer
+            assert not bad, f"{rel} imports {bad}"
+
+
+def test_only_the_commands_import_the_cli():
+    """peagle_train/cli/ is the top of the house: no module below it imports it."""
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if not rel.startswith("cli/"):
+            bad = {m for m in imported_modules(path) if m.startswith("peagle_train.cli")}
             assert not bad, f"{rel} imports {bad}"
 
 
@@ -50,3 +59,16 @@ def test_trainer_has_no_algorithm_branch():
             names = {getattr(x, "attr", None) for x in [node.left, *node.comparators]}
             consts = {getattr(x, "value", None) for x in [node.left, *node.comparators]}
             assert "algorithm" not in names and not consts & {"peagle", "eagle3"}, ast.unparse(node)
+
+
+def test_no_sys_path_insert_and_the_package_never_uses_the_checkout():
+    """Scripts and tests import the installed (or PYTHONPATH) package; the package finds its own
+    files as package data and has no notion of a checkout root."""
+    from .conftest import REPO_ROOT as root
+
+    for path in [*PKG.rglob("*.py"), *(root / "scripts").glob("*.py"), *(root / "tests").glob("*.py"), root / "train.py"]:
+        if path.name == "test_layout.py":
+            continue
+        assert "sys.path.insert" not in path.read_text(), path
+    for path in PKG.rglob("*.py"):
+        assert "REPO_ROOT" not in path.read_text() and "parent.parent" not in path.read_text(), path

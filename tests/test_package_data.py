@@ -14,6 +14,8 @@ import peagle_train
 from peagle_train import config, paths
 from peagle_train.paths import PACKAGE_DIR
 
+from .conftest import REPO_ROOT
+
 
 def test_package_files_are_found_inside_the_package():
     assert PACKAGE_DIR == paths.Path(peagle_train.__file__).resolve().parent
@@ -25,7 +27,7 @@ def test_package_files_are_found_inside_the_package():
     assert paths.resolve_path("pkg:spec_bench") == paths.SPEC_BENCH
     assert sum(1 for _ in paths.SPEC_BENCH.open()) == 480 and paths.SPEC_BENCH.with_name("LICENSE").is_file()
     # in a checkout they are the top-level folders (one copy of each file)
-    assert (PACKAGE_DIR / "conf").resolve() == (paths.REPO_ROOT / "conf").resolve()
+    assert (PACKAGE_DIR / "conf").resolve() == (REPO_ROOT / "conf").resolve()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel")
@@ -33,9 +35,9 @@ def test_the_wheel_carries_configs_recipes_and_spec_bench(tmp_path):
     src = tmp_path / "src"  # a copy, so that the build leaves nothing in the checkout
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for name in ("peagle_train", "conf", "recipes", "data/spec_bench"):
-        shutil.copytree(paths.REPO_ROOT / name, src / name, symlinks=True, ignore=skip)
+        shutil.copytree(REPO_ROOT / name, src / name, symlinks=True, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
-        shutil.copy(paths.REPO_ROOT / name, src / name)
+        shutil.copy(REPO_ROOT / name, src / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            str(src), "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

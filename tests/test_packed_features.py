@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peagle_train.features.sources import OnlineFeatures
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.target.features import FeatureTarget, align_for_draft
 
 from .conftest import tiny_llama

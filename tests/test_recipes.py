@@ -50,7 +50,7 @@ def test_k_sweep_writes_table_and_plot(tmp_path):
     import subprocess
     import sys
 
-    from peagle_train.paths import REPO_ROOT
+    from .conftest import REPO_ROOT
 
     proc = subprocess.run([sys.executable, "train.py", "-m", "recipe=smollm2-135m-demo", "dry_run=true",
                            "draft.num_depths=2,4", f"output_dir={tmp_path}"], cwd=REPO_ROOT, capture_output=True,
@@ -119,20 +119,20 @@ def test_ablation_sweep_table_names_the_swept_key(tmp_path):
 def test_sweep_cli_combines_jobs_of_several_sweeps(tmp_path, capsys):
     """Ablations run as separate multiruns: the CLI links their job folders and tables them
     together; a folder that is not a job is refused by name."""
-    from peagle_train.sweep import main
+    from peagle_train.cli.sweep import main
 
     summary = {"training": {"steps": 100, "last20_metrics": {"eal": 1.5}, "validation": {"val_eal": 1.3}},
                "eval": {"acceptance_length": 1.27}}
     _fake_job(tmp_path / "sweep-a", 1, ["draft.num_depths=8"], {"draft": {"num_depths": 8, "num_layers": 1}}, summary)
     _fake_job(tmp_path / "sweep-b", 0, ["draft.num_depths=8", "draft.num_layers=2"],
               {"draft": {"num_depths": 8, "num_layers": 2}}, {**summary, "eval": {"acceptance_length": 1.31}})
-    assert main([str(tmp_path / "both"), str(tmp_path / "sweep-a" / "1"), str(tmp_path / "sweep-b" / "0")]) == 0
+    assert main([f"output_dir={tmp_path / 'both'}", f"jobs=[{tmp_path / 'sweep-a' / '1'},{tmp_path / 'sweep-b' / '0'}]"]) == 0
     md = (tmp_path / "both" / "sweep_summary.md").read_text().splitlines()
     assert [line.split(" | ")[3:9] for line in md[2:]] == [["1", "100", "", "1.5", "1.3", "1.27"],
                                                            ["2", "100", "", "1.5", "1.3", "1.31"]]
     assert (tmp_path / "both" / "acceptance_vs_num_layers.png").is_file()
     with pytest.raises(FileNotFoundError, match="not a train.py job folder"):
-        main([str(tmp_path / "other"), str(tmp_path / "sweep-a" / "1"), str(tmp_path / "sweep-a")])
+        main([f"output_dir={tmp_path / 'other'}", f"jobs=[{tmp_path / 'sweep-a' / '1'},{tmp_path / 'sweep-a'}]"])
     assert not (tmp_path / "other").exists()  # nothing linked when one folder is refused
     with pytest.raises(FileExistsError, match="already holds job folders"):
-        main([str(tmp_path / "both"), str(tmp_path / "sweep-a" / "1")])
+        main([f"output_dir={tmp_path / 'both'}", f"jobs=[{tmp_path / 'sweep-a' / '1'}]"])

@@ -1,9 +1,6 @@
 """issue 10: the K cost model against hand-computed values, and recommend_k's bad-input handling."""
 
-import functools
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +13,7 @@ from peagle_train.decoding.step_costs import estimate_bytes, time_draft, time_ve
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.target.features import FeatureTarget
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-@functools.cache
-def _script():
-    spec = importlib.util.spec_from_file_location("recommend_k", REPO / "scripts" / "recommend_k.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from peagle_train.evaluation.recommend import measure_costs, recommend_k
 
 
 def test_expected_tokens_hand_computed():
@@ -113,17 +102,18 @@ def _config(tmp_path, **recommend):
     return compose("recommend-k", overrides)
 
 
-def test_script_without_models(tmp_path, capsys):
+def test_script_without_models(tmp_path, capsys, caplog):
     """costs.csv + acceptance.json: table, heat map and recommendation; K beyond K_train warned."""
     write_costs(tmp_path / "costs.csv", _grid())
     (tmp_path / "acc.json").write_text(json.dumps({"acceptance_length": 2.1, "per_position_acceptance": [0.8, 0.4]}))
     cfg = _config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "acc.json", batch_sizes="[1,8]",
                   ks="[1,2,3,4]", k_train=3)
-    res = _script().run(cfg)
+    res = recommend_k(cfg)
     assert res["recommended_k"] == {"1": 3, "8": 1}  # same a = [0.8, 0.5, 0.5 (extrapolated), 0.5] as above
     assert res["predicted_tokens_per_s"]["1"] == pytest.approx(160.0)
     out = capsys.readouterr().out
-    assert "WARNING: K_serve=[4] > K_train=3: untested" in out
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("K_serve=[4] > K_train=3: untested")
     assert "| 1 | 138.5 | 157.1 | **160.0** | 156." in out and "| 100.0 | 3 | 1.60× |" in out
     assert "| 8 | **450.0** | 440.0 | 400.0 | 357.1 | 320.0 | 1 | 1.41× |" in out
     assert (tmp_path / "recommend_k" / "heatmap.png").stat().st_size > 1000
@@ -135,12 +125,12 @@ def test_script_without_models(tmp_path, capsys):
     cfg = _config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "acc.json", batch_sizes="[1,8]",
                   ks="[1,2,3,4]", k_train=3)
     with pytest.raises(CostModelError, match=r"batch=8 K=1 verify_ms=0.0.*Fix: re-measure"):
-        _script().run(cfg)
+        recommend_k(cfg)
     (tmp_path / "bad.json").write_text(json.dumps({"acceptance_length": 1.2}))
     with pytest.raises(CostModelError, match=r"bad.json: no per_position_acceptance list"):
-        _script().run(_config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "bad.json"))
+        recommend_k(_config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "bad.json"))
     with pytest.raises(CostModelError, match="give head="):
-        _script().run(_config(tmp_path, acceptance=tmp_path / "acc.json"))
+        recommend_k(_config(tmp_path, acceptance=tmp_path / "acc.json"))
 
 
 def _tiny(target_model, K=4):
@@ -163,7 +153,7 @@ def test_timing_counts_forwards_and_skips_batches_over_the_memory_limit(target_m
     # KV caches, logits and activations grow linearly with the batch
     assert estimate_bytes(t.config, d, 8, 4, 16) == 4 * estimate_bytes(t.config, d, 2, 4, 16)
     limit = estimate_bytes(t.config, d, 2, 2, 16)  # batch 2 fits, batch 4 does not
-    costs, skipped = _script().measure_costs(d, t, [1, 2, 4], [1, 2], 16, 1, 0, limit, log=lambda *_: None)
+    costs, skipped = measure_costs(d, t, [1, 2, 4], [1, 2], 16, 1, 0, limit)
     assert sorted(costs) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert list(skipped) == [4] and "GiB available" in skipped[4]
     check_costs(costs, [1, 2], [1, 2])

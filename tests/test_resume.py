@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.config import default_config
-from peagle_train.paths import REPO_ROOT
+
+from .conftest import REPO_ROOT
 from peagle_train.target.features import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints

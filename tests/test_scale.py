@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from peagle_train.paths import REPO_ROOT
 from peagle_train.training.tracking import PROJECT
+
+from .conftest import REPO_ROOT
 
 from .test_resume import losses, run
 

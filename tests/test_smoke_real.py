@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 pytestmark = pytest.mark.real
 

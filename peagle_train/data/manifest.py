@@ -74,7 +74,7 @@ def check_manifest(manifest: dict, tokenizer, target_vocab_size: int, *, templat
     if problems:
         raise ManifestMismatchError(
             f"{where} does not match the target given to training:\n" + "\n".join(problems) +
-            "\nFix: prepare the data again for this target (python scripts/prepare_data.py with the same target.* "
+            "\nFix: prepare the data again for this target (peagle prepare with the same target.* "
             "and data.* settings), or point data.prepared_dir at data prepared for it.")
 
 
@@ -83,5 +83,5 @@ def read_manifest(prepared_dir: str | Path) -> dict:
     p = Path(prepared_dir) / "manifest.json"
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: {prepared_dir} is not a prepared dataset directory. "
-                                "Fix: run python scripts/prepare_data.py output_dir=<dir> first.")
+                                "Fix: run peagle prepare output_dir=<dir> first.")
     return json.loads(p.read_text())

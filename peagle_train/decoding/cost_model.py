@@ -57,16 +57,16 @@ def conditional_acceptance(per_position: list[float], source: str = "acceptance"
     """
     if not per_position:
         raise CostModelError(f"{source}: per_position_acceptance is empty. Fix: evaluate the head with "
-                             "scripts/evaluate.py (eval.num_speculative_tokens >= 1) and pass its acceptance.json.")
+                             "`peagle evaluate` (eval.num_speculative_tokens >= 1) and pass its acceptance.json.")
     a, prev = [], 1.0
     for i, p in enumerate(per_position, 1):
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 <= p <= 1.0:
             raise CostModelError(f"{source}: per_position_acceptance[{i - 1}] = {p!r} is not a share in [0, 1]. "
-                                 "Fix: pass the acceptance.json written by scripts/evaluate.py.")
+                                 "Fix: pass the acceptance.json written by `peagle evaluate`.")
         if p > prev + 1e-9:
             raise CostModelError(f"{source}: per_position_acceptance[{i - 1}] = {p} exceeds the previous position's "
                                  f"{prev}; draft i can only be accepted when drafts 1..i-1 are. Fix: pass the "
-                                 "unconditional per-position shares as scripts/evaluate.py writes them.")
+                                 "unconditional per-position shares as `peagle evaluate` writes them.")
         a.append(p / prev if prev > 0 else 0.0)
         prev = p
     return a
@@ -124,7 +124,7 @@ def check_costs(costs: dict[tuple[int, int], StepCost], batches: list[int], ks: 
         msgs.append(f"{len(bad)} costs are missing, non-positive or not finite: {'; '.join(bad[:10])}"
                     f"{' …' if len(bad) > 10 else ''}")
     if msgs:
-        raise CostModelError(f"{source}: " + ". ".join(msgs) + ". Fix: re-measure (python scripts/recommend_k.py "
+        raise CostModelError(f"{source}: " + ". ".join(msgs) + ". Fix: re-measure (peagle recommend-k "
                              "head=... without costs=) or restrict recommend.batch_sizes / recommend.ks to measured cells.")
 
 
@@ -175,7 +175,7 @@ def k_range_warnings(ks: list[int], k_train: int | None) -> list[str]:
 
 
 def read_costs(path: str | Path) -> dict[tuple[int, int], StepCost]:
-    """Costs CSV (columns batch, K, draft_ms, verify_ms, target_ms; as scripts/recommend_k.py writes
+    """Costs CSV (columns batch, K, draft_ms, verify_ms, target_ms; as `peagle recommend-k` writes
     costs.csv). Empty cells read as None (reported by check_costs). Raises CostModelError naming
     the file, the line and the fix on a missing file, column or an unparsable number."""
     p = Path(path)

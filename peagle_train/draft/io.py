@@ -69,5 +69,6 @@ def load_head(path) -> tuple:
         from ..export.speculators import load_export
 
         return load_export(p), None
-    raise FileNotFoundError(f"head={path}: neither a checkpoint (draft_config.json) nor an export (config.json). "
-                            "Fix: point head= at runs/<run>/checkpoint or runs/<run>/export.")
+    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
+                            "Fix: point head= (or draft.init_from=) at runs/<run>/checkpoint, "
+                            "runs/<run>/checkpoints/step_N or runs/<run>/export.")

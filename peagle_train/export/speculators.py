@@ -4,8 +4,8 @@ Directory: config.json + model.safetensors (floats in bf16 by default; d2t int64
 Served by: vllm serve <target> --speculative-config
     '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": K, "parallel_drafting": true}'
 
-Also here: the verifier name an export records (`verifier_name`), reading a head back from a
-checkpoint or an export (`load_head`), and starting a run from an existing head (`init_from_head`).
+Also here: the verifier name an export records (`verifier_name`) and starting a run from an
+existing head (`init_from_head`; heads are read with peagle_train/draft/io.py's `load_head`).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def model_card(cfg: dict, card: dict) -> str:
             lines.append(f"| {name} | {r['num_prompts']} | {r['num_speculative_tokens']} | {r['acceptance_length']:.3f} | "
                          f"{pos} | {r['lossless']} |")
     else:
-        lines.append("Not measured yet: run `python scripts/evaluate.py head=<this directory>`.")
+        lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
     lines += ["", "## Serve with vLLM", "", "```bash", f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
               "```", ""]
     return "\n".join(lines)
@@ -251,7 +251,7 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
     Raises FileNotFoundError (no config.json / model.safetensors), CorruptFileError (a file cut off
     or corrupted) and ExportError (a required config key missing, or tensors that do not fit)."""
     d = Path(export_dir)
-    fix = "re-export it with scripts/export.py checkpoint=<run>/checkpoint"
+    fix = "re-export it with peagle export head=<run>/checkpoint"
     cfg = read_json(d / "config.json", "export config", fix=fix)
     try:
         dc = _draft_config_of(cfg)
@@ -285,25 +285,6 @@ def _draft_config_of(cfg: dict) -> DraftConfig:
     )
 
 
-def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
-    """A draft head from a training checkpoint (`draft_config.json`, fp32) or an export (`config.json`,
-    bf16 floats cast to `dtype`).
-
-    Raises:
-        FileNotFoundError: `path` is neither (names the path and the fix).
-        ExportError / ValueError: the files do not match their config (names the tensors).
-    """
-    p = Path(path)
-    if (p / "draft_config.json").is_file():
-        from ..draft.io import load_checkpoint
-
-        return load_checkpoint(p)[0].to(dtype)
-    if (p / "config.json").is_file():
-        return load_export(p, dtype)
-    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
-                            "Fix: point it at runs/<run>/checkpoint, runs/<run>/checkpoints/step_N or runs/<run>/export.")
-
-
 # Sizes and choices that must agree for a head's weights to continue in another run (num_depths,
 # gradient_checkpointing and max_position_embeddings may change).
 _INIT_KEYS = ("algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -323,7 +304,9 @@ def init_from_head(draft: PEagleDraft, source: str | Path) -> PEagleDraft:
         FileNotFoundError: `source` is neither a checkpoint nor an export.
         ValueError: a size, setting or the draft vocabulary differs (each named, with the fix).
     """
-    src = load_head(source)
+    from ..draft.io import load_head
+
+    src = load_head(source)[0]
     have, want = src.config, draft.config
     diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in _INIT_KEYS
             if getattr(have, k) != getattr(want, k)]

@@ -1,5 +1,5 @@
 """Packed training rows and where their features come from: the frozen target run online in the
-training step, or offline shards written by scripts/generate_hidden_states.py. Both sources build
+training step, or offline shards written by `peagle features`. Both sources build
 rows with the one packing function `rows.pack_row`."""
 
 from .rows import PackedRow, pack_documents, pack_row

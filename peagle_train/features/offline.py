@@ -41,7 +41,7 @@ class OfflineFeatures(FeatureSource):
         mpath = self.dir / MANIFEST
         if not mpath.is_file():
             raise FeatureShardError(f"{mpath} not found: no offline features in {self.dir}. Fix: run "
-                                    f"python scripts/generate_hidden_states.py features.dir={self.dir} (same recipe).")
+                                    f"peagle features features.dir={self.dir} (same recipe).")
         try:
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
@@ -69,22 +69,22 @@ class OfflineFeatures(FeatureSource):
             path = self.dir / shard_name(k)
             if rec is None or not path.is_file():
                 raise FeatureShardError(f"{path}: missing (check: completeness; the generation stopped before this "
-                                        "shard). Fix: rerun scripts/generate_hidden_states.py with the same config; "
+                                        "shard). Fix: rerun `peagle features` with the same config; "
                                         "it resumes and writes only the missing shards.")
             size = path.stat().st_size
             if size != rec["bytes"]:
                 raise FeatureShardError(f"{path}: truncated or altered after writing (check: size, {size} bytes, "
                                         f"manifest says {rec['bytes']}). Fix: delete the shard and rerun "
-                                        "scripts/generate_hidden_states.py (it recomputes only missing shards).")
+                                        "`peagle features` (it recomputes only missing shards).")
             if verify and provenance.sha256_file(path) != rec["sha256"]:
                 raise FeatureShardError(f"{path}: altered after writing (check: sha256 differs from the manifest). "
-                                        "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
+                                        "Fix: delete the shard and rerun `peagle features`.")
             try:
                 f = safe_open(str(path), framework="pt")  # memory-mapped; slices read on demand
                 offsets = f.get_tensor("offsets")
             except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
                 raise FeatureShardError(f"{path}: unreadable safetensors file (check: format): {e}. "
-                                        "Fix: delete the shard and rerun scripts/generate_hidden_states.py.") from e
+                                        "Fix: delete the shard and rerun `peagle features`.") from e
             self._files.append(f)
             self._offsets.append(offsets.tolist())
             self._scales.append({k2: f.get_tensor(k2) for k2 in ("aux_scale", "final_scale") if k2 in f.keys()})
@@ -123,7 +123,7 @@ class OfflineFeatures(FeatureSource):
         if not (torch.isfinite(parts["aux"]).all() and torch.isfinite(parts["final"]).all()):
             raise FeatureShardError(f"{self.dir / shard_name(k)}: document {i - k * self.docs_per_shard} (data row {i}) "
                                     "has NaN/Inf features (check: finite). Nothing is trained on it. Fix: delete the "
-                                    "shard and rerun scripts/generate_hidden_states.py.")
+                                    "shard and rerun `peagle features`.")
         ids = f.get_slice("input_ids")[s:e].long().to(w.device)
         return ids, parts["aux"], parts["final"]
 

@@ -60,7 +60,7 @@ def open_features(fcfg, target: FeatureTarget, tok, rows, template_kwargs: dict 
     if fcfg.source != "offline":
         raise ConfigError(f"features.source={fcfg.source!r} must be online or offline")
     if not fcfg.dir:
-        raise ConfigError("features.source=offline needs features.dir (written by scripts/generate_hidden_states.py)")
+        raise ConfigError("features.source=offline needs features.dir (written by `peagle features`)")
     from .offline import OfflineFeatures
 
     return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,

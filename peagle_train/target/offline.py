@@ -81,7 +81,7 @@ def _compare(found: dict, expected: dict, where: Path) -> None:
         raise FeatureShardError(
             f"{where}: fingerprint check failed ({', '.join(bad)} differ): {detail}. The shards were made for another "
             "target/tokenizer/template/layer set/storage/data. Fix: point features.dir at a new directory (or delete "
-            "this one) and run scripts/generate_hidden_states.py with this run's config.")
+            "this one) and run `peagle features` with this run's config.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel") -> dic
     for key, rec in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
         if not _shard_is_complete(src, manifest, int(key)):
             raise FeatureShardError(f"{src / rec['file']}: size or sha256 differs from the manifest (check: checksum). "
-                                    "Fix: delete the shard and rerun scripts/generate_hidden_states.py.")
+                                    "Fix: delete the shard and rerun `peagle features`.")
         with safe_open(str(src / rec["file"]), framework="pt") as f:
             t = {k: f.get_tensor(k) for k in f.keys()}
         off = t["offsets"].tolist()

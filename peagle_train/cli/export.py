@@ -1,0 +1,77 @@
+"""Export a training checkpoint in the speculators P-EAGLE format, or validate an export.
+
+    peagle export head=runs/demo/checkpoint output=runs/demo/export2 [export.dtype=bfloat16] [overwrite=true]
+    peagle export validate=runs/demo/export
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from peagle_train.config import register
+from peagle_train.errors import cli_main
+from peagle_train.paths import CONF_DIR
+from peagle_train.export.speculators import ExportError, validate_export, verifier_name, write_export
+from peagle_train.job import dtype_of
+from peagle_train.target.load import load_target_config
+from peagle_train.draft.io import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@cli_main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if cfg.get("validate"):
+        try:
+            validate_export(cfg.validate)
+        except ExportError as e:
+            print(f"INVALID: {e}", file=sys.stderr)
+            raise SystemExit(1)
+        print(f"valid P-EAGLE export: {cfg.validate}")
+        return
+    if not cfg.get("head"):
+        raise SystemExit("Give head=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")
+    ckpt = Path(cfg.head)
+    if not (ckpt / "draft_config.json").is_file():
+        raise SystemExit(f"head={ckpt}: no draft_config.json there (a training checkpoint). "
+                         "Fix: point it at runs/<run>/checkpoint.")
+    try:
+        draft, meta = load_checkpoint(ckpt)
+    except ValueError as e:
+        raise SystemExit(f"export refused: {e}")
+    if cfg.check_target:  # the head must read the target it will be served with
+        try:
+            draft.config.check_target(load_target_config(cfg.target.path))
+        except ValueError as e:
+            raise SystemExit(f"export refused: {e}. Fix: target.path=<the target this head was trained for>.")
+    out = cfg.get("output") or str(Path(cfg.output_dir) / "export")
+    run = ckpt.parent  # the run directory: its last evaluation and data summary go into the model card
+    card = {"acceptance": {}}
+    if (run / "eval" / "acceptance.json").is_file():
+        card["acceptance"]["mt_bench"] = json.loads((run / "eval" / "acceptance.json").read_text())
+    if (run / "data" / "summary.json").is_file():
+        card["data"] = json.loads((run / "data" / "summary.json").read_text())
+    name = cfg.target.name_or_path or meta.get("verifier_name_or_path")  # the command line, else what training recorded
+    try:
+        verifier = verifier_name(name, cfg.target.path) if cfg.check_target or not name else name
+        write_export(draft, out, verifier_name_or_path=verifier,
+                     verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
+                     dtype=dtype_of(cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
+    except ValueError as e:  # ExportError, or a verifier name that does not match target.path
+        raise SystemExit(f"export refused: {e}")
+    logger.info(f"export written and validated: {out}")
+
+
+register()  # the typed, strict schema (peagle_train/config.py) that conf/export.yaml starts from
+
+
+def run(argv: list[str] | None = None) -> int:
+    """`peagle export key=value ...` (argv: the overrides, default sys.argv[1:]; Hydra reads sys.argv)."""
+    from peagle_train.cli import run_hydra
+
+    return run_hydra(main, argv, __doc__, "export")

@@ -1,0 +1,142 @@
+"""`peagle train`: prepare data → train a P-EAGLE head (online target features) → evaluate τ → export.
+
+    peagle train recipe=smollm2-135m-demo output_dir=runs/demo
+    accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo      # train.py: the same job
+    accelerate launch -m peagle_train.cli train recipe=smollm2-135m-demo output_dir=runs/demo
+    peagle train -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k   # a sweep
+
+Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
+eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json,
+train.log (every message of the run) and the tracker's files (training.tracker: peagle-train/ or wandb/).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from peagle_train.config import register, train_config
+from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
+from peagle_train.draft.io import save_checkpoint
+from peagle_train.errors import cli_main
+from peagle_train.paths import CONF_DIR
+from peagle_train.evaluation.benchmarks import prompts_from_config
+from peagle_train.evaluation.run import evaluate_from_config
+from peagle_train.export.speculators import verifier_name, write_export
+from peagle_train.features.sources import open_features
+from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
+from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
+from peagle_train.training.checks import check_training_config
+from peagle_train.training.engines import check_distributed_config
+from peagle_train.training.tracking import eval_scalars, tracked_accelerator
+from peagle_train.training.trainer import train
+
+logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
+
+
+def cpu_threads(threads: int | None) -> int:
+    """torch CPU threads: `threads`, or null = this process's share of the cores (cores / processes on
+    this node). `accelerate launch` sets OMP_NUM_THREADS=1 for CPU runs, which halves a 2-core run."""
+    if threads:
+        return threads
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def run_dir(cfg) -> Path:
+    """output_dir, or in a -m sweep the job's own folder (output_dir/<job number>)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
+
+
+@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    t_start = time.perf_counter()
+    torch.set_num_threads(cpu_threads(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    train_cfg = train_config(cfg)  # the training group plus the keys of other groups the trainer reads
+    check_training_config(train_cfg)  # fail at start-up, naming the setting
+    check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
+    verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \
+        else cfg.target.name_or_path  # the verifier the export names: refused now, not after training
+    if cfg.dry_run:
+        from peagle_train.dryrun import dry_run
+
+        res = dry_run(cfg, run_dir(cfg))
+        write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
+        return res
+    out = run_dir(cfg)
+    acc = tracked_accelerator(cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=not torch.cuda.is_available())  # Accelerate's trackers: training.tracker
+    log = logger.info
+    # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
+    prec = resolve_precision(cfg.precision, acc.device)
+    train_cfg.precision = prec.name  # the target forward and the draft's autocast
+    prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), prec)
+    log_precision(prec)
+    logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
+                prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], prec.name)
+    write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
+                                  "config": OmegaConf.to_container(cfg, resolve=True)})
+    if acc.is_main_process:
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
+
+    # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
+    target, tok = build_target(cfg.target, acc.device)
+    with acc.main_process_first():
+        # data.prepared_dir (scripts/prepare_data.py; refused if made for another target), else prepared here
+        data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
+    if acc.is_main_process:
+        save_prepared(data, out / "data")
+    log("data summary:\n" + format_summary(data.summary))
+
+    # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
+    #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
+    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
+    features = open_features(cfg.features, target, tok, data.rows,  # online target or offline shards
+                             template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
+    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, train_cfg, out, features=features)
+    draft = result.pop("draft")
+    summary = {"data": data.summary, "training": result}
+    log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
+        f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
+    if acc.is_main_process:
+        save_checkpoint(draft, out / "checkpoint", {
+            "target": cfg.target.path, "verifier_name_or_path": verifier,
+            "verifier_architectures": list(target.config.architectures or []), "train": result})
+
+        # 3. acceptance with the reference decoder, 4. export
+        draft.eval()
+        if cfg.eval.enabled:
+            summary["eval"] = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+                                                   out_dir=out / "eval", precision=cfg.precision,
+                                                   benchmark="spec_bench", train_metrics={
+                                                       **result["last20_metrics"], "source": "last 20 training steps"})
+            acc.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
+        if cfg.export.enabled:
+            used = {t for ids in data.rows["input_ids"] for t in ids}
+            write_export(draft, out / "export", verifier_name_or_path=verifier,
+                         verifier_architectures=list(target.config.architectures or []),
+                         dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
+                         card={"data": data.summary, "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}})
+            log(f"export written and validated: {out / 'export'}")
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        write_json(out / "summary.json", summary)
+        log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")
+    acc.wait_for_everyone()
+    acc.end_training()  # trackers closed, process group destroyed before the interpreter exits
+    return summary
+
+
+register()  # the typed schema conf/train.yaml starts from
+
+def run(argv: list[str] | None = None) -> int:
+    """`peagle train key=value ...` (argv: the overrides, default sys.argv[1:]; Hydra reads sys.argv)."""
+    from peagle_train.cli import run_hydra
+
+    return run_hydra(main, argv, __doc__, "train")

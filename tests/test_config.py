@@ -148,7 +148,7 @@ def test_every_key_has_a_help_line_and_choices_default_to_a_member():
     ("features", "features.storag=int8", "features.storage"),
     ("evaluate", "eval.temprature=0.5", "eval.temperature"),
     ("evaluate", "baseline_hed=x", "baseline_head"),
-    ("export", "chekpoint=x", "checkpoint"),
+    ("export", "hed=x", "head"),
     ("regenerate", "regenerate.backnd=hf", "regenerate.backend"),
     ("recommend-k", "recommend.batch_size=[1]", "recommend.batch_sizes"),
 ])

@@ -15,7 +15,7 @@ import pytest
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import ConfigError
 from peagle_train.logs import quiet_other_processes, setup_logging
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 from peagle_train.training.tracking import PROJECT, eval_scalars, tracked_accelerator, tracker_config
 
 from .test_evaluate import small_pair
@@ -148,7 +148,7 @@ def test_evaluate_script_logs_tau_to_the_tracker(tmp_path, chatml_tokenizer):
 
 
 def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chatml_tokenizer):
-    """scripts/convert_features.py (argparse, no Hydra): its info message is on stdout."""
+    """scripts/convert_features.py (key=value without Hydra): its info message is on stdout."""
     import datasets
 
     from peagle_train.target.features import FeatureTarget
@@ -158,8 +158,8 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
                                        "loss_mask": [[0] * 4 + [1] * 16, [0] * 4 + [1] * 8]})
     write_features(FeatureTarget(target_model, [1, 3, 5]), chatml_tokenizer, rows, tmp_path / "f32",
                    storage="float32", docs_per_shard=1)
-    proc = subprocess.run([sys.executable, "scripts/convert_features.py", str(tmp_path / "f32"), str(tmp_path / "i8"),
-                           "--storage", "int8"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "scripts/convert_features.py", f"features.dir={tmp_path / 'f32'}",
+                           f"output_dir={tmp_path / 'i8'}", "storage=int8"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "converted" in x]
     assert len(lines) == 1 and lines[0].startswith("[") and "[peagle_train.target.offline][INFO] - converted " \

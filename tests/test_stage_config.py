@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from peagle_train.paths import REPO_ROOT
+from .conftest import REPO_ROOT
 
 from .conftest import tiny_llama
 from .test_packed_features import _conversations
@@ -110,14 +110,14 @@ def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):
                                "eval.batch_size=4", "eval.num_speculative_tokens=6"])
     assert run.evaluate_from_config(cfg.eval, None, None, None, [], out_dir="o", precision="fp32",
                                     baseline_draft="b") == "result"
-    assert got == {"out_dir": "o", "precision": "fp32", "log": print, "num_speculative_tokens": 6,
+    assert got == {"out_dir": "o", "precision": "fp32", "num_speculative_tokens": 6,
                    "max_new_tokens": 128, "batch_size": 4, "temperature": 0.7, "seed": 3, "plot": False,
                    "benchmark": "mt_bench", "baseline_draft": "b"}
     assert type(got["benchmark"]) is str
     got.clear()
     run.evaluate_from_config(compose("train").eval, None, None, None, [], out_dir="o", precision=None,
                              benchmark="spec_bench", num_speculative_tokens=3)
-    assert got == {"out_dir": "o", "precision": None, "log": print, "num_speculative_tokens": 3,
+    assert got == {"out_dir": "o", "precision": None, "num_speculative_tokens": 3,
                    "max_new_tokens": 128, "batch_size": 1, "benchmark": "spec_bench"}
 
     prompts = prompts_from_config(compose("train").eval)  # Spec-Bench's MT-Bench categories, 20 prompts

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from peagle_train.config import register
 from peagle_train.decoding.cost_model import CostModelError
 from peagle_train.errors import cli_main
 from peagle_train.evaluation.recommend import recommend_k
@@ -43,6 +44,9 @@ def main(cfg: DictConfig) -> dict:
         return recommend_k(cfg)
     except (CostModelError, FileNotFoundError) as e:
         raise SystemExit(f"recommend_k: {e}") from None
+
+
+register()  # the typed, strict schema (peagle_train/config.py) that conf/recommend_k.yaml starts from
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ later with `wandb sync`).
 
 from __future__ import annotations
 
+import enum
 import logging
 import netrc
 import os
@@ -80,7 +81,7 @@ def tracked_accelerator(tracker: str, out_dir: str | Path, config: dict | None =
 
 def tracker_config(config: dict) -> dict:
     """A nested run config flattened for the trackers' hyperparameter tables: {"training.lr": 3e-4, ...}.
-    Scalars (int, float, str, bool) are kept, lists become their string, None values are left out."""
+    Scalars (int, float, str, bool; a choice Enum as its value) are kept, lists become their string, None values are left out."""
     out = {}
 
     def walk(d: dict, prefix: str) -> None:
@@ -88,6 +89,8 @@ def tracker_config(config: dict) -> dict:
             key = f"{prefix}{k}"
             if isinstance(v, dict):
                 walk(v, key + ".")
+            elif isinstance(v, enum.Enum):  # a schema choice: its value
+                out[key] = v.value
             elif isinstance(v, (bool, int, float, str)):
                 out[key] = v
             elif v is not None:

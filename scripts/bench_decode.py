@@ -131,7 +131,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head", default="/tmp/h18/checkpoint", help="a training checkpoint (runs/<run>/checkpoint)")
+    ap.add_argument("--head", required=True, help="a training checkpoint (runs/<run>/checkpoint)")
     ap.add_argument("--base", default=None, help="another checkout (git worktree add --detach /tmp/base main) whose "
                     "peagle_train/decoding/decoder.py runs beside this tree's engine")
     ap.add_argument("--num-prompts", type=int, default=2)

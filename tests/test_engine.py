@@ -246,9 +246,10 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
 
 
 def test_decode_attention_accumulates_in_fp32():
-    """bf16 decoding attention (target/features.py `decode_attention`) is fp32 SDPA over the bf16
-    inputs rounded once: equal to it, within the output's bf16 rounding of an fp64 SDPA over the
-    repeated kv heads, masked (with holes) and unmasked, for 1 and 6 queries; fp32 tensors go to
+    """bf16 decoding attention (target/features.py `decode_attention`) against an fp64 SDPA over
+    the repeated kv heads of the same bf16 inputs: within one bf16 rounding of the output (fp32
+    scores, softmax and sum), for 1 and 6 queries over a cache (S > n), with a validity mask with
+    holes, an additive mask, and no mask (causal over the new slots); fp32 tensors go to
     transformers' SDPA unchanged."""
     from types import SimpleNamespace
 
@@ -259,24 +260,22 @@ def test_decode_attention_accumulates_in_fp32():
 
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     g = torch.Generator().manual_seed(0)
-    for n, masked in [(1, False), (1, True), (6, True)]:
+    for n, kind in [(1, "none"), (1, "bool"), (6, "bool"), (6, "float"), (6, "none")]:
         q = torch.randn(3, 4, n, 16, generator=g)
         k, v = torch.randn(3, 2, 37, 16, generator=g), torch.randn(3, 2, 37, 16, generator=g)
-        mask = (torch.rand(3, 1, n, 37, generator=g) > 0.3) if masked else None
-        if masked:
-            mask[..., -1] = True  # every query sees at least one key
-        ref = F.scaled_dot_product_attention(q.double(), k.repeat_interleave(2, 1).double(),
-                                             v.repeat_interleave(2, 1).double(), attn_mask=mask).transpose(1, 2)
+        causal = torch.ones(n, 37, dtype=torch.bool).tril(37 - n)[None, None].expand(3, 1, n, 37)
+        holes = (torch.rand(3, 1, n, 37, generator=g) > 0.3) & causal
+        holes[..., -n:] |= torch.eye(n, dtype=torch.bool)  # every query sees itself
+        seen = {"none": causal, "bool": holes, "float": holes}[kind]
+        mask = {"none": None, "bool": holes,
+                "float": torch.zeros(3, 1, n, 37).masked_fill(~holes, torch.finfo(torch.float32).min)}[kind]
         qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
         out, _ = decode_attention(module, qb, kb, vb, mask, scaling=0.25)
         assert out.dtype == torch.bfloat16 and out.shape == (3, n, 4, 16)
-        upcast = F.scaled_dot_product_attention(qb.float(), kb.repeat_interleave(2, 1).float(),
-                                                vb.repeat_interleave(2, 1).float(), attn_mask=mask)
-        assert torch.equal(out, upcast.transpose(1, 2).bfloat16())  # fp32 scores, softmax and sum; one rounding
         exact = F.scaled_dot_product_attention(qb.double(), kb.repeat_interleave(2, 1).double(),
-                                               vb.repeat_interleave(2, 1).double(), attn_mask=mask).transpose(1, 2)
-        assert (out.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()  # within the output's rounding
-        assert (out.double() - ref).abs().max() < 0.05  # and the inputs' rounding
+                                               vb.repeat_interleave(2, 1).double(), attn_mask=seen,
+                                               scale=0.25).transpose(1, 2)
+        assert ((out.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all(), kind  # one rounding per element
         fp32, _ = decode_attention(module, q, k, v, mask, scaling=0.25)
         same, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
         assert torch.equal(fp32, same)

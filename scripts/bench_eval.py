@@ -1,0 +1,90 @@
+"""Benchmark of a whole evaluation run: wall time of `evaluate` (the target alone, a P-EAGLE head and
+an EAGLE-3 baseline head on MT-Bench first turns, greedy, K = 5) for another checkout's code and
+this tree's, run one after the other on the same machine with the same command line.
+
+    git worktree add --detach /tmp/base <commit>    # the code to compare with
+    python scripts/bench_eval.py --head runs/p/checkpoint --baseline-head runs/e3/checkpoint --base /tmp/base
+
+Each run is `python scripts/evaluate.py head=... baseline_head=... eval.num_prompts=N
+eval.max_new_tokens=T eval.batch_size=B threads=...` in its own process (its own code on
+PYTHONPATH) with its default precision, writing under --work. The table gives the wall time, the
+ratio to the other checkout's and each run's τ, tokens/s and lossless figures from its
+acceptance.json, and replaces the evaluation section of docs/BENCHMARKS.md (CPU model, bf16 unit,
+load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = "## Evaluation wall time (scripts/bench_eval.py)"
+
+
+def run(tree: Path, out: Path, args) -> dict:
+    """One `evaluate` run of checkout `tree` into `out`; its wall time (s) and acceptance.json."""
+    cmd = [sys.executable, "scripts/evaluate.py", f"head={args.head}", f"baseline_head={args.baseline_head}",
+           f"output_dir={out}", f"eval.num_prompts={args.num_prompts}", f"eval.max_new_tokens={args.max_new_tokens}",
+           f"eval.num_speculative_tokens={args.k}", f"eval.batch_size={args.batch_size}", "eval.plot=false",
+           f"threads={args.threads}"]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"{tree}: evaluate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"wall": wall, "acc": json.loads((out / "eval" / "acceptance.json").read_text())}
+
+
+def main() -> None:
+    from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+    from peagle_train.precision import cpu_bf16_units
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", required=True, help="the P-EAGLE head (a training checkpoint)")
+    ap.add_argument("--baseline-head", required=True, help="the EAGLE-3 head decoded in the same run")
+    ap.add_argument("--base", required=True, help="the other checkout (e.g. git worktree add --detach /tmp/base COMMIT)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_eval"), help="where the runs write")
+    args = bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md", threads=os.cpu_count() or 1).parse_args()
+    base = Path(args.base).resolve()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=base, capture_output=True, text=True).stdout.strip()
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    res = {}
+    for name, tree in ((f"base ({commit or base})", base), ("this tree", ROOT)):
+        print(f"{name} ...", flush=True)
+        res[name] = run(tree, args.work / name.split()[0].replace("this", "new"), args)
+    load1, minutes = os.getloadavg()[0], (time.perf_counter() - t0) / 60
+    ref = next(iter(res.values()))["wall"]
+    rows = ["| code | precision | wall (s) | ÷ base | τ head | τ EAGLE-3 | head tokens/s | target alone tokens/s | lossless mismatches |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        a = r["acc"]
+        turns = a.get("num_turns", a["num_prompts"])
+        mism = a.get("lossless_mismatches", 0 if a.get("lossless") else "?")  # older codes: lossless only
+        rows.append(f"| {name} | {a.get('precision', 'fp32')} | {r['wall']:.1f} | {r['wall'] / ref:.2f}× | "
+                    f"{a['acceptance_length']:.3f} | {a['baseline']['acceptance_length']:.3f} | "
+                    f"{a['tokens_per_second']:.1f} | {a['target_only_tokens_per_second']:.1f} | {mism}/{turns} |")
+    units = cpu_bf16_units() or "none"
+    text = (f"{HEADING}\n\n`evaluate` of the target alone, a P-EAGLE head and an EAGLE-3 baseline head: "
+            f"{args.num_prompts} MT-Bench first turns, {args.max_new_tokens} new tokens, K = {args.k}, greedy, "
+            f"batch {args.batch_size}, {args.threads} threads, each code with its default precision. {cpu_model()} "
+            f"(bf16 unit: {units}); load average {load0:.1f} before / {load1:.1f} after ({minutes:.1f} min). "
+            f"Wall = the whole process (loading included).\n\n" + "\n".join(rows) + "\n")
+    print("\n" + text)
+    if not args.no_docs:
+        write_section(HEADING, text, args.out)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

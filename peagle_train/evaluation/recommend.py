@@ -1,21 +1,10 @@
 """Recommend K (num_speculative_tokens) per batch size for a draft head, from measured acceptance
 and measured step costs: the measuring, the tables and the heat map of `peagle recommend-k`.
 
-Model (peagle_train/decoding/cost_model.py):
-
-    a_i      = p_i / p_{i-1}                       conditional acceptance of draft position i, from the
-                                                   evaluator's per_position_acceptance p (p_0 = 1)
-    E[τ](K)  = 1 + Σ_{i=1..K} Π_{j=1..i} a_j       expected tokens per verify step
-    t_step   = t_draft(B, K) + t_verify(B, K) + overhead
-    tokens/s = B · E[τ](K) / t_step                 vs the target alone: B / t_target(B)
-
-t_draft is one draft forward for K tokens (P-EAGLE) or K sequential forwards (EAGLE-3 heads);
-t_verify one target forward over K+1 tokens per sequence with `recommend.context_length` tokens
-in the KV cache; both measured here (peagle_train/decoding/step_costs.py) at every batch size in
-`recommend.batch_sizes` and K in `recommend.ks`, unless `recommend.costs` gives a costs.csv.
-Acceptance positions beyond the measured ones are extrapolated (`recommend.extrapolate`).
-The recommended K per batch size maximises the predicted tokens/s among K ≤ K_train.
-
+The model (expected tokens per verify step from the conditional acceptance of each position, over
+the measured draft and verify costs) is written out in the command's help
+(peagle_train/cli/recommend_k.py) and in docs/RECOMMEND_K.md; its functions live in
+peagle_train/decoding/cost_model.py and the step timing in peagle_train/decoding/step_costs.py.
 Writes output_dir/recommend_k/: costs.csv, predictions.csv, predictions.md, heatmap.png,
 recommendation.json (and compare.md when `recommend.compare` lists `peagle evaluate` runs).
 """

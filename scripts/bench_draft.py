@@ -40,6 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+from forking import forked  # scripts/forking.py (scripts/ is on sys.path when a script runs)
 from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft
 from peagle_train.precision import cpu_bf16_units, resolve_precision
@@ -149,29 +150,6 @@ def speculators_python(arg: str | None) -> str | None:
         if cand and Path(cand).is_file():
             return cand
     return None
-
-
-def forked(fn, *args) -> dict:
-    """fn(*args) in a forked child (imports are shared, so a configuration costs no start-up; its
-    peak memory is its own). Returns fn's dict, or {"error": ...} if the child failed."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            out = json.dumps(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            out = json.dumps({"error": f"failed: {type(e).__name__}: {str(e)[:140]}"})
-        with os.fdopen(w, "w") as f:
-            f.write(out)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        return {"error": f"failed: the process died (status {status}; out of memory?)"}
-    return json.loads(data)
 
 
 def run_ours(spec: dict) -> dict:

@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from forking import forked  # scripts/forking.py, shared with bench_draft.py
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.losses import resolve_loss_config
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -88,28 +89,6 @@ def main(spec: dict) -> dict:
             "tokens_per_s": n / t, "peak_mb": peak, "attn_impl": impl}
 
 
-def forked(spec: dict) -> dict:
-    """main(spec) in a forked child (its peak memory is its own, imports are shared)."""
-    import os
-
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            out = json.dumps(main(spec))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            out = json.dumps({**spec, "error": f"failed: {type(e).__name__}: {str(e)[:140]}"})
-        with os.fdopen(w, "w") as f:
-            f.write(out)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data) if data else {**spec, "error": "failed: the process died (out of memory?)"}
-
-
 if __name__ == "__main__":
     arg = json.loads(sys.argv[1])  # one spec, or a list of specs (each forked on CPU)
     if isinstance(arg, dict):
@@ -117,4 +96,4 @@ if __name__ == "__main__":
     else:
         torch.set_num_threads(arg[0].get("threads", 1) if arg else 1)
         for spec in arg:
-            print(json.dumps(forked(spec) if spec.get("device", "cpu") == "cpu" else main(spec)), flush=True)
+            print(json.dumps({**spec, **forked(main, spec)} if spec.get("device", "cpu") == "cpu" else main(spec)), flush=True)

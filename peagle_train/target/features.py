@@ -207,14 +207,9 @@ class FeatureTarget:
         lengths = [int(ids.numel()) for ids in docs]
         dev = docs[0].device
         pos = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
-        cfg = self.decoder.config
-        saved = cfg._attn_implementation
-        cfg._attn_implementation = DOCUMENT_ATTENTION  # no mask is built for it; restored below
-        try:
+        with attention_implementation(self.decoder.config, DOCUMENT_ATTENTION):  # no mask is built for it
             out = self(torch.cat(docs)[None], draft_ids=draft_ids, position_ids=pos, doc_lengths=lengths,
                        last_only=not logits)
-        finally:
-            cfg._attn_implementation = saved
         aux, final = out.aux.split(lengths, dim=1), out.final.split(lengths, dim=1)
         tl = out.logits.split(lengths, dim=1) if logits else [None] * len(docs)
         return [TargetOutput(*p) for p in zip(tl, aux, final)]

@@ -61,6 +61,32 @@ def test_propose_equals_the_oracles_drafting_forward(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_propose_into_a_preallocated_cache_equals_the_concatenating_one(algorithm):
+    """The engine's draft cache (a SlotCache written in place, drafted slots cropped off) against
+    per-layer (k, v) pairs concatenated at every forward: over two successive proposals the same
+    tokens, logits and cached real pairs (7, then 9), and the drafted slots leave no trace."""
+    from peagle_train.decoding.kv_cache import SlotCache
+
+    t, d = small_pair(algorithm=algorithm, K=4)
+    out = t(torch.tensor([[5, 17, 33, 2, 90, 4, 8, 3, 6]]))
+    toks, feats = [17, 33, 2, 90, 4, 8, 11, 9, 21], out.aux[0]
+    slots = SlotCache()
+    first = [d.propose(torch.tensor([toks[:7]]), feats[None, :7], torch.arange(7)[None], _causal(7), c, 4)
+             for c in (None, slots)]
+    assert first[1].cache is slots and slots.get_seq_length() == 7
+    new = [d.propose(torch.tensor([toks[7:]]), feats[None, 7:], torch.arange(7, 9)[None], _causal(2, 7), c, 4)
+           for c in (first[0].cache, slots)]
+    for a, b in (first, new):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        torch.testing.assert_close(a.logits, b.logits)
+    assert slots.get_seq_length() == 9
+    for (k, v), layer in zip(new[0].cache, slots.layers):
+        assert k.shape[2] == layer.keys.shape[2] == 9
+        torch.testing.assert_close(layer.keys, k)
+        torch.testing.assert_close(layer.values, v)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 @pytest.mark.parametrize("target_dtype,head_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
 def test_any_mix_of_target_and_head_dtypes_decodes(algorithm, target_dtype, head_dtype):
     """bf16 features into an fp32 head and the reverse (the oracle crashes on the first: `BFloat16

@@ -73,7 +73,8 @@ def test_shared_random_head_and_target_alone(algorithm):
 
 
 def test_compact_index_moves_kept_slots_right_in_order():
-    from peagle_train.decoding.engine import _compact_index, _gather_slots
+    from peagle_train.decoding.engine import _compact_index
+    from peagle_train.decoding.kv_cache import gather_slots
     valid = torch.tensor([[0, 1, 0, 1, 1, 0],
                           [1, 0, 0, 0, 0, 1],
                           [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
@@ -83,7 +84,7 @@ def test_compact_index_moves_kept_slots_right_in_order():
     assert new_valid.tolist() == [[True] * 3, [False, True, True], [False] * 3]
     assert not valid[1, idx[1, 0]] and not valid[2, idx[2]].any()  # holes point at holes
     kv = torch.arange(3 * 6, dtype=torch.float).view(3, 1, 6, 1).expand(3, 2, 6, 4)
-    out = _gather_slots(kv, idx)
+    out = gather_slots(kv, idx)
     assert out.shape == (3, 2, 3, 4)
     assert out[0, 1, :, 0].tolist() == [1.0, 3.0, 4.0] and out[1, 0, 1:, 2].tolist() == [6.0, 11.0]
 

@@ -4,9 +4,9 @@ step for all rows, greedy or with speculative (rejection) sampling (DESIGN.md §
 Rows keep different lengths in one cache: every cache slot has a validity bit per row, new slots
 take positions that continue each row's count of valid slots, and a query sees only its row's
 valid slots (a [B, n, S+n] mask, with the sliding window added for targets that have one). Rows
-that finish leave the batch (their cache rows are dropped). The target's cache is preallocated
-(`kv_cache.SlotCache`): a step writes its new entries in place instead of re-concatenating every
-layer's cache.
+that finish leave the batch (their cache rows are dropped). The target's and the head's caches are
+preallocated (`kv_cache.SlotCache`): a step writes its new entries in place instead of
+re-concatenating every layer's cache, and the head's drafted slots are cropped off again.
 
 Per step, for every live row: the head proposes K drafts through `head.propose` (one forward for
 P-EAGLE, K for EAGLE-3) over the row's new real pairs (x_{i+1}, g_i); the target verifies
@@ -120,11 +120,6 @@ def _compact_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, new_valid
 
 
-def _gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Slots `idx` [B, S'] of a cache tensor [B, heads, S, head_dim]."""
-    return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-
-
 class Engine:
     """Batched decoding state over a target (and an optional draft head); `run()` decodes."""
 
@@ -148,7 +143,7 @@ class Engine:
         self.res = [GenerationResult([]) for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.tcache = SlotCache()
-        self.dcache = None
+        self.dcache = SlotCache()  # the draft head's real pairs (draft/peagle.py writes into it)
         self.dvalid = torch.zeros(n, 0, dtype=torch.bool, device=self.dev)
         self.dlen = torch.zeros(n, dtype=torch.long, device=self.dev)
         self.compact, self.compactions = compact, 0
@@ -239,8 +234,7 @@ class Engine:
         self.ids = [self.ids[n] for n in keep]
         if keep:
             self.tcache.batch_select_indices(idx)
-            if self.dcache is not None:
-                self.dcache = [(k[idx], v[idx]) for k, v in self.dcache]
+            self.dcache.batch_select_indices(idx)
         for name in ("tvalid", "tpos", "tlen", "dvalid", "dlen", "pend_tok", "pend_feat", "pend_valid", "last"):
             setattr(self, name, getattr(self, name)[idx])
 
@@ -250,7 +244,6 @@ class Engine:
         valid = self.pend_valid
         prop = self.draft.propose(self.pend_tok, self.pend_feat, _positions(self.dlen, valid),
                                   _new_mask(self.dvalid, valid), self.dcache, self.K, pick=self.acc.draft_pick)
-        self.dcache = prop.cache
         self.dvalid = torch.cat([self.dvalid, valid], 1)
         self.dlen = self.dlen + valid.sum(1)
         return prop
@@ -318,12 +311,11 @@ class Engine:
         if self.tvalid.shape[1] > int(self.tlen.max()) + COMPACT_SLACK:
             idx, self.tvalid = _compact_index(self.tvalid)
             self.tpos = self.tpos.gather(1, idx)
-            for layer in self.tcache.layers:
-                layer.set_slots(_gather_slots(layer.keys, idx), _gather_slots(layer.values, idx))
+            self.tcache.set_slots(idx)
             self.compactions += 1
-        if self.dcache is not None and self.dvalid.shape[1] > int(self.dlen.max()) + COMPACT_SLACK:
+        if self.dvalid.shape[1] > int(self.dlen.max()) + COMPACT_SLACK:
             idx, self.dvalid = _compact_index(self.dvalid)
-            self.dcache = [(_gather_slots(k, idx), _gather_slots(v, idx)) for k, v in self.dcache]
+            self.dcache.set_slots(idx)
             self.compactions += 1
 
     def run(self) -> list[GenerationResult]:

@@ -1,11 +1,12 @@
-"""A preallocated KV cache for the target (an HF `Cache`): one buffer per layer written in place.
+"""A preallocated KV cache for the target (an HF `Cache`) and the draft head: one buffer per layer written in place.
 
 HF's DynamicCache concatenates every layer's keys and values with the new ones at every forward,
 which copies the whole cache once per layer per step. `SlotCache` keeps one buffer per layer
 [B, kv_heads, capacity, head_dim] and writes the new entries into it; the model reads a view of
 the first `n` slots. Capacity grows by doubling (amortised O(1) per token). Dropping rejected
 drafts (`crop`) only moves the length; `batch_select_indices` drops finished rows and
-`set_slots` writes a compacted cache back (decoding/engine.py).
+`set_slots` writes a compacted cache back (decoding/engine.py). The draft head's attention writes
+into the same layers (`SlotCache.layer(i)`, draft/peagle.py `DraftAttention`) when it decodes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 CAPACITY = 256  # initial slots per layer; doubled whenever a forward needs more
+
+
+def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Slots `idx` [B, S'] of a cache tensor [B, heads, S, head_dim] → [B, heads, S', head_dim]."""
+    return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
 class SlotLayer(DynamicLayer):
@@ -85,6 +91,18 @@ class SlotCache(Cache):
 
     def __init__(self):
         super().__init__(layer_class_to_replicate=SlotLayer)
+
+    def layer(self, i: int) -> SlotLayer:
+        """Layer `i`, created (empty) with any missing layers before it (the draft head's layers
+        are not created by an HF forward)."""
+        while len(self.layers) <= i:
+            self.layers.append(SlotLayer())
+        return self.layers[i]
+
+    def set_slots(self, idx: torch.Tensor) -> None:
+        """Keep slots `idx` [B, S'] of every layer, in that order (compaction)."""
+        for layer in self.layers:
+            layer.set_slots(gather_slots(layer.keys, idx), gather_slots(layer.values, idx))
 
     def crop(self, max_length: int) -> None:
         """Drop the last `-max_length` entries of every layer (negative, as DynamicCache.crop)."""

@@ -105,8 +105,9 @@ def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: in
     seq = isinstance(draft, Eagle3Draft) if sequential is None else sequential
     T = cfg.target_hidden_size or cfg.hidden_size
     shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-    cache = [(torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype))
-             for _ in range(cfg.num_hidden_layers)]
+    cache = SlotCache()  # the decoding engine's preallocated draft cache, holding `context` pairs
+    for i in range(cfg.num_hidden_layers):
+        cache.layer(i).update(torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype))
     g = torch.Generator(device="cpu").manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(dev)
     feat = torch.randn(batch, 1, 3 * T, generator=g).to(dev, dtype)
@@ -116,7 +117,9 @@ def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: in
     propose = (Eagle3Draft.propose if seq else PEagleDraft.propose).__get__(draft)
 
     def step():
-        return propose(tok, feat, pos, mask, cache, K).tokens
+        tokens = propose(tok, feat, pos, mask, cache, K).tokens
+        cache.crop(-1)  # back to `context` pairs
+        return tokens
 
     return _mean_ms(step, dev, repeats, warmup)
 

@@ -26,6 +26,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from ..decoding.kv_cache import SlotCache, SlotLayer
+
 
 @dataclass
 class DraftConfig:
@@ -152,7 +154,11 @@ class DraftAttention(nn.Module):
 
     x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
     S = cached + N, a FlexAttention BlockMask over [N, S], or an object whose `attend(q, k, v)`
-    computes the masked attention itself (the sparse COD plan, training/cod_attention.py). Returns [B, N, H] and the new (k, v), each [B, kv_heads, S, head_dim].
+    computes the masked attention itself (the sparse COD plan, training/cod_attention.py).
+    cache: None; a (k, v) pair [B, kv_heads, cached, head_dim] each, concatenated with the new
+    entries (differentiable: training's TTT steps); or a `SlotLayer` (decoding), into whose
+    preallocated buffers the new entries are written in place.
+    Returns [B, N, H] and the (k, v) attended over, each [B, kv_heads, S, head_dim].
     """
 
     def __init__(self, cfg: DraftConfig, in_size: int):
@@ -176,7 +182,9 @@ class DraftAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
+        if isinstance(cache, SlotLayer):
+            k, v = cache.update(k, v)
+        elif cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
@@ -271,7 +279,8 @@ class PEagleDraft(nn.Module):
     def hidden_states(self, tokens, features, position_ids, mask, cache=None, project: bool = True):
         """The last layer's output before the final norm. Shapes as in `forward`; with
         project=False, `features` are [B, N, H] hidden states that bypass fc (EAGLE-3 feeds its own
-        output back this way). Returns (hidden [B, N, H], new cache list)."""
+        output back this way). cache: None, a list of per-layer (k, v) or a SlotCache (decoding;
+        written in place and returned). Returns (hidden [B, N, H], new cache list or the SlotCache)."""
         if project:
             if self.config.norm_before_fc:
                 features = self.input_norm(features)
@@ -284,13 +293,13 @@ class PEagleDraft(nn.Module):
         new_cache = []
         ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            c = None if cache is None else cache[i]
+            c = cache.layer(i) if isinstance(cache, SlotCache) else None if cache is None else cache[i]
             if ckpt:  # activation checkpointing: recompute the layer in backward
                 h, kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, c, embeds, use_reentrant=False)
             else:
                 h, kv = layer(h, cos, sin, mask, c, embeds=embeds)
             new_cache.append(kv)
-        return h, new_cache
+        return h, cache if isinstance(cache, SlotCache) else new_cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
@@ -323,8 +332,9 @@ class PEagleDraft(nn.Module):
         tokens [B, M] int64: the new real pairs' tokens x_{i+1} (left-padding holes allowed);
         features [B, M, 3H] their target features g_i, any float dtype (cast to the head's);
         position_ids [B, M]; mask [B, M, S+M] bool, the real pairs' visibility over S cached slots
-        and themselves (position M-1 must be a real pair in every row); cache: per-layer
-        (k, v) [B, kv_heads, S, head_dim] or None. pick: draft-vocabulary logits [B, N, V_draft] →
+        and themselves (position M-1 must be a real pair in every row); cache: the SlotCache of
+        the S cached real pairs (written in place; the slots' entries are cropped again), per-layer
+        (k, v) [B, kv_heads, S, head_dim], or None. pick: draft-vocabulary logits [B, N, V_draft] →
         indices [B, N] (default argmax; a sampler for speculative sampling).
         Slot d sees what the last real pair sees plus slots 1..d, at position last + d.
         Returns a Proposal: target ids [B, K], their draft logits [B, K, V_draft], the cache of the
@@ -345,7 +355,11 @@ class PEagleDraft(nn.Module):
         logits, new_cache = self(tokens, features, position_ids, mask, cache)
         logits = logits[:, M - 1:]
         idx = logits.argmax(-1) if pick is None else pick(logits)
-        keep = [(k[:, :, :S + M], v[:, :, :S + M]) for k, v in new_cache]
+        if isinstance(new_cache, SlotCache):
+            new_cache.crop(-n)
+            keep = new_cache
+        else:
+            keep = [(k[:, :, :S + M], v[:, :, :S + M]) for k, v in new_cache]
         return Proposal(self.draft_to_target(idx), logits, keep, 1)
 
 
@@ -369,6 +383,7 @@ class Eagle3Draft(PEagleDraft):
         (the sequential steps' entries are dropped) and the forward count is K.
         """
         B, M = tokens.shape
+        slots = isinstance(cache, SlotCache)
         h, keep = self.hidden_states(tokens, features.to(self.fc.weight.dtype), position_ids, mask, cache)
         hid, vis, last = h[:, -1:], mask[:, -1:], position_ids[:, -1:]
         c, toks, all_logits = keep, [], []
@@ -380,13 +395,16 @@ class Eagle3Draft(PEagleDraft):
             idx = logits.argmax(-1) if pick is None else pick(logits)
             toks.append(self.draft_to_target(idx[:, 0]))
             all_logits.append(logits)
+        if slots:  # the same cache object: drop the K-1 sequential steps' entries
+            keep.crop(-(K - 1))
         return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)
 
 
 @dataclass
 class Proposal:
     """What `propose` returns: tokens [B, K] target ids; logits [B, K, V_draft] the draft logits
-    they were picked from; cache the draft's per-layer (k, v) of the real pairs; forwards the
+    they were picked from; cache the draft's cache of the real pairs (the SlotCache passed in, or
+    per-layer (k, v)); forwards the
     number of draft forwards it took (1 for P-EAGLE, K for EAGLE-3)."""
 
     tokens: torch.Tensor

@@ -87,3 +87,29 @@ def test_eagle3_ttt_learns(target_model):
         losses.append(loss)
     assert losses[-1] < 0.3 * losses[0]
     assert counts[0, 1] > 0 and counts[0, 2] > 0  # steps 1 and 2 were trained
+
+
+def test_eagle3_validation_counts_equal_the_training_step(target_model):
+    """Held-out validation (no backward) reports the chain counts `eagle3_step` computes for the
+    same row and anchors, and the loss sum of its undecayed steps; the weights are untouched."""
+    from types import SimpleNamespace
+
+    from peagle_train.algorithms.eagle3 import Eagle3Objective
+    from peagle_train.training.loss import LOSSES
+
+    _, d = make_eagle3(target_model, K=3, layers=1)
+    row = random_row(target_model, seed=5)
+    obj = Eagle3Objective(SimpleNamespace(num_depths=3, max_anchors=6, loss="kl", ttt_decay=0.8))
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    loss, count, counts = obj.validate_row(d, row, torch.Generator().manual_seed(3))
+    anchors = obj.sample(row, torch.Generator().manual_seed(3))
+    assert anchors.numel() == 6
+    _, n_valid, ref = eagle3_step(d, row, anchors, 3, 0.8, "kl")
+    torch.testing.assert_close(counts, ref)
+    assert counts[0, 1] > 0 and counts[0, 2] > 0
+    with torch.no_grad():
+        steps = eagle3_forward(d, row, anchors, 3)
+    want = sum(float(LOSSES["kl"](lg, row.target_logits[a + j], row.valid[a + j])) for j, (a, _, lg) in enumerate(steps))
+    assert abs(loss - want) < 1e-4 * max(1.0, abs(want))
+    assert count == sum(float(row.valid[a + j].sum()) for j, (a, _, _) in enumerate(steps)) == n_valid
+    assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())

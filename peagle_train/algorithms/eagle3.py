@@ -79,13 +79,12 @@ def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float,
 class Eagle3Objective(Objective):
     """EAGLE-3 with TTT steps (the sequential baseline): anchors by `ttt_anchors`, the step by
     `eagle3_step` (num_depths TTT steps, loss weights ttt_decay^j), each micro-row normalised by its
-    own counts and the gradients averaged over the micro-rows. Plain backward passes only."""
+    own counts and the gradients averaged over the micro-rows; validation by the same TTT forward
+    without backward. Plain backward passes only."""
 
     name = "eagle3"
 
     def check(self, engine_kind: str, validating: bool) -> None:
-        if validating:
-            raise ValueError("training.val_conversations: validation is implemented for algorithm=peagle only. Fix: set 0.")
         if engine_kind != "ddp":
             raise ValueError(f"distributed.engine={engine_kind}: algorithm={self.name} runs its TTT steps with plain "
                              "backward passes. Fix: distributed.engine=ddp for the EAGLE-3 baseline.")
@@ -105,3 +104,18 @@ class Eagle3Objective(Objective):
                 if p.grad is not None:
                     p.grad.div_(len(micro))
         return loss_value, counts
+
+    @torch.no_grad()
+    def validate_row(self, model, row, generator: torch.Generator):
+        """The TTT forward over a held-out row with seed-stable anchors, no backward: (Σ loss over
+        every step's valid elements, their count, chain counts [4, num_depths]) — the counts that
+        `eagle3_step` reports for the same row and anchors."""
+        t = self.train_cfg
+        loss, count, rec = 0.0, 0.0, []
+        for j, (a, d, logits) in enumerate(eagle3_forward(model, row, self.sample(row, generator), t.num_depths)):
+            tl, lm = row.target_logits[a + j], row.valid[a + j]
+            loss += float(LOSSES[t.loss](logits, tl, lm))
+            count += float(lm.sum())
+            rec.append((logits.argmax(-1) == tl.argmax(-1), a, d, lm))
+        correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
+        return loss, count, chain_counts(correct, aa, dd, vv, t.num_depths).cpu()

@@ -1,0 +1,51 @@
+"""The table, fit and plot of a scaling run (scripts/scaling_curve.sh) into docs/SCALING.md.
+
+    python scripts/scaling_report.py run_dir=runs/scaling [budgets=[64,128,256,512,1024]] [out=docs/SCALING.md]
+
+Replaces the section "## Measured points" of `out` (the rest of the file is left as written) and
+writes the plot beside it (scaling.png)."""
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING
+
+from peagle_train.benchmarks import cpu_model, write_section
+from peagle_train.cli import parse_pairs
+from peagle_train.errors import cli_main
+from peagle_train.evaluation import scaling
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = "## Measured points"
+
+
+@dataclass
+class Args:
+    run_dir: str = MISSING  # the scaling run directory (scripts/scaling_curve.sh OUTPUT_DIR)
+    budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])  # optimizer steps
+    out: str = str(ROOT / "docs" / "SCALING.md")  # the markdown file (its "## Measured points" section)
+
+
+def main(argv):
+    a = parse_pairs(argv, Args, __doc__)
+    points = scaling.collect(a.run_dir, list(a.budgets))
+    fits = {alg: scaling.fit([p for p in points if p.algorithm == alg]) for alg in scaling.ALGORITHMS}
+    out = Path(a.out)
+    png = scaling.plot(points, fits, out.with_name("scaling.png"))
+    text = "\n\n".join([
+        HEADING,
+        f"Run directory `{a.run_dir}`; CPU {cpu_model()}. Written by `python scripts/scaling_report.py "
+        f"run_dir={a.run_dir}`.",
+        scaling.table(points),
+        "Fit per head, and where it reaches τ 2.0, 2.5 and 3.0 (training hours at that run's own "
+        "measured throughput, one thread beside the other run):",
+        scaling.predictions(fits, points),
+        f"![τ and P(≥ i accepted) against token-passes]({png.name})",
+    ])
+    print(text)
+    write_section(HEADING, text, out)
+
+
+if __name__ == "__main__":
+    cli_main(main)(sys.argv[1:])

@@ -31,7 +31,7 @@ def _run_dir(tmp_path, c=0.01, alpha=0.3, baseline=True):
         acc = {"acceptance_length": tau, "per_position_acceptance": [tau - 1, 0.2, 0.1, 0.0, 0.0]}
         if baseline:
             acc["baseline"] = {"acceptance_length": 1 + 0.9 * (tau - 1), "per_position_acceptance": [0.5, 0.25, 0.125, 0, 0]}
-        d = tmp_path / "eval" / f"step_{s:06d}"
+        d = tmp_path / "eval" / f"step_{s:06d}" / "eval"
         d.mkdir(parents=True)
         (d / "acceptance.json").write_text(json.dumps(acc))
     return tmp_path
@@ -73,8 +73,8 @@ def test_partial_runs_are_named(tmp_path):
     run = _run_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match="step_002048"):
         scaling.collect(run, STEPS + [2048])
-    (run / "eval" / "step_004096").mkdir()
-    (run / "eval" / "step_004096" / "acceptance.json").write_text(json.dumps({"acceptance_length": 1.5,
+    (run / "eval" / "step_004096" / "eval").mkdir(parents=True)
+    (run / "eval" / "step_004096" / "eval" / "acceptance.json").write_text(json.dumps({"acceptance_length": 1.5,
                                                                               "per_position_acceptance": [0.5],
                                                                               "baseline": {"acceptance_length": 1.4,
                                                                                            "per_position_acceptance": [0.4]}}))

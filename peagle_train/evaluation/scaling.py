@@ -2,7 +2,8 @@
 fit per algorithm and its predictions, and the markdown table and plot of docs/SCALING.md.
 
 A run directory holds `peagle/` and `eagle3/` training runs (train_log.jsonl with cumulative
-`tokens` per step and `val_eal` at each checkpoint) and `eval/step_N/acceptance.json`, one
+`tokens` per step and `val_eal` at each checkpoint) and `eval/step_N/eval/acceptance.json` (`peagle evaluate
+output_dir=OUT/eval/step_N`), one
 evaluation per budget with the P-EAGLE checkpoint of step N as `head` and the EAGLE-3 checkpoint
 of the same step as `baseline_head`.
 
@@ -80,7 +81,7 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
     points = []
     logs = {a: _train_log(run_dir / a) for a in ALGORITHMS}
     for step in budgets:
-        path = run_dir / "eval" / f"step_{step:06d}" / "acceptance.json"
+        path = run_dir / "eval" / f"step_{step:06d}" / "eval" / "acceptance.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun scripts/scaling_curve.sh "
                                     f"{run_dir} (it resumes).")

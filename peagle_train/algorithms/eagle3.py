@@ -60,20 +60,28 @@ def eagle3_forward(core, row, anchors: torch.Tensor, ttt_steps: int) -> list[tup
     return steps
 
 
+def ttt_step_losses(draft, row, anchors: torch.Tensor, ttt_steps: int, loss_name: str):
+    """The TTT forward's loss terms: per step j (Σ loss of its valid elements, their count as an
+    int), and the chain counts [4, ttt_steps] of all steps (training/loss.py `chain_counts`)."""
+    terms, rec = [], []
+    for j, (a, d, logits) in enumerate(eagle3_forward(draft, row, anchors, ttt_steps)):
+        tl, lm = row.target_logits[a + j], row.valid[a + j]
+        terms.append((LOSSES[loss_name](logits, tl, lm), int(lm.sum())))
+        rec.append((logits.detach().argmax(-1) == tl.argmax(-1), a, d, lm))
+    correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
+    return terms, chain_counts(correct, aa, dd, vv, ttt_steps).cpu()
+
+
 def eagle3_step(draft, row, anchors: torch.Tensor, ttt_steps: int, decay: float, loss_name: str):
     """One EAGLE-3 TTT step over a packed row (features.PackedRow) and its backward.
 
     loss = Σ_j decay^j · (Σ loss of step j's valid elements / their count).
     Returns (loss value, valid count, depth_counts [4, ttt_steps]) like `draft_step`.
     """
-    loss, rec = 0.0, []
-    for j, (a, d, logits) in enumerate(eagle3_forward(draft, row, anchors, ttt_steps)):
-        tl, lm = row.target_logits[a + j], row.valid[a + j]
-        loss = loss + decay**j * LOSSES[loss_name](logits, tl, lm) / max(int(lm.sum()), 1)
-        rec.append((logits.detach().argmax(-1) == tl.argmax(-1), a, d, lm))
+    terms, counts = ttt_step_losses(draft, row, anchors, ttt_steps, loss_name)
+    loss = sum(decay**j * total / max(n, 1) for j, (total, n) in enumerate(terms))
     loss.backward()  # local gradients; the loop averages them over processes
-    correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
-    return loss.item(), int(vv.sum()), chain_counts(correct, aa, dd, vv, ttt_steps).cpu()
+    return loss.item(), sum(n for _, n in terms), counts
 
 
 class Eagle3Objective(Objective):
@@ -111,11 +119,5 @@ class Eagle3Objective(Objective):
         every step's valid elements, their count, chain counts [4, num_depths]) — the counts that
         `eagle3_step` reports for the same row and anchors."""
         t = self.train_cfg
-        loss, count, rec = 0.0, 0.0, []
-        for j, (a, d, logits) in enumerate(eagle3_forward(model, row, self.sample(row, generator), t.num_depths)):
-            tl, lm = row.target_logits[a + j], row.valid[a + j]
-            loss += float(LOSSES[t.loss](logits, tl, lm))
-            count += float(lm.sum())
-            rec.append((logits.argmax(-1) == tl.argmax(-1), a, d, lm))
-        correct, aa, dd, vv = (torch.cat(x) for x in zip(*rec))
-        return loss, count, chain_counts(correct, aa, dd, vv, t.num_depths).cpu()
+        terms, counts = ttt_step_losses(model, row, self.sample(row, generator), t.num_depths, t.loss)
+        return sum(float(total) for total, _ in terms), float(sum(n for _, n in terms)), counts

@@ -290,16 +290,18 @@ class PEagleDraft(nn.Module):
         h = features
         embeds = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(h, position_ids)
+        slots = isinstance(cache, SlotCache)
+        per_layer = ([cache.layer(i) for i in range(len(self.layers))] if slots
+                     else cache if cache is not None else [None] * len(self.layers))
         new_cache = []
         ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for i, layer in enumerate(self.layers):
-            c = cache.layer(i) if isinstance(cache, SlotCache) else None if cache is None else cache[i]
+        for layer, c in zip(self.layers, per_layer):
             if ckpt:  # activation checkpointing: recompute the layer in backward
                 h, kv = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, c, embeds, use_reentrant=False)
             else:
                 h, kv = layer(h, cos, sin, mask, c, embeds=embeds)
             new_cache.append(kv)
-        return h, cache if isinstance(cache, SlotCache) else new_cache
+        return h, cache if slots else new_cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
@@ -383,7 +385,6 @@ class Eagle3Draft(PEagleDraft):
         (the sequential steps' entries are dropped) and the forward count is K.
         """
         B, M = tokens.shape
-        slots = isinstance(cache, SlotCache)
         h, keep = self.hidden_states(tokens, features.to(self.fc.weight.dtype), position_ids, mask, cache)
         hid, vis, last = h[:, -1:], mask[:, -1:], position_ids[:, -1:]
         c, toks, all_logits = keep, [], []
@@ -395,7 +396,7 @@ class Eagle3Draft(PEagleDraft):
             idx = logits.argmax(-1) if pick is None else pick(logits)
             toks.append(self.draft_to_target(idx[:, 0]))
             all_logits.append(logits)
-        if slots:  # the same cache object: drop the K-1 sequential steps' entries
+        if isinstance(keep, SlotCache):  # the cache passed in: drop the K-1 sequential steps' entries
             keep.crop(-(K - 1))
         return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)
 

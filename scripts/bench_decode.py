@@ -8,7 +8,8 @@ engine and, side by side in the same run, another checkout's code (e.g. main bef
 One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
-and head objects; the two alternate prompt by prompt, so that a shared machine's load hits both. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
+and head weights (this tree's engine on a copy whose bf16 linears are packed for oneDNN, as
+`peagle evaluate` decodes); the two alternate prompt by prompt, so that a shared machine's load hits both. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
 step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
 target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
 replaces the decoding section of docs/BENCHMARKS.md (with CPU model, bf16 unit and load average).
@@ -60,10 +61,13 @@ def measure(args, dtype, name: str) -> list[dict]:
     """Decode the prompts with the target alone and with the head, with this tree's engine and
     (with --base) the other checkout's decoder, interleaved prompt by prompt and round by round so
     that both see the same load. Returns one row per code."""
+    import copy
+
     import torch
     from omegaconf import OmegaConf
 
     from peagle_train.decoding.engine import generate
+    from peagle_train.decoding.packed_linear import pack_linears
     from peagle_train.job import build_target
 
     from peagle_train.draft.io import load_head
@@ -73,10 +77,16 @@ def measure(args, dtype, name: str) -> list[dict]:
     target, tok = build_target(target_cfg, "cpu")
     target.model.to(dtype)
     head.to(dtype)
+    # this tree's engine decodes as `evaluate` does: bf16 linears packed for oneDNN (a second copy,
+    # so that the other checkout's decoder keeps the plain modules)
+    fast, fast_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
+    fast.model.to(dtype)
+    packed = pack_linears(fast.model) + pack_linears(fast_head)
     prompts = _prompts(tok, args.num_prompts)
     eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
-    codes = {"this tree (engine)": (lambda ids: generate(target, None, [ids], K, N, eos)[0],
-                                    lambda ids: generate(target, head, [ids], K, N, eos)[0])}
+    label = "this tree (engine, packed bf16 linears)" if packed else "this tree (engine)"
+    codes = {label: (lambda ids: generate(fast, None, [ids], K, N, eos)[0],
+                    lambda ids: generate(fast, fast_head, [ids], K, N, eos)[0])}
     if args.base:
         old = _old_decoder(Path(args.base))
         codes = {"main (per-sequence decoder)": (lambda ids: old.target_generate(target, ids, N, eos),

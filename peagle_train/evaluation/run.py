@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.engine import GenerationResult, generate
+from ..decoding.packed_linear import pack_linears, unpack_linears
 from ..errors import UserError
 from ..precision import log_precision, resolve_precision
 from .benchmarks import BenchmarkError, chat_ids
@@ -71,12 +72,20 @@ def prepare_for_decoding(target, heads: list, precision: str = "auto"):
     """Put the target (in place) and copies of the heads in the dtype that `precision` resolves to
     on the target's device (peagle_train/precision.py; the same setting as training), so that any
     mix of target dtype and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
-    stays None); the heads given are left as they are (a trained head keeps its fp32 weights)."""
+    stays None); the heads given are left as they are (a trained head keeps its fp32 weights).
+    In bf16 on CPU the linear weights of the target and of the copies are packed for oneDNN once
+    (`decoding/packed_linear.py`: the same outputs, faster at decoding shapes)."""
     dev = target.model.device
     res = resolve_precision(precision, dev)
     log_precision(res)
+    unpack_linears(target.model)
     target.model.to(res.dtype)
-    return res, [None if h is None else copy.deepcopy(h).to(device=dev, dtype=res.dtype).eval() for h in heads]
+    pack_linears(target.model)
+    copies = [None if h is None else copy.deepcopy(h).to(device=dev, dtype=res.dtype).eval() for h in heads]
+    for h in copies:
+        if h is not None:
+            pack_linears(h)
+    return res, copies
 
 
 def head_fingerprint(head) -> str:

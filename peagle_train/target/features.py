@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.packed_linear import PackedLinear
+
 DOCUMENT_ATTENTION = "peagle_documents"
 
 
@@ -225,9 +227,12 @@ class FeatureTarget:
         return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
 
     def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        head = self.model.get_output_embeddings().weight
-        w = head if draft_ids is None else head[draft_ids]
-        logits = normed @ w.T
+        module = self.model.get_output_embeddings()
+        if draft_ids is None and isinstance(module, PackedLinear):
+            logits = module(normed)  # bf16 on CPU, weight packed once (bit-identical to the matmul below)
+        else:
+            w = module.weight if draft_ids is None else module.weight[draft_ids]
+            logits = normed @ w.T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

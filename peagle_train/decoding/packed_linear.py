@@ -1,0 +1,95 @@
+"""bf16 linear layers with their weights packed once for oneDNN, for decoding on CPU.
+
+At decoding shapes (1 to ~100 rows) a bf16 `F.linear` on CPU spends most of its time re-laying
+out the weight for oneDNN at every call: SmolLM2-135M's linear weights (incl. the tied lm_head)
+take ~30 ms per 1-row forward that way and ~11 ms packed once (docs/BENCHMARKS.md, "Decoding
+step costs"). `pack_linears` replaces every `nn.Linear` of a bf16 CPU module by a `PackedLinear`
+that calls the same oneDNN kernel on a pre-packed copy of the weight (what torch.compile's
+freezing pass does for CPU linears, `torch.ops.mkldnn._linear_pointwise`), so the outputs are
+bit-identical to `F.linear`'s (tests/test_packed_linear.py) and lossless checks are unaffected.
+
+fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
+MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
+(state dicts, fingerprints, tied embeddings and `.weight` readers see no change); the packed copy
+is a plain attribute, so it costs the weights' memory once more and is not saved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def packing_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops that `PackedLinear` calls."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` (bf16, CPU) whose forward uses a weight packed once for oneDNN.
+
+    Holds the original `weight` [out, in] and `bias` [out] parameters (the same tensors, so a tied
+    lm_head stays tied) and `packed`, their oneDNN layout. forward: x [..., in] → [..., out],
+    bit-identical to `F.linear(x, weight, bias)`; any other dtype or device (e.g. after `.to()`),
+    and a non-contiguous x with a bias (which `F.linear` adds after the product, rounding twice),
+    fall back to `F.linear`.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu"
+                or (self.bias is not None and not x.is_contiguous())):  # F.linear adds such a bias unfused
+            return F.linear(x, w, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def _linears(model: nn.Module, cls):
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is cls:
+                yield parent, name, child
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` (in place) by a `PackedLinear` when the model's weights
+    are bf16 on CPU and this torch has the oneDNN ops; returns how many were packed (0 otherwise:
+    fp32, CUDA, or no oneDNN). Packing takes ~0.5 s for a 135M-parameter model."""
+    first = next(model.parameters(), None)
+    if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu" or not packing_available():
+        return 0
+    n = 0
+    for parent, name, child in list(_linears(model, nn.Linear)):
+        if child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            setattr(parent, name, PackedLinear(child))
+            n += 1
+    if n:
+        logger.info("packed %d bf16 linear layers of %s for oneDNN", n, type(model).__name__)
+    return n
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo `pack_linears`: every `PackedLinear` becomes an `nn.Linear` over the same parameters;
+    returns how many."""
+    n = 0
+    for parent, name, child in list(_linears(model, PackedLinear)):
+        lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                        device="meta", dtype=child.weight.dtype)
+        lin.weight, lin.bias = child.weight, child.bias
+        setattr(parent, name, lin)
+        n += 1
+    return n

@@ -173,3 +173,24 @@ def test_benchmark_loaders(tmp_path):
     f.write_text('{"text": "hi"}\n')
     with pytest.raises(BenchmarkError, match=r"p.jsonl:1: a record needs"):
         load_jsonl_prompts(str(f))
+
+
+def test_k_table_rows_per_k_from_acceptance_dicts():
+    from peagle_train.evaluation.report import k_table
+
+    def acc(tau, pos, draft_s, speedup, mism, base=None):
+        r = {"acceptance_length": tau, "per_position_acceptance": pos, "draft_seconds_per_step": draft_s,
+             "speedup": speedup, "lossless_mismatches": mism, "num_prompts": 4, "num_turns": 8,
+             "target_only_tokens_per_second": 50.0}
+        if base:
+            r["baseline"] = base
+        return r
+
+    e3 = acc(1.3, [0.25, 0.05, 0.0], 0.0121, 0.8, 1)
+    text = k_table({5: acc(1.4, [0.3, 0.08, 0.02, 0.0, 0.0], 0.0031, 1.04, 0, e3), 3: acc(1.35, [0.3, 0.05, 0.0], 0.003, 1.1, 2, e3)})
+    rows = text.splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 3 |") and rows[3].startswith("| 5 |")  # sorted by K
+    assert rows[3] == ("| 5 | 1.400 | 1.300 | 0.300, 0.080, 0.020 | 0.250, 0.050, 0.000 | 3.1 / 12.1 ms | "
+                       "1.04× / 0.80× (50.0 tok/s) | 8/8 / 7/8 |")
+    with pytest.raises(KeyError, match="K = 7 run has no baseline"):
+        k_table({7: acc(1.4, [0.3], 0.003, 1.0, 0)})

@@ -245,3 +245,27 @@ def format_acceptance(r: dict) -> str:
 def _tau(accepted: list[int]) -> float:
     """τ = mean over verify steps of 1 + accepted drafts (TAU_CONVENTION)."""
     return sum(a + 1 for a in accepted) / len(accepted) if accepted else 0.0
+
+
+def k_table(results: dict[int, dict]) -> str:
+    """Markdown: one row per K of the acceptance dicts `results` {K: acceptance.json} of runs with
+    a `baseline` head (the head and the baseline decoded in the same run): τ, P(≥ i accepted) for
+    i = 1..3, drafting ms per verify step, speedup over the target alone (its tokens/s) and the
+    lossless counts. The table of docs/RESULTS.md, "K = 3, 5, 7 per benchmark".
+
+    Raises KeyError naming a run without a baseline head."""
+    lines = ["| K | P-EAGLE τ | EAGLE-3 τ | P-EAGLE P(≥ 1, 2, 3 accepted) | EAGLE-3 P(≥ 1, 2, 3 accepted) | drafting per "
+             "step P-EAGLE / EAGLE-3 | speedup P-EAGLE / EAGLE-3 (target alone) | lossless P-EAGLE / EAGLE-3 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for K in sorted(results):
+        r = results[K]
+        if "baseline" not in r:
+            raise KeyError(f"the K = {K} run has no baseline head: run it with baseline_head=...")
+        b, turns = r["baseline"], r.get("num_turns", r["num_prompts"])
+        acc = [", ".join(f"{a:.3f}" for a in x["per_position_acceptance"][:3]) for x in (r, b)]
+        lossless = [f"{turns - x['lossless_mismatches']}/{turns}" for x in (r, b)]
+        lines.append(f"| {K} | {r['acceptance_length']:.3f} | {b['acceptance_length']:.3f} | {acc[0]} | {acc[1]} | "
+                     f"{1000 * r['draft_seconds_per_step']:.1f} / {1000 * b['draft_seconds_per_step']:.1f} ms | "
+                     f"{r['speedup']:.2f}× / {b['speedup']:.2f}× ({r['target_only_tokens_per_second']:.1f} tok/s) | "
+                     f"{lossless[0]} / {lossless[1]} |")
+    return "\n".join(lines)

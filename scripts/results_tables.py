@@ -8,21 +8,30 @@ benchmark with a row per K, from RUN/eval-<benchmark>-k<K>/eval/acceptance.json
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import MISSING
+
+from peagle_train.cli import parse_pairs
+from peagle_train.errors import UserError, cli_main
 from peagle_train.evaluation.report import k_table
 
 
-def main() -> None:
-    args = dict(a.split("=", 1) for a in sys.argv[1:])
-    run = Path(args.get("run_dir", "runs/smollm2"))
+@dataclass
+class Args:
+    run_dir: str = MISSING  # the recipe run directory (scripts/recipe_results.sh RUN_DIR)
+
+
+def main(argv):
+    run = Path(parse_pairs(argv, Args, __doc__).run_dir)
     found: dict[str, dict[int, dict]] = {}
     for path in sorted(run.glob("eval-*-k*/eval/acceptance.json")):
         m = re.fullmatch(r"eval-(.+)-k(\d+)", path.parent.parent.name)
         if m:
             found.setdefault(m.group(1), {})[int(m.group(2))] = json.loads(path.read_text())
     if not found:
-        raise SystemExit(f"{run}: no eval-<benchmark>-k<K>/eval/acceptance.json. Fix: run scripts/recipe_results.sh {run}")
+        raise UserError(f"{run}: no eval-<benchmark>-k<K>/eval/acceptance.json. Fix: bash scripts/recipe_results.sh {run}")
     for bench, results in found.items():
         r = next(iter(results.values()))
         print(f"### {bench}: {r.get('num_turns', r['num_prompts'])} turns, {r['max_new_tokens']} new tokens, "
@@ -30,4 +39,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli_main(main)(sys.argv[1:])

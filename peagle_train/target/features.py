@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.packed_linear import PackedLinear
-
 DOCUMENT_ATTENTION = "peagle_documents"
 
 
@@ -227,12 +225,8 @@ class FeatureTarget:
         return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
 
     def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        module = self.model.get_output_embeddings()
-        if draft_ids is None and isinstance(module, PackedLinear):
-            logits = module(normed)  # bf16 on CPU, weight packed once (bit-identical to the matmul below)
-        else:
-            w = module.weight if draft_ids is None else module.weight[draft_ids]
-            logits = normed @ w.T
+        module = self.model.get_output_embeddings()  # an nn.Linear, or its packed form (decoding/packed_linear.py)
+        logits = module(normed) if draft_ids is None else normed @ module.weight[draft_ids].T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

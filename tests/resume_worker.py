@@ -43,7 +43,9 @@ def main(out: Path, resume: bool):
                                  "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
                                  "val_conversations": 2, "resume": resume})
     train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
-    train(Accelerator(cpu=True), draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out)
+    acc = Accelerator(cpu=True)
+    train(acc, draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out)
+    acc.end_training()  # a process that exits with a live gloo group can abort ("terminate called ...")
 
 
 if __name__ == "__main__":

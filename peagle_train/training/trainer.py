@@ -38,19 +38,20 @@ from .tracking import step_scalars, tracker_name
 logger = logging.getLogger(__name__)
 
 
-
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fused: bool) -> torch.optim.AdamW:
-    """The head's optimizer: AdamW, betas (0.9, 0.95). `fused` (the ddp engine, whose parameters
-    are plain tensors) takes PyTorch's fused kernel where the parameters' device has one (CPU and
-    CUDA): one pass over each tensor instead of a dozen elementwise ops. For the smollm2-135m
-    recipe's head (41.7M trainable parameters, 28.3M of them embed_tokens) one step takes 64 ms
-    against 306 ms on one Xeon core, and the recipe's P-EAGLE training runs 1.38× faster
-    (scripts/bench_optimizer.py, docs/BENCHMARKS.md). The
-    update is the same up to rounding. DeepSpeed and FSDP (sharded DTensor parameters) keep the
-    default implementation."""
+    """The head's optimizer: AdamW, betas (0.9, 0.95).
+
+    `fused` (the ddp engine, whose parameters are plain tensors) takes PyTorch's fused kernel where
+    the parameters' device has one (CPU and CUDA): one pass over each tensor instead of a dozen
+    elementwise ops, the same update up to rounding. For the smollm2-135m recipe's head (41.7M
+    trainable parameters, 28.3M of them embed_tokens) one step takes 64 ms against 306 ms on one
+    Xeon core, and the recipe's P-EAGLE training runs 1.38× faster (scripts/bench_optimizer.py,
+    docs/BENCHMARKS.md). DeepSpeed and FSDP (sharded DTensor parameters) keep the default
+    implementation."""
     fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                           for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=fused or None)
+
 
 class Trainer:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with features from

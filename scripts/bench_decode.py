@@ -8,9 +8,11 @@ engine and, side by side in the same run, another checkout's code (e.g. main bef
 One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
-and head weights (this tree's engine on a copy whose bf16 linears are packed for oneDNN, as
-`peagle evaluate` decodes); the two alternate prompt by prompt, so that a shared machine's load hits both. Step ms = wall time after the first token ÷ decoding steps (target alone: one token per
-step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
+and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
+on a CPU with AMX, for the AMX kernel, as `peagle evaluate` decodes; with AMX a third copy runs
+oneDNN's kernels only. The codes alternate prompt by prompt, so that a shared machine's load hits
+all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
+per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
 target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
 replaces the decoding section of docs/BENCHMARKS.md (with CPU model, bf16 unit and load average).
 """
@@ -84,9 +86,20 @@ def measure(args, dtype, name: str) -> list[dict]:
     packed = pack_linears(fast.model) + pack_linears(fast_head)
     prompts = _prompts(tok, args.num_prompts)
     eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
-    label = "this tree (engine, packed bf16 linears)" if packed else "this tree (engine)"
+    amx = any(getattr(m, "amx", None) is not None for m in fast.model.modules())
+    label = ("this tree (engine, AMX bf16 linears)" if amx else "this tree (engine, packed bf16 linears)" if packed
+             else "this tree (engine)")
     codes = {label: (lambda ids: generate(fast, None, [ids], K, N, eos)[0],
                     lambda ids: generate(fast, fast_head, [ids], K, N, eos)[0])}
+    if amx:  # the same engine with oneDNN's kernels only, side by side (what the AMX kernel replaces)
+        dnn, dnn_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
+        dnn.model.to(dtype)
+        pack_linears(dnn.model), pack_linears(dnn_head)
+        for m in [*dnn.model.modules(), *dnn_head.modules()]:
+            if getattr(m, "amx", None) is not None:
+                m.amx = None
+        codes["this tree (engine, oneDNN bf16 linears)"] = (lambda ids: generate(dnn, None, [ids], K, N, eos)[0],
+                                                            lambda ids: generate(dnn, dnn_head, [ids], K, N, eos)[0])
     if args.base:
         old = _old_decoder(Path(args.base))
         codes = {"main (per-sequence decoder)": (lambda ids: old.target_generate(target, ids, N, eos),

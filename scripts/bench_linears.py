@@ -1,15 +1,18 @@
 """Benchmark of the decoding forward's matrix products: the 211 linear layers of SmolLM2-135M-Instruct
 (30 layers × q, k, v, o, gate, up, down, and the 49,152-row lm_head) applied to 1 row (a
-target-alone step) and to 6 rows (a K = 5 verify), in fp32 (`F.linear`, MKL) and in bf16 through
-`PackedLinear` (oneDNN, weights packed once), with oneDNN free to use every ISA of the CPU and,
-in a second process, capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, i.e. no AMX).
+target-alone step), 6 rows (a K = 5 verify) and 16 rows (a batch of 16 target-alone steps): fp32
+`F.linear` (MKL); bf16 `PackedLinear` on oneDNN's kernels (weights packed once), free to use every
+ISA of the CPU and, in a second process, capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA=
+AVX512_CORE_BF16`, i.e. no AMX); and, on a CPU with AMX, bf16 `PackedLinear` on this project's
+AMX kernel (decoding/amx_linear.py), as `peagle evaluate` decodes.
 
     python scripts/bench_linears.py [--repeats 10] [--threads 1] [--out FILE | --no-docs]
 
 Random weights of the target's shapes (no model loaded); ms = one pass over the 211 layers, the
-mean of --repeats passes after 3 warm-ups. The ISA cap is read by oneDNN once per process, so
-each setting runs in its own subprocess. Prints a table and writes it into docs/BENCHMARKS.md
-under its own heading, with CPU model, bf16 unit and load.
+median of --repeats passes after 3 warm-ups, the kernels taking turns pass by pass (a shared
+machine's load hits all alike). The ISA cap is read by oneDNN once per process, so each setting
+runs in its own subprocess. Prints a table and writes it into docs/BENCHMARKS.md under its own
+heading, with CPU model, bf16 unit, load and the weights' bytes per pass.
 """
 
 from __future__ import annotations
@@ -34,27 +37,38 @@ SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER)] 
 ISAS = (("all (AMX where present)", None), ("capped at AVX512-BF16", "AVX512_CORE_BF16"))
 
 
+ROWS = (1, 6, 16)
+
+
 def measure(repeats: int, threads: int) -> dict[str, float]:
-    """ms per pass over SHAPES, keyed "fp32/1", "fp32/6", "bf16/1", "bf16/6" (precision/rows)."""
+    """Median ms per pass over SHAPES, keyed "<kernel>/<rows>" for kernels fp32, onednn and (with
+    AMX) amx."""
     from peagle_train.decoding.packed_linear import PackedLinear
 
     torch.set_num_threads(threads)
+    kernels = {"fp32": [torch.nn.Linear(i, o, bias=False) for o, i in SHAPES]}
+    bf16 = [torch.nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in SHAPES]
+    kernels["amx"] = [PackedLinear(lin) for lin in bf16]
+    kernels["onednn"] = [PackedLinear(lin) for lin in bf16]
+    for lin in kernels["onednn"]:
+        lin.amx = None
+    if kernels["amx"][0].amx is None:
+        del kernels["amx"]
     out = {}
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        lins = [torch.nn.Linear(i, o, bias=False).to(dt) for o, i in SHAPES]
-        if dt == torch.bfloat16:
-            lins = [PackedLinear(lin) for lin in lins]
-        for rows in (1, 6):
-            xs = {i: torch.randn(1, rows, i, dtype=dt) for _, i in SHAPES}
-            with torch.no_grad():
-                for _ in range(3):
+    with torch.no_grad():
+        for rows in ROWS:
+            times = {k: [] for k in kernels}
+            for r in range(3 + repeats):
+                for k, lins in kernels.items():
+                    dt = torch.float32 if k == "fp32" else torch.bfloat16
+                    xs = {i: torch.randn(1, rows, i, dtype=dt) for _, i in SHAPES}
+                    t0 = time.perf_counter()
                     for lin, (_, i) in zip(lins, SHAPES):
                         lin(xs[i])
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    for lin, (_, i) in zip(lins, SHAPES):
-                        lin(xs[i])
-            out[f"{name}/{rows}"] = (time.perf_counter() - t0) / repeats * 1e3
+                    if r >= 3:
+                        times[k].append((time.perf_counter() - t0) * 1e3)
+            for k, ts in times.items():
+                out[f"{k}/{rows}"] = sorted(ts)[len(ts) // 2]
     return out
 
 
@@ -76,19 +90,24 @@ def main() -> None:
             env["ONEDNN_MAX_CPU_ISA"] = isa
         proc = subprocess.run([sys.executable, __file__, "--worker", "--repeats", str(args.repeats), "--threads",
                                str(args.threads)], env=env, capture_output=True, text=True, check=True)
-        rows.append((label, json.loads(proc.stdout.strip().splitlines()[-1])))
+        rows.append((label, isa, json.loads(proc.stdout.strip().splitlines()[-1])))
+    mb = sum(o * i for o, i in SHAPES) * 2 / 1e6
     lines = [HEADING, "",
-             f"SmolLM2-135M-Instruct's {len(SHAPES)} linear layers (random weights), one pass, mean of {args.repeats}; "
-             f"{cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), {args.threads} torch thread(s), torch "
-             f"{torch.__version__}; load average {load0:.1f} before / {os.getloadavg()[0]:.1f} after. bf16 = "
-             "`PackedLinear` (oneDNN, packed once, as `peagle evaluate` decodes); fp32 = `F.linear`. Run: "
-             f"`python scripts/bench_linears.py --repeats {args.repeats} --threads {args.threads}`.", "",
-             "| oneDNN ISA | fp32, 1 row (ms) | fp32, 6 rows | bf16, 1 row | bf16, 6 rows | bf16 6 rows ÷ fastest 1 row |",
-             "|---|---|---|---|---|---|"]
-    for label, r in rows:
-        fastest1 = min(r["fp32/1"], r["bf16/1"])
-        lines.append(f"| {label} | {r['fp32/1']:.1f} | {r['fp32/6']:.1f} | {r['bf16/1']:.1f} | {r['bf16/6']:.1f} | "
-                     f"{r['bf16/6'] / fastest1:.2f}× |")
+             f"SmolLM2-135M-Instruct's {len(SHAPES)} linear layers (random weights; {mb:.0f} MB in bf16), one pass, "
+             f"median of {args.repeats}, kernels in turn; {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
+             f"{args.threads} torch thread(s), torch {torch.__version__}; load average {load0:.1f} before / "
+             f"{os.getloadavg()[0]:.1f} after. Run: `python scripts/bench_linears.py --repeats {args.repeats} "
+             f"--threads {args.threads}`. GB/s = bf16 weight bytes ÷ the 1-row time.", "",
+             "| kernel | " + " | ".join(f"{r} row{'s' * (r > 1)} (ms)" for r in ROWS) + " | 1-row GB/s | "
+             "6 rows ÷ fastest 1 row |", "|---|" + "---|" * (len(ROWS) + 2)]
+    names = {"fp32": "fp32 `F.linear` (MKL)", "onednn": "bf16 oneDNN, packed", "amx": "bf16 AMX kernel (ours)"}
+    results = [(f"{names[k]}{'' if isa is None or k != 'onednn' else ', ISA capped at AVX512-BF16'}", k, r)
+               for label, isa, r in rows for k in names if f"{k}/1" in r and (isa is None or k == "onednn")]
+    fastest1 = min(r[f"{k}/1"] for _, k, r in results)
+    for name, k, r in results:
+        per = " | ".join(f"{r[f'{k}/{n}']:.1f}" for n in ROWS)
+        gbs = mb / r[f"{k}/1"] * (2 if k == "fp32" else 1)
+        lines.append(f"| {name} | {per} | {gbs:.1f} | {r[f'{k}/6'] / fastest1:.2f}× |")
     table = "\n".join(lines)
     print(table)
     if not args.no_docs:

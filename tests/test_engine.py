@@ -335,3 +335,52 @@ def test_bf16_decoding_runs_decode_attention_and_restores_sdpa(monkeypatch):
             assert t.config._attn_implementation == "sdpa"
     finally:
         AttentionInterface.register(features.DECODE_ATTENTION, real)
+
+
+def test_an_upcast_target_cache_stores_fp32_and_decodes_the_same_tokens(monkeypatch):
+    """`SlotCache(upcast=True)` (the bf16 target's cache): entries written in bf16 are stored and
+    returned in fp32 with the same values; `decode_attention` over them equals it over the bf16
+    entries bit for bit (it upcasts them itself), and its transformers fallback gets them back in
+    the query's dtype; a bf16 target decodes the same tokens with and without the upcast cache."""
+    from types import SimpleNamespace
+
+    from peagle_train.decoding import engine as engine_mod
+    from peagle_train.decoding.kv_cache import SlotCache
+    from peagle_train.target.features import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 9, 16, generator=g).bfloat16(), torch.randn(2, 2, 9, 16, generator=g).bfloat16()
+    up, plain = SlotCache(upcast=True), SlotCache()
+    ku, vu = up.update(k, v, 0)
+    kp, vp = plain.update(k, v, 0)
+    assert ku.dtype == vu.dtype == torch.float32 and kp.dtype == torch.bfloat16
+    assert torch.equal(ku, k.float()) and torch.equal(vu, v.float()) and up.layer(1).upcast
+    ku, vu = up.update(k[:, :, :3], v[:, :, :3], 0)  # appended entries are upcast too
+    assert ku.shape[2] == 12 and torch.equal(ku[:, :, 9:], k[:, :, :3].float())
+
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    q = torch.randn(2, 4, 3, 16, generator=g).bfloat16()
+    a, _ = decode_attention(module, q, k.float(), v.float(), None, scaling=0.25)
+    b, _ = decode_attention(module, q, k, v, None, scaling=0.25)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    per_head = torch.rand(2, 4, 3, 9, generator=g) > 0.3  # a per-head mask goes to transformers' SDPA
+    per_head[..., 0] = True
+    c, _ = decode_attention(module, q, k.float(), v.float(), per_head, scaling=0.25)
+    d, _ = decode_attention(module, q, k, v, per_head, scaling=0.25)
+    assert c.dtype == torch.bfloat16 and torch.equal(c, d)
+
+    t, head = small_pair(K=3)
+    t.model.to(torch.bfloat16)
+    head.to(torch.bfloat16)
+    prompts = [[5, 17, 33, 2, 90], [1, 2, 3]]
+    made = []
+
+    def cache(upcast=False):
+        made.append(upcast)
+        return SlotCache(upcast=upcast)
+
+    monkeypatch.setattr(engine_mod, "SlotCache", cache)
+    with_upcast = [(r.tokens, r.accepted) for r in generate(t, head, prompts, 3, 20, set())]
+    assert made[0] is True  # the target's cache: bf16 sdpa target
+    monkeypatch.setattr(engine_mod, "SlotCache", lambda upcast=False: SlotCache())
+    assert [(r.tokens, r.accepted) for r in generate(t, head, prompts, 3, 20, set())] == with_upcast

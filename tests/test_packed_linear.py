@@ -69,3 +69,55 @@ def test_fp32_modules_are_not_packed_and_decoding_preparation_packs_bf16_only():
     assert not any(isinstance(m, PackedLinear) for m in d.modules())  # the given head is left as it is
     _, (head,) = prepare_for_decoding(t, [d], "fp32")  # a packed target goes back to fp32 unpacked
     assert t.model.dtype == torch.float32 and not any(isinstance(m, PackedLinear) for m in t.model.modules())
+
+
+def _amx():
+    from peagle_train.decoding import amx_linear
+
+    return amx_linear.kernel()
+
+
+@pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
+def test_amx_kernel_is_exact_per_row_and_matches_f_linear_at_decoding_shapes():
+    """decoding/csrc/amx_linear.cpp against an fp64 product of the same bf16 inputs: one bf16
+    rounding per output (fp32 accumulation), with and without bias, for out/in features that are
+    not multiples of 64/32 (zero padding); every row equals that row alone, bit for bit, whatever
+    the row count (so a 1-row target step and a 6-row verify round alike); and up to 16 rows the
+    output is F.linear's (oneDNN's AMX kernel) bit for bit. PackedLinear sends up to MAX_ROWS rows
+    to it and more rows to oneDNN."""
+    from peagle_train.decoding import amx_linear
+
+    ext = _amx()
+    g = torch.Generator().manual_seed(0)
+    for N, K in [(96, 64), (100, 577), (576, 576), (1536, 576), (576, 1536)]:
+        w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16()
+        packed = ext.pack(w)
+        assert packed.shape == ((N + 63) // 64, (K + 31) // 32 * 16, 64, 2)
+        x = torch.randn(40, K, generator=g).bfloat16()
+        for bias in (b, None):
+            alone = torch.cat([ext.linear(x[i:i + 1], packed, N, bias) for i in range(40)])
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            assert ((alone.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5).all()
+            for M in (1, 6, 16, 17, 40):
+                y = ext.linear(x[:M], packed, N, bias)
+                assert y.dtype == torch.bfloat16 and torch.equal(y, alone[:M]), (N, K, M)
+                if M <= 16:
+                    assert torch.equal(y, F.linear(x[:M], w, bias)), (N, K, M)
+        assert ext.linear(x[:6].view(2, 3, K), packed, N, None).shape == (2, 3, N)
+        with pytest.raises(RuntimeError, match="do not match"):
+            ext.linear(x[:, :K - 1] if K % 32 == 0 else x, ext.pack(w[:, :32]), N, None)
+
+    lin = nn.Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
+    p = PackedLinear(lin)
+    assert p.amx is not None and "AMX" in repr(p)
+    calls = []
+    real = amx_linear.amx_linear
+    try:
+        amx_linear.amx_linear = lambda *a: calls.append(a[0].shape) or real(*a)
+        small, big = torch.randn(2, 16, 576).bfloat16(), torch.randn(3, 20, 576).bfloat16()
+        assert torch.equal(p(small), F.linear(small, lin.weight)) and torch.equal(
+            p(big), torch.ops.mkldnn._linear_pointwise(big, p.packed, None, "none", [], ""))
+    finally:
+        amx_linear.amx_linear = real
+    assert calls == [small.shape]  # 32 rows: AMX; 60 rows: oneDNN

@@ -142,7 +142,10 @@ class Engine:
         self.ids = list(range(n))            # original row index of each live row
         self.res = [GenerationResult([]) for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.tcache = SlotCache()
+        # the target's decoding attention computes in fp32 (target/features.py `decode_attention`,
+        # for sdpa targets below fp32): its cache is kept in fp32, converted once per new entry
+        upcast = self.mask_dtype != torch.float32 and getattr(target.config, "_attn_implementation", None) == "sdpa"
+        self.tcache = SlotCache(upcast=upcast)
         self.dcache = SlotCache()  # the draft head's real pairs (draft/peagle.py writes into it)
         self.dvalid = torch.zeros(n, 0, dtype=torch.bool, device=self.dev)
         self.dlen = torch.zeros(n, dtype=torch.long, device=self.dev)

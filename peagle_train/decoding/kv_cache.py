@@ -7,9 +7,15 @@ the first `n` slots. Capacity grows by doubling (amortised O(1) per token). Drop
 drafts (`crop`) only moves the length; `batch_select_indices` drops finished rows and
 `set_slots` writes a compacted cache back (decoding/engine.py). The draft head's attention writes
 into the same layers (`SlotCache.layer(i)`, draft/peagle.py `DraftAttention`) when it decodes.
+
+`SlotCache(upcast=True)` stores half-precision keys and values in fp32 buffers (converted once,
+when written): the target's decoding attention (target/features.py `decode_attention`) computes in
+fp32 and would otherwise convert the whole cache of every layer at every step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -25,15 +31,16 @@ def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class SlotLayer(DynamicLayer):
     """One layer of `SlotCache`: `keys`/`values` are views [B, kv_heads, n, head_dim] of buffers."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, upcast: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.n = 0
+        self.n, self.upcast = 0, upcast
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         B, h, _, d = key_states.shape
-        self.kbuf = key_states.new_empty(B, h, CAPACITY, d)
-        self.vbuf = value_states.new_empty(B, value_states.shape[1], CAPACITY, value_states.shape[3])
+        dtype = torch.float32 if self.upcast and key_states.dtype in (torch.bfloat16, torch.float16) else key_states.dtype
+        self.kbuf = key_states.new_empty(B, h, CAPACITY, d, dtype=dtype)
+        self.vbuf = value_states.new_empty(B, value_states.shape[1], CAPACITY, value_states.shape[3], dtype=dtype)
         self.is_initialized = True
 
     def _views(self) -> None:
@@ -50,7 +57,8 @@ class SlotLayer(DynamicLayer):
                 setattr(self, name, new)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new entries [B, kv_heads, N, head_dim] after the first n; return the views of n + N."""
+        """Write the new entries [B, kv_heads, N, head_dim] after the first n; return the views of n + N
+        (fp32 for half-precision entries with `upcast`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         need = self.n + key_states.shape[-2]
@@ -87,16 +95,17 @@ class SlotLayer(DynamicLayer):
 
 
 class SlotCache(Cache):
-    """An HF cache of `SlotLayer`s, created lazily per layer at the first forward."""
+    """An HF cache of `SlotLayer`s, created lazily per layer at the first forward; upcast: store
+    half-precision entries in fp32 (module docstring)."""
 
-    def __init__(self):
-        super().__init__(layer_class_to_replicate=SlotLayer)
+    def __init__(self, upcast: bool = False):
+        super().__init__(layer_class_to_replicate=functools.partial(SlotLayer, upcast=upcast))
 
     def layer(self, i: int) -> SlotLayer:
         """Layer `i`, created (empty) with any missing layers before it (the draft head's layers
         are not created by an HF forward)."""
         while len(self.layers) <= i:
-            self.layers.append(SlotLayer())
+            self.layers.append(self.layer_class_to_replicate())
         return self.layers[i]
 
     def set_slots(self, idx: torch.Tensor) -> None:

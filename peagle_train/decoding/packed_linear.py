@@ -8,10 +8,15 @@ that calls the same oneDNN kernel on a pre-packed copy of the weight (what torch
 freezing pass does for CPU linears, `torch.ops.mkldnn._linear_pointwise`), so the outputs are
 bit-identical to `F.linear`'s (tests/test_packed_linear.py) and lossless checks are unaffected.
 
+On a CPU with Intel AMX, up to `amx_linear.MAX_ROWS` rows go to the AMX kernel of
+decoding/amx_linear.py instead (its own packing of the same weight): it reads each weight at the
+memory's speed where oneDNN's small-row kernels often take twice as long, and is bit-identical to
+`F.linear` there as well.
+
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
 (state dicts, fingerprints, tied embeddings and `.weight` readers see no change); the packed copy
-is a plain attribute, so it costs the weights' memory once more and is not saved.
+is a plain attribute, so it costs the weights' memory once more (twice with AMX) and is not saved.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import amx_linear
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +45,8 @@ class PackedLinear(nn.Module):
     lm_head stays tied) and `packed`, their oneDNN layout. forward: x [..., in] → [..., out],
     bit-identical to `F.linear(x, weight, bias)`; any other dtype or device (e.g. after `.to()`),
     and a non-contiguous x with a bias (which `F.linear` adds after the product, rounding twice),
-    fall back to `F.linear`.
+    fall back to `F.linear`. `amx` is the AMX kernel's packing of the weight (None without AMX);
+    inputs of at most `amx_linear.MAX_ROWS` rows use it.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -46,16 +54,21 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        ext = amx_linear.kernel()
+        self.amx = ext.pack(linear.weight.detach()) if ext is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu"
                 or (self.bias is not None and not x.is_contiguous())):  # F.linear adds such a bias unfused
             return F.linear(x, w, self.bias)
+        if self.amx is not None and x.numel() <= amx_linear.MAX_ROWS * self.in_features:
+            return amx_linear.amx_linear(x, self.amx, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed{' (oneDNN + AMX)' if self.amx is not None else ''}")
 
 
 def _linears(model: nn.Module, cls):

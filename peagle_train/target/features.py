@@ -52,9 +52,10 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     weighted sum in fp32 (inputs upcast), the output rounded once to the input dtype.
 
     query [B, heads, n, d], key/value [B, kv_heads, S, d] (S ≥ n: the cache, then the n new
-    slots); attention_mask: None (causal: new slot i sees the cache and new slots ≤ i; no mask
-    for n = 1), a bool [B|1, 1, n, S] (True = attend; transformers' `sdpa` masks, the decoding
-    engine's validity masks) or an additive float mask of that shape. Returns ([B, n, heads, d],
+    slots; query's dtype, or fp32 from an upcast `SlotCache`, then read without a copy);
+    attention_mask: None (causal: new slot i sees the cache and new slots ≤ i; no mask for n = 1),
+    a bool [B|1, 1, n, S] (True = attend; transformers' `sdpa` masks, the decoding engine's
+    validity masks) or an additive float mask of that shape. Returns ([B, n, heads, d],
     None). The g = heads / kv_heads query heads of a kv head are folded into the query axis, so a
     layer is two batched matmuls over [B, kv_heads, g·n, S] without repeating the cache. PyTorch's
     CPU SDPA kernels are several times slower than this at decoding shapes (few queries over a long
@@ -69,6 +70,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if (query.dtype == torch.float32 or dropout or per_head_mask or H % kvh
             or kw.get("softcap") is not None or kw.get("s_aux") is not None):
+        if key.dtype != query.dtype:  # an upcast cache (decoding/kv_cache.py): its entries were query.dtype
+            key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
     g = H // kvh
     scale = scaling if scaling is not None else d ** -0.5

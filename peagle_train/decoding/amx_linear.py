@@ -1,0 +1,77 @@
+"""bf16 linear layers on Intel AMX tiles for decoding's small row counts (csrc/amx_linear.cpp).
+
+A decoding forward multiplies 1 to K+1 rows per sequence by every weight of the model, so it is
+bound by reading the weights. oneDNN's bf16 kernels reach that bound only part of the time at
+these shapes: on a 2-core Xeon with AMX SmolLM2-135M's 211 linears took 30–70 ms per 1-row
+forward from one run to the next, against ≈ 22 ms for reading their 268 MB once
+(docs/BENCHMARKS.md, "bf16 linear kernels"). This kernel packs every weight once in the AMX
+(VNNI) layout and multiplies each group of 64 output features by up to 16 rows per tile, with
+fp32 accumulation and one rounding to bf16, like oneDNN's AMX kernel (the outputs are
+bit-identical to `F.linear`'s at decoding shapes, tests/test_packed_linear.py). Every output row
+depends on its own input row only, in the same order whatever the number of rows, so a 1-row
+target step and a (K+1)-row verify round each token identically.
+
+The extension is compiled with torch.utils.cpp_extension at first use (≈ 30 s, cached under
+TORCH_EXTENSIONS_DIR, rebuilt when the source changes). Where the CPU has no AMX, no compiler is
+found, or PEAGLE_AMX=0 is set, `kernel()` returns None and `PackedLinear` keeps oneDNN.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_linear.cpp"
+# up to this many rows per call the AMX kernel reads each weight once and wins; above (prefill,
+# batched verify) its per-16-row re-reads from cache cost more than oneDNN's blocking
+MAX_ROWS = 32
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+_state: dict = {}
+
+
+def kernel():
+    """The compiled extension (functions `pack(weight [N, K] bf16) -> packed` and
+    `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16`), or None where AMX
+    cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
+    once with the reason). Built once per process."""
+    if "ext" in _state:
+        return _state["ext"]
+    _state["ext"] = None
+    from ..precision import cpu_bf16_units
+
+    if os.environ.get("PEAGLE_AMX", "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or cpu_bf16_units() != "amx":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        t0 = time.perf_counter()
+        ext = load(name="peagle_amx_linear", sources=[str(SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        if not ext.available():
+            logger.warning("AMX linear kernel: the kernel refused the AMX tile state; decoding keeps oneDNN")
+            return None
+        logger.info("AMX linear kernel ready (%.1f s; compiled once per machine, then cached)", time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: decoding still works
+        logger.warning("AMX linear kernel not built (%s: %s); decoding keeps oneDNN. Fix: install a C++ compiler "
+                       "(g++ >= 11), or set PEAGLE_AMX=0 to silence this.", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    _state["ext"] = ext
+    return ext
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] bf16 (CPU) times the weight that `kernel().pack` packed, plus bias [N] →
+    [..., out_features] bf16. Raises RuntimeError when the kernel is unavailable or the shapes do
+    not match the packed weight."""
+    ext = kernel()
+    if ext is None:
+        raise RuntimeError("the AMX linear kernel is not available on this machine")
+    return ext.linear(x, packed, out_features, bias)

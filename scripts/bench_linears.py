@@ -31,13 +31,27 @@ from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
-HEADING = "## Decoding matrix products by precision and oneDNN ISA (scripts/bench_linears.py)"
+HEADING = "## Decoding matrix products: fp32, oneDNN and the AMX kernel (scripts/bench_linears.py)"
 H, INTER, VOCAB, KV = 576, 1536, 49152, 192  # SmolLM2-135M: hidden, MLP, vocabulary, kv heads × head_dim
 SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER)] * 30 + [(VOCAB, H)]
 ISAS = (("all (AMX where present)", None), ("capped at AVX512-BF16", "AVX512_CORE_BF16"))
 
 
 ROWS = (1, 6, 16)
+READ_MB = 256
+
+
+def read_gbs(threads: int) -> float:
+    """The memory's streaming read speed (GB/s, best of 5 sums over READ_MB of fp32): the floor
+    under a kernel that reads its weights once."""
+    torch.set_num_threads(threads)
+    x = torch.randn(READ_MB * 2**20 // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
 
 
 def measure(repeats: int, threads: int) -> dict[str, float]:
@@ -97,7 +111,8 @@ def main() -> None:
              f"median of {args.repeats}, kernels in turn; {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
              f"{args.threads} torch thread(s), torch {torch.__version__}; load average {load0:.1f} before / "
              f"{os.getloadavg()[0]:.1f} after. Run: `python scripts/bench_linears.py --repeats {args.repeats} "
-             f"--threads {args.threads}`. GB/s = bf16 weight bytes ÷ the 1-row time.", "",
+             f"--threads {args.threads}`. GB/s = the weights' bytes in the kernel's precision ÷ the 1-row time; a "
+             f"{READ_MB} MB streaming read (`Tensor.sum`) ran at {read_gbs(args.threads):.1f} GB/s here.", "",
              "| kernel | " + " | ".join(f"{r} row{'s' * (r > 1)} (ms)" for r in ROWS) + " | 1-row GB/s | "
              "6 rows ÷ fastest 1 row |", "|---|" + "---|" * (len(ROWS) + 2)]
     names = {"fp32": "fp32 `F.linear` (MKL)", "onednn": "bf16 oneDNN, packed", "amx": "bf16 AMX kernel (ours)"}

@@ -121,3 +121,37 @@ def test_amx_kernel_is_exact_per_row_and_matches_f_linear_at_decoding_shapes():
     finally:
         amx_linear.amx_linear = real
     assert calls == [small.shape]  # 32 rows: AMX; 60 rows: oneDNN
+
+
+def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog):
+    """PEAGLE_AMX=0, or a build that fails (no compiler), gives no kernel and a warning that says
+    the fix; PackedLinear then keeps oneDNN, bit-identical to F.linear."""
+    import logging
+
+    import torch.utils.cpp_extension as cpp
+
+    from peagle_train.decoding import amx_linear
+
+    monkeypatch.setattr(amx_linear, "_state", {})
+    monkeypatch.setenv("PEAGLE_AMX", "0")
+    assert amx_linear.kernel() is None
+    lin = nn.Linear(64, 96, bias=False).to(torch.bfloat16).requires_grad_(False)
+    p = PackedLinear(lin)
+    x = torch.randn(3, 64).bfloat16()
+    assert p.amx is None and torch.equal(p(x), F.linear(x, lin.weight))
+    with pytest.raises(RuntimeError, match="not available"):
+        amx_linear.amx_linear(x, None, 96, None)
+
+    monkeypatch.setattr(amx_linear, "_state", {})
+    monkeypatch.setenv("PEAGLE_AMX", "1")
+    monkeypatch.setattr("peagle_train.precision.cpu_bf16_units", lambda: "amx")
+    monkeypatch.setattr(amx_linear.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(amx_linear.platform, "machine", lambda: "x86_64")
+
+    def no_compiler(**kw):
+        raise OSError("g++: not found")
+
+    monkeypatch.setattr(cpp, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="peagle_train.decoding.amx_linear"):
+        assert amx_linear.kernel() is None and amx_linear.kernel() is None  # tried once
+    assert caplog.text.count("not built (OSError: g++: not found)") == 1 and "Fix: install a C++ compiler" in caplog.text

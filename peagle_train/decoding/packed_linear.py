@@ -91,7 +91,8 @@ def pack_linears(model: nn.Module) -> int:
             setattr(parent, name, PackedLinear(child))
             n += 1
     if n:
-        logger.info("packed %d bf16 linear layers of %s for oneDNN", n, type(model).__name__)
+        logger.info("packed %d bf16 linear layers of %s for oneDNN%s", n, type(model).__name__,
+                    f" and the AMX kernel (up to {amx_linear.MAX_ROWS} rows)" if amx_linear.kernel() else "")
     return n
 
 

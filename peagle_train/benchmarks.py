@@ -26,6 +26,14 @@ def write_section(heading: str, section: str, path: str | Path) -> Path:
     return path
 
 
+def publish(heading: str, section: str, args) -> None:
+    """Print a benchmark's `section` (markdown starting with `heading`) and, unless `--no-docs`,
+    write it into `args.out` (`write_section`), saying where."""
+    print(section)
+    if not args.no_docs:
+        print(f"written to {write_section(heading, section, args.out)}")
+
+
 def bench_arguments(ap, docs: Path, threads: int | None = 1):
     """Add the options every benchmark script has to its argparse parser `ap` and return it:
     `--out FILE` (the markdown file its table goes into; default `docs`, the checkout's

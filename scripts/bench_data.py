@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.benchmarks import bench_arguments, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 
@@ -107,9 +107,7 @@ def main():
                f"Load before the run (`uptime`): `{load}`; the machine is shared, so wall times are upper bounds; CPU seconds / 2 roughly estimates the wall "
                f"time on two idle cores.\n\n"
                f"{table}\n\nTargets: cold under 120 s, peak memory under 4 GiB.\n")
-    print(section)
-    if not args.no_docs:
-        print(f"written to {write_section(HEADING, section, args.out)}")
+    publish(HEADING, section, args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.benchmarks import bench_arguments, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
@@ -142,9 +142,7 @@ def main():
               f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype}, H = {H}.")
     table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join([HEADING, "", header, "", *table, ""])
-    print(text)
-    if not args.no_docs:
-        print(f"written: {write_section(HEADING, text, args.out)}")
+    publish(HEADING, text, args)
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench_draft import head  # scripts/ is on sys.path when a script runs
-from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+from peagle_train.benchmarks import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,9 +62,7 @@ def main() -> None:
              "| AdamW | ms/step | vs single-tensor |", "|---|---|---|"]
     lines += [f"| {name} | {s * 1e3:.1f} | {base / s:.2f}× |" for name, s in rows]
     table = "\n".join(lines)
-    print(table)
-    if not args.no_docs:
-        print(f"written to {write_section(HEADING, table, args.out)}")
+    publish(HEADING, table, args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-from peagle_train.benchmarks import write_section
+from peagle_train.benchmarks import publish, write_section
 
 
 def test_write_section_replaces_its_own_section_only(tmp_path):
@@ -12,9 +12,21 @@ def test_write_section_replaces_its_own_section_only(tmp_path):
     assert doc.read_text().endswith("## B\n\nnew b\n\n## C\n\nc\n")
 
 
+def test_publish_prints_and_writes_unless_no_docs(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    doc = tmp_path / "BENCHMARKS.md"
+    publish("## T", "## T\n\n| a |\n", SimpleNamespace(no_docs=True, out=doc))
+    assert not doc.exists() and capsys.readouterr().out == "## T\n\n| a |\n\n"
+    publish("## T", "## T\n\n| a |\n", SimpleNamespace(no_docs=False, out=doc))
+    assert doc.read_text() == "# Benchmarks\n\n## T\n\n| a |\n"
+    assert capsys.readouterr().out.endswith(f"written to {doc}\n")
+
+
 def test_every_benchmark_script_has_the_shared_options():
     """scripts/bench_*.py: one argument style (argparse with --out, --no-docs, --threads from
-    `bench_arguments`) and the table path passed to write_section (the package has no default)."""
+    `bench_arguments`) and the table path passed to write_section (the package has no default), or
+    the parsed arguments to `publish`."""
     import argparse
     import inspect
     from pathlib import Path
@@ -34,6 +46,9 @@ def test_every_benchmark_script_has_the_shared_options():
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)
             continue
-        assert "bench_arguments(ap, " in src and "args.out" in src, path.name
-        calls = [line for line in src.splitlines() if "write_section(" in line and "import" not in line]
-        assert calls and all("args.out)" in line for line in calls), (path.name, calls)
+        assert "bench_arguments(ap, " in src, path.name
+        writes = [line for line in src.splitlines() if "write_section(" in line and "import" not in line]
+        publishes = [line for line in src.splitlines() if "publish(" in line and "import" not in line]
+        assert writes or publishes, path.name
+        assert all("args.out)" in line for line in writes), (path.name, writes)
+        assert all(line.rstrip().endswith(", args)") for line in publishes), (path.name, publishes)

@@ -1,6 +1,7 @@
 """Benchmark of the decoding forward's matrix products: the 211 linear layers of SmolLM2-135M-Instruct
 (30 layers × q, k, v, o, gate, up, down, and the 49,152-row lm_head) applied to 1 row (a
-target-alone step), 6 rows (a K = 5 verify) and 16 rows (a batch of 16 target-alone steps): fp32
+target-alone step), 6 rows (a K = 5 verify), 16 rows (a batch of 16 target-alone steps) and 96
+rows (a batch of 16 verifying K = 5 drafts): fp32
 `F.linear` (MKL); bf16 `PackedLinear` on oneDNN's kernels (weights packed once), free to use every
 ISA of the CPU and, in a second process, capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA=
 AVX512_CORE_BF16`, i.e. no AMX); and, on a CPU with AMX, bf16 `PackedLinear` on this project's
@@ -37,7 +38,7 @@ SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER)] 
 ISAS = (None, "AVX512_CORE_BF16")  # oneDNN free to use every ISA; capped at AVX512-BF16 (no AMX)
 
 
-ROWS = (1, 6, 16)
+ROWS = (1, 6, 16, 96)
 READ_MB = 256
 
 

@@ -384,3 +384,38 @@ def test_an_upcast_target_cache_stores_fp32_and_decodes_the_same_tokens(monkeypa
     assert made[0] is True  # the target's cache: bf16 sdpa target
     monkeypatch.setattr(engine_mod, "SlotCache", lambda upcast=False: SlotCache())
     assert [(r.tokens, r.accepted) for r in generate(t, head, prompts, 3, 20, set())] == with_upcast
+
+
+def test_greedy_picks_the_first_maximum_in_bf16_without_an_fp32_copy():
+    from peagle_train.decoding.acceptance import Greedy, first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 1000, generator=g).to(torch.bfloat16)
+    logits[0, 0, [7, 900]] = 9.0       # a tie: the lower id wins, as argmax
+    logits[1, 2, [3, 4, 5]] = 9.0
+    assert first_argmax(logits).tolist() == logits.float().argmax(-1).tolist()
+    assert first_argmax(logits)[0, 0] == 7 and first_argmax(logits)[1, 2] == 3
+    drafts = logits.float().argmax(-1)[:, :3].clone()
+    drafts[2, 1] += 1                   # row 2 keeps one draft, rows 0 and 1 all three
+    j, nxt = Greedy().verify(drafts, None, logits, None)
+    assert j.tolist() == [3, 3, 1]
+    assert nxt.tolist() == [int(logits[0, 3].float().argmax()), int(logits[1, 3].float().argmax()),
+                            int(logits[2, 1].float().argmax())]
+
+
+def test_the_engine_keeps_half_precision_logits(monkeypatch):
+    t, _ = small_pair(vocab=64)
+    t.model.to(torch.bfloat16)
+    seen = []
+    forward = FeatureTarget.forward
+
+    def spy(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        seen.append(out.logits.dtype)
+        return out
+
+    monkeypatch.setattr(FeatureTarget, "forward", spy)
+    monkeypatch.setattr(FeatureTarget, "__call__", spy)
+    generate(t, None, [[1, 2, 3]], 3, 4, set())
+    assert seen and set(seen) == {torch.bfloat16}
+    assert t(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32  # training and features still get fp32

@@ -10,7 +10,7 @@ import torch
 from .reference_decoder import (
     accept_drafts, speculative_generate, speculative_generate_batch, target_generate,
 )
-from peagle_train.evaluation.benchmarks import BenchmarkError, load_humaneval, load_jsonl_prompts, load_mt_bench
+from peagle_train.evaluation.benchmarks import BenchmarkError, chat_ids, load_humaneval, load_jsonl_prompts, load_mt_bench
 from peagle_train.evaluation.report import training_eal
 from peagle_train.evaluation.run import HeadMismatchError, check_head_target, evaluate_acceptance
 from peagle_train.draft.peagle import DraftConfig, make_draft_head
@@ -133,12 +133,28 @@ def test_evaluate_writes_tau_latency_calibration_and_skips(tmp_path, chatml_toke
     assert saved["draft_forwards"] == saved["verify_steps"]  # parallel: one per step
     assert sum(saved["time_shares"].values()) == pytest.approx(1.0, abs=1e-6)
     rows = list(csv.DictReader(open(tmp_path / "per_prompt.csv")))
-    order = [("1", "1"), ("1", "2"), ("2", "1")] if batch_size == 1 else [("1", "1"), ("2", "1"), ("1", "2")]
-    assert [(r_["id"], r_["turn"]) for r_ in rows] == order
+    assert [(r_["id"], r_["turn"]) for r_ in rows] == [("1", "1"), ("1", "2"), ("2", "1")]  # whatever the batches
     assert {"target_ttft_s", "head_tpot_s", "baseline_latency_s"} <= set(rows[0])
     steps = sum(int(x["verify_steps"]) for x in rows)
     assert saved["acceptance_length"] == pytest.approx(sum(float(x["tau"]) * int(x["verify_steps"]) for x in rows) / steps)
     assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+def test_batches_are_formed_by_first_turn_length(chatml_tokenizer):
+    from peagle_train.evaluation.run import _by_first_turn_length
+
+    prompts = [{"id": 0, "turns": ["a long question " * 20, "then a short one"]},
+               {"id": 1, "input_ids": [5, 6, 7]},
+               {"id": 2, "turns": ["short"]},
+               {"id": 3, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello " * 30},
+                                      {"role": "user", "content": "ok"}]},
+               {"id": 4, "turns": ["   "]}]
+    lengths = [len(chat_ids(chatml_tokenizer, [{"role": "user", "content": prompts[0]["turns"][0]}])), 3,
+               len(chat_ids(chatml_tokenizer, [{"role": "user", "content": "short"}])),
+               len(chat_ids(chatml_tokenizer, prompts[3]["messages"])), 0]
+    assert lengths[2] < lengths[3] < lengths[0]
+    assert _by_first_turn_length(prompts, chatml_tokenizer) == [4, 1, 2, 3, 0]
+    assert _by_first_turn_length([{"id": 0, "turns": ["x"]}, {"id": 1, "input_ids": [1]}], None) == [0, 1]  # stable
 
 
 def test_head_for_another_target_is_refused(chatml_tokenizer):

@@ -94,12 +94,12 @@ def test_amx_kernel_is_exact_per_row_and_matches_f_linear_at_decoding_shapes():
         b = torch.randn(N, generator=g).bfloat16()
         packed = ext.pack(w)
         assert packed.shape == ((N + 63) // 64, (K + 31) // 32 * 16, 64, 2)
-        x = torch.randn(40, K, generator=g).bfloat16()
+        x = torch.randn(96, K, generator=g).bfloat16()
         for bias in (b, None):
-            alone = torch.cat([ext.linear(x[i:i + 1], packed, N, bias) for i in range(40)])
+            alone = torch.cat([ext.linear(x[i:i + 1], packed, N, bias) for i in range(96)])
             exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
             assert ((alone.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5).all()
-            for M in (1, 6, 16, 17, 40):
+            for M in (1, 6, 16, 17, 40, 96):
                 y = ext.linear(x[:M], packed, N, bias)
                 assert y.dtype == torch.bfloat16 and torch.equal(y, alone[:M]), (N, K, M)
                 if M <= 16:
@@ -115,12 +115,14 @@ def test_amx_kernel_is_exact_per_row_and_matches_f_linear_at_decoding_shapes():
     real = amx_linear.amx_linear
     try:
         amx_linear.amx_linear = lambda *a: calls.append(a[0].shape) or real(*a)
-        small, big = torch.randn(2, 16, 576).bfloat16(), torch.randn(3, 20, 576).bfloat16()
-        assert torch.equal(p(small), F.linear(small, lin.weight)) and torch.equal(
+        small, big = torch.randn(6, 16, 576).bfloat16(), torch.randn(4, 25, 576).bfloat16()
+        y = p(small)
+        assert torch.equal(y, real(small, p.amx, 1536, None)) and torch.equal(
             p(big), torch.ops.mkldnn._linear_pointwise(big, p.packed, None, "none", [], ""))
+        assert torch.equal(y[0], F.linear(small[0], lin.weight))  # each 16-row slice: F.linear's bits
     finally:
         amx_linear.amx_linear = real
-    assert calls == [small.shape]  # 32 rows: AMX; 60 rows: oneDNN
+    assert calls == [small.shape]  # 96 rows (a batch of 16 verifying 6 tokens): AMX; 100 rows: oneDNN
 
 
 def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog):

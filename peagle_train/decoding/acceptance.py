@@ -18,6 +18,14 @@ from __future__ import annotations
 import torch
 
 
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum along the last axis: [.., V] → [..] (int64), equal to
+    `logits.argmax(-1)` (ties go to the lowest id) in any float dtype, without an fp32 copy.
+    `max(-1)` takes 4-5 ms where `float().argmax(-1)` takes 11 ms for bf16 [16, 6, 49152] on 2
+    CPU threads (a batch-16 verify)."""
+    return logits.max(-1).indices
+
+
 class Greedy:
     """Temperature 0: lossless greedy verification."""
 
@@ -25,13 +33,13 @@ class Greedy:
     draft_pick = None
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """argmax: logits [B, V] → ids [B]."""
-        return logits.argmax(-1)
+        """argmax: logits [B, V] (any float dtype) → ids [B]."""
+        return first_argmax(logits)
 
     def verify(self, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, draft):
         """drafts [B, K] target ids; target_logits [B, K+1, V]. Returns (accepted j [B], next [B])."""
         K = drafts.shape[1]
-        greedy = target_logits.argmax(-1)
+        greedy = first_argmax(target_logits)
         j = (drafts == greedy[:, :K]).long().cumprod(1).sum(1)
         return j, greedy.gather(1, j[:, None])[:, 0]
 

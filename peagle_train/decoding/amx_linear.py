@@ -1,4 +1,4 @@
-"""bf16 linear layers on Intel AMX tiles for decoding's small row counts (csrc/amx_linear.cpp).
+"""bf16 linear layers on Intel AMX tiles for decoding's row counts (csrc/amx_linear.cpp).
 
 A decoding forward multiplies 1 to K+1 rows per sequence by every weight of the model, so it is
 bound by reading the weights. oneDNN's bf16 kernels reach that bound only part of the time at
@@ -29,9 +29,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_linear.cpp"
-# up to this many rows per call the AMX kernel reads each weight once and wins; above (prefill,
-# batched verify) its per-16-row re-reads from cache cost more than oneDNN's blocking
-MAX_ROWS = 32
+# up to this many rows per call the AMX kernel is faster than oneDNN on the 2-core Xeon (a batch
+# of 16 verifying K = 5 drafts is 96 rows; docs/BENCHMARKS.md); above (prefill) oneDNN's blocking
+# wins. Every input within the limit then rounds as it would alone (row-invariance).
+MAX_ROWS = 96
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
 _state: dict = {}
 

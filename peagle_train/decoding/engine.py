@@ -191,7 +191,7 @@ class Engine:
             else:
                 mask = self._hf_mask(full)
         out = self._timed("target_seconds", self.target, tokens, cache=self.tcache, attention_mask=mask,
-                          position_ids=pos, last_only=last_only)
+                          position_ids=pos, last_only=last_only, float_logits=False)
         for i in self.ids:
             self.res[i].target_forwards += 1
         return out, pos

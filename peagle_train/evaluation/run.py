@@ -206,6 +206,8 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     to its dtype); auto | fp32 | bf16 first puts both in that precision (`prepare_for_decoding`).
     Greedy with batch_size > 1 decodes each batch with shared forwards: speeds are then batch
     throughputs, and per-row seconds are shares of the batch's wall time (latency needs batch 1).
+    Batches are formed from prompts of similar first-turn length (`_by_first_turn_length`); the
+    results keep the prompts' order.
 
     Lossless (greedy): in fp32 the head's output must equal the target alone's exactly; below fp32
     at batch 1 it is compared with the target alone decoded in the verifier's numerics (decoder
@@ -248,7 +250,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     if results.reused:
         logger.info("resuming %s: %d results already decoded", results.path, results.reused)
     decoded = 0
-    rows, skipped, order = [], {"empty_prompt": 0, "too_long": 0}, []
+    done_turns, skipped = [], {"empty_prompt": 0, "too_long": 0}
     histories = [list(q.get("messages", [])[:-1]) for q in prompts]
     alive = [True] * len(prompts)
     n_turns = lambda q: len(q.get("turns", [None]))  # noqa: E731
@@ -258,8 +260,9 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     # batches the matmul shapes follow which rows are still decoding, so no reference can match them.
     reference = greedy and prec_name != "fp32" and batch_size == 1
     decoders = [("target", None, target)] + ([("reference", None, target)] if reference else []) + heads
+    batch_order = _by_first_turn_length(prompts, tokenizer) if batch_size > 1 else list(range(len(prompts)))
     for b0 in range(0, len(prompts), batch_size):
-        idx = list(range(b0, min(b0 + batch_size, len(prompts))))
+        idx = batch_order[b0:b0 + batch_size]
         for turn in range(1, max(n_turns(prompts[i]) for i in idx) + 1):
             jobs, seen = [], 0
             for i in idx:
@@ -300,11 +303,12 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                 if "input_ids" not in q:
                     histories[i].append({"role": "assistant",
                                          "content": tokenizer.decode(res["target"].tokens, skip_special_tokens=True)})
-                rows.append(_row(q, turn, len(ids), res, greedy))
-                order.append(res)
+                done_turns.append(((i, turn), _row(q, turn, len(ids), res, greedy), res))
             bar.update(seen)
     bar.close()
     results.close()
+    done_turns.sort(key=lambda t: t[0])  # the prompts' own order, whatever the batches were
+    rows, order = [r for _, r, _ in done_turns], [res for _, _, res in done_turns]
     logger.info("decoded %d results, reused %d from %s", decoded, results.reused, results.path)
     if not rows:
         raise BenchmarkError(f"no prompt could be decoded: skipped {skipped} of {len(prompts)}. Fix: shorter prompts or "
@@ -317,6 +321,23 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     write_report(result, rows, out_dir, plot)
     logger.info(format_acceptance(result))
     return result
+
+
+def _by_first_turn_length(prompts: list[dict], tokenizer) -> list[int]:
+    """Prompt indices sorted by the token count of their first turn (stable), so that a batch
+    holds prompts of similar length: every row of a batch attends over the slots of its longest
+    prompt, and MT-Bench's first turns range from 42 to 402 SmolLM2 tokens (a batch of 16 in
+    benchmark order pads to the longest). Items without a tokenizer or text count as 0."""
+    def length(q: dict) -> int:
+        if "input_ids" in q:
+            return len(q["input_ids"])
+        user = q["turns"][0] if "turns" in q else q["messages"][-1]["content"]
+        if tokenizer is None or not str(user).strip():
+            return 0
+        return len(chat_ids(tokenizer, list(q.get("messages", [])[:-1]) + [{"role": "user", "content": user}]))
+
+    lengths = [length(q) for q in prompts]
+    return sorted(range(len(prompts)), key=lengths.__getitem__)
 
 
 def _as_list(x):

@@ -168,8 +168,10 @@ class FeatureTarget:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, draft_ids: torch.Tensor | None = None, cache=None,
-                last_only: bool = False, **kw) -> TargetOutput:
-        """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more)."""
+                last_only: bool = False, float_logits: bool = True, **kw) -> TargetOutput:
+        """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more).
+        float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
+        needs no copy, and sampling converts the rows it uses)."""
         self._captured.clear()
         if cache is not None:
             kw[self._cache_kw] = cache
@@ -180,7 +182,7 @@ class FeatureTarget:
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
-        return TargetOutput(self._head(hidden, draft_ids), aux, final)
+        return TargetOutput(self._head(hidden, draft_ids, float_logits), aux, final)
 
     __call__ = forward
 
@@ -227,13 +229,13 @@ class FeatureTarget:
         w = self.model.get_output_embeddings().weight
         return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
 
-    def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None, float_logits: bool = True) -> torch.Tensor:
         module = self.model.get_output_embeddings()  # an nn.Linear, or its packed form (decoding/packed_linear.py)
         logits = module(normed) if draft_ids is None else normed @ module.weight[draft_ids].T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        return logits.float()
+        return logits.float() if float_logits else logits
 
 
 def align_for_draft(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, target_logits: torch.Tensor):

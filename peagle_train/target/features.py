@@ -81,7 +81,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         attention_mask = torch.ones(n, S, dtype=torch.bool, device=query.device).tril(S - n)[None, None]
     if attention_mask is not None:
         m = attention_mask[:, :, None]  # [B|1, 1, 1, n, S] over the folded groups
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        scores = scores.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else scores.add_(m.float())
     probs = scores.view(B, kvh, g * n, S).softmax(-1)
     out = torch.matmul(probs, value.float()).view(B, H, n, d)
     return out.transpose(1, 2).contiguous().to(query.dtype), None

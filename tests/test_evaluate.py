@@ -155,6 +155,8 @@ def test_batches_are_formed_by_first_turn_length(chatml_tokenizer):
     assert lengths[2] < lengths[3] < lengths[0]
     assert _by_first_turn_length(prompts, chatml_tokenizer) == [4, 1, 2, 3, 0]
     assert _by_first_turn_length([{"id": 0, "turns": ["x"]}, {"id": 1, "input_ids": [1]}], None) == [0, 1]  # stable
+    assert _by_first_turn_length([{"id": 0, "turns": ["hello"]}, {"id": 1, "turns": []}, {"id": 2, "messages": []}],
+                                 chatml_tokenizer) == [1, 2, 0]
 
 
 def test_head_for_another_target_is_refused(chatml_tokenizer):

@@ -331,6 +331,8 @@ def _by_first_turn_length(prompts: list[dict], tokenizer) -> list[int]:
     def length(q: dict) -> int:
         if "input_ids" in q:
             return len(q["input_ids"])
+        if not q.get("turns", True) or not q.get("messages", True):
+            return 0  # nothing to decode (the loop skips it)
         user = q["turns"][0] if "turns" in q else q["messages"][-1]["content"]
         if tokenizer is None or not str(user).strip():
             return 0

@@ -94,6 +94,14 @@ def sliding_window(config) -> tuple[int | None, bool]:
     return (window, False) if window and getattr(config, "use_sliding_window", True) else (None, False)
 
 
+def target_cache(target: FeatureTarget) -> SlotCache:
+    """The target's decoding cache: the target's decoding attention computes in fp32
+    (target/features.py `decode_attention`, for sdpa targets below fp32), so such a target's cache
+    is kept in fp32, converted once per new entry (`SlotCache(upcast=True)`)."""
+    half = next(target.model.parameters()).dtype != torch.float32
+    return SlotCache(upcast=half and getattr(target.config, "_attn_implementation", None) == "sdpa")
+
+
 def _new_mask(valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
     """[B, n, S+n] bool: query i of row b sees the row's valid cached slots and its valid new
     slots up to i; a hole query sees only itself (no all-masked softmax row)."""
@@ -142,10 +150,7 @@ class Engine:
         self.ids = list(range(n))            # original row index of each live row
         self.res = [GenerationResult([]) for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
-        # the target's decoding attention computes in fp32 (target/features.py `decode_attention`,
-        # for sdpa targets below fp32): its cache is kept in fp32, converted once per new entry
-        upcast = self.mask_dtype != torch.float32 and getattr(target.config, "_attn_implementation", None) == "sdpa"
-        self.tcache = SlotCache(upcast=upcast)
+        self.tcache = target_cache(target)
         self.dcache = SlotCache()  # the draft head's real pairs (draft/peagle.py writes into it)
         self.dvalid = torch.zeros(n, 0, dtype=torch.bool, device=self.dev)
         self.dlen = torch.zeros(n, dtype=torch.long, device=self.dev)

@@ -22,6 +22,8 @@ import time
 import torch
 from ..draft.peagle import Eagle3Draft, PEagleDraft
 from ..target.features import FeatureTarget
+from .acceptance import first_argmax
+from .engine import target_cache
 from .kv_cache import SlotCache
 
 
@@ -135,13 +137,13 @@ def time_verify(target: FeatureTarget, batch: int, n_tokens: int, context: int, 
     dev = target.model.device
     V = target.config.vocab_size
     g = torch.Generator(device="cpu").manual_seed(0)
-    cache = SlotCache()  # the decoding engine's preallocated cache
+    cache = target_cache(target)  # the decoding engine's preallocated cache
     target(torch.randint(0, V, (batch, context), generator=g).to(dev), cache=cache)
     new = torch.randint(0, V, (batch, n_tokens), generator=g).to(dev)
 
-    def step():
-        out = target(new, cache=cache)
-        out.logits.argmax(-1)
+    def step():  # as the engine verifies: logits in the model's dtype, the greedy pick
+        out = target(new, cache=cache, float_logits=False)
+        first_argmax(out.logits)
         cache.crop(-n_tokens)  # transformers 5: a negative count of entries to drop
 
     return _mean_ms(step, dev, repeats, warmup)

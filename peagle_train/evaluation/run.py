@@ -275,7 +275,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                 if "input_ids" in q:
                     ids = list(q["input_ids"])
                 else:
-                    user = q["turns"][turn - 1] if "turns" in q else q["messages"][-1]["content"]
+                    user = _user_text(q, turn)
                     if not str(user).strip():
                         skipped["empty_prompt"] += 1; alive[i] = False
                         continue
@@ -323,6 +323,11 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     return result
 
 
+def _user_text(q: dict, turn: int):
+    """The user's message of turn `turn` (1-based) of a {turns} or {messages} item."""
+    return q["turns"][turn - 1] if "turns" in q else q["messages"][-1]["content"]
+
+
 def _by_first_turn_length(prompts: list[dict], tokenizer) -> list[int]:
     """Prompt indices sorted by the token count of their first turn (stable), so that a batch
     holds prompts of similar length: every row of a batch attends over the slots of its longest
@@ -333,7 +338,7 @@ def _by_first_turn_length(prompts: list[dict], tokenizer) -> list[int]:
             return len(q["input_ids"])
         if not q.get("turns", True) or not q.get("messages", True):
             return 0  # nothing to decode (the loop skips it)
-        user = q["turns"][0] if "turns" in q else q["messages"][-1]["content"]
+        user = _user_text(q, 1)
         if tokenizer is None or not str(user).strip():
             return 0
         return len(chat_ids(tokenizer, list(q.get("messages", [])[:-1]) + [{"role": "user", "content": user}]))

@@ -1,4 +1,5 @@
-"""bf16 linear layers on Intel AMX tiles for decoding's row counts (csrc/amx_linear.cpp).
+"""bf16 linear layers and attention on Intel AMX tiles for decoding's row counts
+(csrc/amx_linear.cpp, csrc/amx_attention.cpp).
 
 A decoding forward multiplies 1 to K+1 rows per sequence by every weight of the model, so it is
 bound by reading the weights. oneDNN's bf16 kernels reach that bound only part of the time at
@@ -11,7 +12,12 @@ bit-identical to `F.linear`'s at decoding shapes, tests/test_packed_linear.py). 
 depends on its own input row only, in the same order whatever the number of rows, so a 1-row
 target step and a (K+1)-row verify round each token identically.
 
-The extension is compiled with torch.utils.cpp_extension at first use (≈ 30 s, cached under
+`amx_attention` is the decoding attention of a bf16 target over a bf16 cache (see its
+docstring): q·k on the tiles, softmax and the weighted sum in fp32, every query independent of the
+others, of the batch and of masked slots.
+
+Both kernels split their work over torch's threads with OpenMP (`-fopenmp`; without it
+`at::parallel_for` runs on one thread). The extension is compiled with torch.utils.cpp_extension at first use (≈ 30 s, cached under
 TORCH_EXTENSIONS_DIR, rebuilt when the source changes). Where the CPU has no AMX, no compiler is
 found, or PEAGLE_AMX=0 is set, `kernel()` returns None and `PackedLinear` keeps oneDNN.
 """
@@ -29,17 +35,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_linear.cpp"
+SOURCES = [SOURCE, SOURCE.with_name("amx_attention.cpp")]  # one extension: linears and attention
 # up to this many rows per call the AMX kernel is faster than oneDNN on the 2-core Xeon (a batch
 # of 16 verifying K = 5 drafts is 96 rows; docs/BENCHMARKS.md); above (prefill) oneDNN's blocking
 # wins. Every input within the limit then rounds as it would alone (row-invariance).
 MAX_ROWS = 96
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 _state: dict = {}
 
 
 def kernel():
-    """The compiled extension (functions `pack(weight [N, K] bf16) -> packed` and
-    `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16`), or None where AMX
+    """The compiled extension (functions `pack(weight [N, K] bf16) -> packed`,
+    `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16` and `attention`, see
+    `amx_attention`), or None where AMX
     cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
     once with the reason). Built once per process."""
     if "ext" in _state:
@@ -55,7 +63,7 @@ def kernel():
         from torch.utils.cpp_extension import load
 
         t0 = time.perf_counter()
-        ext = load(name="peagle_amx_linear", sources=[str(SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        ext = load(name="peagle_amx", sources=[str(p) for p in SOURCES], extra_cflags=_FLAGS, verbose=False)
         if not ext.available():
             logger.warning("AMX linear kernel: the kernel refused the AMX tile state; decoding keeps oneDNN")
             return None
@@ -76,3 +84,43 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: t
     if ext is None:
         raise RuntimeError("the AMX linear kernel is not available on this machine")
     return ext.linear(x, packed, out_features, bias)
+
+
+_lane_masks: list = []  # (mask, its version, queries per kv head, lane mask): one entry, reused by every layer
+
+
+def _lane_mask(mask: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """The kernel's per-lane visibility [Bm, chunks, S, 16] uint8 from a bool mask [Bm, 1, n, S]:
+    lane l of chunk c is query slot (16 c + l) mod n of its kv head's `rows` = g·n queries. Built
+    once per forward (every layer gets the same mask object)."""
+    if _lane_masks:
+        m, version, r, lanes = _lane_masks[0]
+        if m is mask and version == mask._version and r == rows:
+            return lanes
+    chunks = (rows + 15) // 16
+    idx = torch.arange(chunks * 16, device=mask.device) % n
+    lanes = mask[:, 0][:, idx].view(mask.shape[0], chunks, 16, -1).transpose(2, 3).contiguous().view(torch.uint8)
+    _lane_masks[:] = [(mask, mask._version, rows, lanes)]
+    return lanes
+
+
+def amx_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ · scale + mask) · v for a bf16 decoding forward on AMX (csrc/amx_attention.cpp).
+
+    query [B, H, n, d]; key, value [B, kv_heads, S, d] (bf16, last dim contiguous; views of a
+    preallocated cache are read in place); mask None (causal: new slot i sees slots ≤ S − n + i)
+    or bool [B|1, 1, n, S] (True = attend). d a multiple of 32 up to 256, H a multiple of kv_heads.
+    Returns [B, n, H, d] bf16. q·k is accumulated in fp32 in the AMX tiles, the softmax and the
+    weighted sum of values run in fp32, the output is rounded once. Each query's output depends
+    only on its query and on the slots it sees, in slot order (not on n, the batch or masked slots
+    between them): the row-invariance that makes bf16 speculative decoding reproduce the target
+    alone. A query that sees no slot gets zeros. Raises RuntimeError without the kernel or on
+    shapes it does not take."""
+    ext = kernel()
+    if ext is None:
+        raise RuntimeError("the AMX kernels are not available on this machine")
+    H, n = query.shape[1], query.shape[2]
+    rows = H // key.shape[1] * n
+    lanes = _lane_mask(mask, rows, n) if mask is not None else torch.empty(0, dtype=torch.uint8)
+    return ext.attention(query, key, value, lanes, float(scale))

@@ -10,7 +10,9 @@ into the same layers (`SlotCache.layer(i)`, draft/peagle.py `DraftAttention`) wh
 
 `SlotCache(upcast=True)` stores half-precision keys and values in fp32 buffers (converted once,
 when written): the target's decoding attention (target/features.py `decode_attention`) computes in
-fp32 and would otherwise convert the whole cache of every layer at every step.
+fp32 and would otherwise convert the whole cache of every layer at every step. Where it runs on
+the AMX kernel, which reads bf16 entries itself, the cache stays bf16 (decoding/engine.py
+`target_cache`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,13 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     cache): 2.1 ms against 0.7 ms per layer for a batch of 16 verifying 6 tokens over 306 keys, bf16
     SDPA 5× slower than fp32 for one query (AMD EPYC, 2 threads; docs/DESIGN.md §5). fp32 tensors,
     dropout and options this does not implement (softcap, attention sinks, a per-head mask) go to
-    transformers' `sdpa_attention_forward` unchanged."""
+    transformers' `sdpa_attention_forward` unchanged.
+
+    On a CPU with Intel AMX, bf16 entries (the cache is then kept in bf16, decoding/engine.py
+    `target_cache`) with no mask or a bool mask and head_dim a multiple of 32 up to 256 go to
+    `amx_attention` (decoding/amx_linear.py): the same fp32 accumulation, half the cache's bytes
+    read, and each query rounded as if alone, so that a batch with holes decodes each row as the
+    row alone would."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, n, d = query.shape
@@ -75,6 +81,10 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
     g = H // kvh
     scale = scaling if scaling is not None else d ** -0.5
+    if _amx_attention_takes(query, key, value, attention_mask):
+        from ..decoding.amx_linear import amx_attention
+
+        return amx_attention(query, key, value, attention_mask, scale), None
     scores = torch.matmul(query.float().reshape(B, kvh, g * n, d), key.float().transpose(-1, -2)).mul_(scale)
     scores = scores.view(B, kvh, g, n, S)
     if attention_mask is None and n > 1:  # causal over the new slots, all of the cache visible
@@ -85,6 +95,26 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     probs = scores.view(B, kvh, g * n, S).softmax(-1)
     out = torch.matmul(probs, value.float()).view(B, H, n, d)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def amx_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `decode_attention` runs on the AMX kernel (decoding/amx_linear.py `amx_attention`)
+    for a target of this dtype and head size: bf16, head_dim a multiple of 32 up to 256, and the
+    kernel built on this CPU."""
+    if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256:
+        return False
+    from ..decoding.amx_linear import kernel
+
+    return kernel() is not None
+
+
+def _amx_attention_takes(query, key, value, mask) -> bool:
+    n, S = query.shape[2], key.shape[2]
+    return (query.device.type == "cpu" and key.dtype == query.dtype and value.dtype == query.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+                                  and mask.shape[2] == n and mask.shape[3] == S))
+            and amx_attention_available(query.dtype, query.shape[-1]))
 
 
 def _register_attention() -> None:

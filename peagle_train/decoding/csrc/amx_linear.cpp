@@ -128,8 +128,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return out.reshape(shape);
 }
 
+// csrc/amx_attention.cpp
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& lane_mask, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
   m.def("pack", &pack);
   m.def("linear", &linear);
+  m.def("attention", &attention);
 }

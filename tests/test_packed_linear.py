@@ -157,3 +157,39 @@ def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="peagle_train.decoding.amx_linear"):
         assert amx_linear.kernel() is None and amx_linear.kernel() is None  # tried once
     assert caplog.text.count("not built (OSError: g++: not found)") == 1 and "Fix: install a C++ compiler" in caplog.text
+
+
+@pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
+def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
+    """FusedRMSNorm (csrc/amx_norm.cpp) against the fp64 formula of LlamaRMSNorm with its two bf16
+    roundings: within one bf16 rounding of the module's output, equal to it on most elements;
+    every row the same bits alone or among others; `fuse_norms` swaps the RMSNorms of a bf16 model
+    only (the state dict unchanged) and `unfuse_norms` gives back the original modules."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from peagle_train.decoding.packed_linear import FusedRMSNorm, fuse_norms, unfuse_norms
+
+    from .conftest import tiny_llama
+
+    g = torch.Generator().manual_seed(0)
+    for H in (576, 100):  # 100: a masked tail of the 16-lane loop
+        norm = LlamaRMSNorm(H, eps=1e-5).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(H, generator=g))
+        fused = FusedRMSNorm(norm)
+        x = (torch.randn(7, 3, H, generator=g) * 3).bfloat16()
+        y, ref = fused(x), norm(x)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        assert ((y.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6).all()
+        assert (y == ref).float().mean() > 0.95
+        assert torch.equal(fused(x[2:3, 1]), y[2:3, 1])
+    model = tiny_llama()
+    assert fuse_norms(model) == 0  # fp32
+    model.to(torch.bfloat16)
+    keys = set(model.state_dict())
+    originals = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert fuse_norms(model) == len(originals) == 2 * 8 + 1
+    assert set(model.state_dict()) == keys and "fused" in repr(model.model.norm)
+    assert model.model.norm.weight is originals[-1].weight
+    assert unfuse_norms(model) == len(originals)
+    assert [m for m in model.modules() if isinstance(m, LlamaRMSNorm)] == originals

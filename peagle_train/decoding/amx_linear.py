@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_linear.cpp"
-SOURCES = [SOURCE, SOURCE.with_name("amx_attention.cpp")]  # one extension: linears and attention
+SOURCES = [SOURCE, SOURCE.with_name("amx_attention.cpp"), SOURCE.with_name("amx_norm.cpp")]  # one extension
 # up to this many rows per call the AMX kernel is faster than oneDNN on the 2-core Xeon (a batch
 # of 16 verifying K = 5 drafts is 96 rows; docs/BENCHMARKS.md); above (prefill) oneDNN's blocking
 # wins. Every input within the limit then rounds as it would alone (row-invariance).

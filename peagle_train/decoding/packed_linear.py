@@ -1,4 +1,4 @@
-"""bf16 linear layers with their weights packed once for oneDNN, for decoding on CPU.
+"""bf16 linear layers with their weights packed once for oneDNN (and fused RMSNorms), for decoding on CPU.
 
 At decoding shapes (1 to ~100 rows) a bf16 `F.linear` on CPU spends most of its time re-laying
 out the weight for oneDNN at every call: SmolLM2-135M's linear weights (incl. the tied lm_head)
@@ -12,6 +12,11 @@ On a CPU with Intel AMX, up to `amx_linear.MAX_ROWS` rows go to the AMX kernel o
 decoding/amx_linear.py instead (its own packing of the same weight): it reads each weight at the
 memory's speed where oneDNN's small-row kernels often take twice as long. Its output equals
 `F.linear`'s bit for bit up to 16 rows (tested) and rounds each row alike whatever the row count.
+
+With the AMX extension built, `fuse_norms` also replaces the target's and heads' RMSNorms by
+`FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops: ≈ 2–3 ms of a
+≈ 33 ms SmolLM2 step at batch 1); its outputs can differ from the module's in the last bit (its
+own order of the sum of squares), and each row is normalised by itself.
 
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
@@ -106,4 +111,60 @@ def unpack_linears(model: nn.Module) -> int:
         lin.weight, lin.bias = child.weight, child.bias
         setattr(parent, name, lin)
         n += 1
+    return n
+
+
+# RMSNorm modules computing `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)` (transformers)
+NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"}
+
+
+class FusedRMSNorm(nn.Module):
+    """A transformers RMSNorm of the `NORM_CLASSES` kind (bf16, CPU) computed by one AVX-512 call
+    (csrc/amx_norm.cpp) instead of ~9 tensor ops: the same fp32 arithmetic and the two bf16
+    roundings of the module, with the sum of squares in the kernel's own (fixed, per-row) order,
+    so an output can differ from the module's in the last bit and never depends on other rows.
+    Holds the module's `weight` parameter and eps; x [..., H] → [..., H]. Other dtypes and devices
+    fall back to the module's formula."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+        object.__setattr__(self, "original", norm)  # not a submodule: the state dict keeps `weight` only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return amx_linear.kernel().rms_norm(x, self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, fused ({type(self.original).__name__})"
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Replace (in place) every RMSNorm of a `NORM_CLASSES` kind in a bf16 CPU model by a
+    `FusedRMSNorm` where the AMX extension is built; returns how many (0 otherwise)."""
+    first = next(model.parameters(), None)
+    if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu" or amx_linear.kernel() is None:
+        return 0
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in NORM_CLASSES and hasattr(child, "variance_epsilon"):
+                setattr(parent, name, FusedRMSNorm(child))
+                n += 1
+    return n
+
+
+def unfuse_norms(model: nn.Module) -> int:
+    """Undo `fuse_norms`: every `FusedRMSNorm` gives back its original module (the same weight
+    parameter); returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedRMSNorm):
+                child.original.weight = child.weight
+                setattr(parent, name, child.original)
+                n += 1
     return n

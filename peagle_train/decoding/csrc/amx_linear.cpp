@@ -132,9 +132,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& lane_mask, double scale);
 
+// csrc/amx_norm.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
   m.def("pack", &pack);
   m.def("linear", &linear);
   m.def("attention", &attention);
+  m.def("rms_norm", &rms_norm);
 }

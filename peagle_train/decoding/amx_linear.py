@@ -65,11 +65,11 @@ def kernel():
         t0 = time.perf_counter()
         ext = load(name="peagle_amx", sources=[str(p) for p in SOURCES], extra_cflags=_FLAGS, verbose=False)
         if not ext.available():
-            logger.warning("AMX linear kernel: the kernel refused the AMX tile state; decoding keeps oneDNN")
+            logger.warning("AMX kernels: the OS refused the AMX tile state; decoding keeps oneDNN and the fp32 attention")
             return None
-        logger.info("AMX linear kernel ready (%.1f s; compiled once per machine, then cached)", time.perf_counter() - t0)
+        logger.info("AMX kernels ready (linears, attention, RMSNorm; %.1f s: compiled once per machine, then cached)", time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: decoding still works
-        logger.warning("AMX linear kernel not built (%s: %s); decoding keeps oneDNN. Fix: install a C++ compiler "
+        logger.warning("AMX kernels not built (%s: %s); decoding keeps oneDNN and the fp32 attention. Fix: install a C++ compiler "
                        "(g++ >= 11), or set PEAGLE_AMX=0 to silence this.", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
     _state["ext"] = ext

@@ -69,7 +69,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from omegaconf import OmegaConf
 
     from peagle_train.decoding.engine import generate
-    from peagle_train.decoding.packed_linear import fuse_norms, pack_linears
+    from peagle_train.decoding.packed_linear import fuse_ops, pack_linears
     from peagle_train.job import build_target
 
     from peagle_train.draft.io import load_head
@@ -84,7 +84,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     fast, fast_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
     fast.model.to(dtype)
     packed = pack_linears(fast.model) + pack_linears(fast_head)
-    fuse_norms(fast.model), fuse_norms(fast_head)
+    fuse_ops(fast.model), fuse_ops(fast_head)
     prompts = _prompts(tok, args.num_prompts)
     eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
     amx = any(getattr(m, "amx", None) is not None for m in fast.model.modules())
@@ -95,7 +95,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     if amx:  # the same engine with oneDNN's kernels only, side by side (what the AMX kernel replaces)
         dnn, dnn_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
         dnn.model.to(dtype)
-        pack_linears(dnn.model), pack_linears(dnn_head), fuse_norms(dnn.model), fuse_norms(dnn_head)
+        pack_linears(dnn.model), pack_linears(dnn_head), fuse_ops(dnn.model), fuse_ops(dnn_head)
         for m in [*dnn.model.modules(), *dnn_head.modules()]:
             if getattr(m, "amx", None) is not None:
                 m.amx = None

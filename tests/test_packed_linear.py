@@ -163,11 +163,11 @@ def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog)
 def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
     """FusedRMSNorm (csrc/amx_norm.cpp) against the fp64 formula of LlamaRMSNorm with its two bf16
     roundings: within one bf16 rounding of the module's output, equal to it on most elements;
-    every row the same bits alone or among others; `fuse_norms` swaps the RMSNorms of a bf16 model
-    only (the state dict unchanged) and `unfuse_norms` gives back the original modules."""
+    every row the same bits alone or among others; `fuse_ops` swaps the RMSNorms of a bf16 model
+    only (the state dict unchanged) and `unfuse_ops` gives back the original modules."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from peagle_train.decoding.packed_linear import FusedRMSNorm, fuse_norms, unfuse_norms
+    from peagle_train.decoding.packed_linear import FusedRMSNorm, fuse_ops, unfuse_ops
 
     from .conftest import tiny_llama
 
@@ -184,12 +184,71 @@ def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
         assert (y == ref).float().mean() > 0.95
         assert torch.equal(fused(x[2:3, 1]), y[2:3, 1])
     model = tiny_llama()
-    assert fuse_norms(model) == 0  # fp32
+    assert fuse_ops(model) == 0  # fp32
     model.to(torch.bfloat16)
     keys = set(model.state_dict())
     originals = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
-    assert fuse_norms(model) == len(originals) == 2 * 8 + 1
+    assert fuse_ops(model) == len(originals) == 2 * 8 + 1
     assert set(model.state_dict()) == keys and "fused" in repr(model.model.norm)
     assert model.model.norm.weight is originals[-1].weight
-    assert unfuse_norms(model) == len(originals)
+    assert unfuse_ops(model) == len(originals)
     assert [m for m in model.modules() if isinstance(m, LlamaRMSNorm)] == originals
+
+
+@pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
+def test_fused_rotary_gives_transformers_bits_inside_its_scope_only():
+    """The fused rotary embedding (csrc/amx_norm.cpp `rope`) equals transformers'
+    apply_rotary_pos_emb bit for bit on bf16 [B, heads, n, d] inputs (transposed views, as the
+    attention passes them; cos/sin of batch 1 broadcast); `fuse_ops` installs it for the model's
+    modeling module, and only forwards of that model (`fused_rotary_scope`) use the kernel; a
+    fused bf16 model gives the same logits with and without it."""
+    import transformers.models.llama.modeling_llama as llama
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peagle_train.decoding import packed_linear
+
+    g = torch.Generator().manual_seed(0)
+    original = getattr(llama.apply_rotary_pos_emb, "original", llama.apply_rotary_pos_emb)
+    fused = packed_linear.fused_rotary(original)
+    for B, cb in ((2, 2), (3, 1)):
+        q = torch.randn(B, 5, 9, 64, generator=g).bfloat16().transpose(1, 2)  # [B, 9 heads, 5, 64]
+        k = torch.randn(B, 5, 3, 64, generator=g).bfloat16().transpose(1, 2)
+        cos, sin = torch.randn(cb, 5, 64, generator=g).bfloat16(), torch.randn(cb, 5, 64, generator=g).bfloat16()
+        want = original(q, k, cos, sin)
+        packed_linear._rotary_scope.append(None)
+        try:
+            got = fused(q, k, cos, sin)
+        finally:
+            packed_linear._rotary_scope.pop()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].is_contiguous()
+    calls = []
+    ext = packed_linear.amx_linear.kernel()
+
+    class Spy:  # the extension with its rope calls counted
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def rope(self, *a):
+            calls.append(a[0].shape)
+            return ext.rope(*a)
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False).to(torch.bfloat16)  # head_dim 32: the kernel takes it
+    x = torch.tensor([[5, 17, 33, 2]])
+    plain = model(x).logits
+    packed_linear.fuse_ops(model)
+    assert getattr(llama.apply_rotary_pos_emb, "fused", False) and model.peagle_fused_rotary
+    saved = packed_linear.amx_linear._state["ext"]
+    packed_linear.amx_linear._state["ext"] = Spy()
+    try:
+        assert torch.equal(model(x).logits, plain) and calls == []  # outside the scope: transformers' code
+        with packed_linear.fused_rotary_scope(model):
+            assert torch.equal(model(x).logits, plain)
+        assert len(calls) == 2  # one per layer
+    finally:
+        packed_linear.amx_linear._state["ext"] = saved
+    packed_linear.unfuse_ops(model)
+    assert not model.peagle_fused_rotary

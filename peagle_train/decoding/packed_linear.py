@@ -13,10 +13,11 @@ decoding/amx_linear.py instead (its own packing of the same weight): it reads ea
 memory's speed where oneDNN's small-row kernels often take twice as long. Its output equals
 `F.linear`'s bit for bit up to 16 rows (tested) and rounds each row alike whatever the row count.
 
-With the AMX extension built, `fuse_norms` also replaces the target's and heads' RMSNorms by
+With the AMX extension built, `fuse_ops` also replaces the target's and heads' RMSNorms by
 `FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops: ≈ 2–3 ms of a
-≈ 33 ms SmolLM2 step at batch 1); its outputs can differ from the module's in the last bit (its
-own order of the sum of squares), and each row is normalised by itself.
+≈ 33 ms SmolLM2 step at batch 1; its outputs can differ from the module's in the last bit: its
+own order of the sum of squares), and each row is normalised by itself; and it runs the rotary
+embedding of Llama-family targets as one call with the same bits (`fused_rotary`).
 
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
@@ -27,6 +28,8 @@ is a plain attribute, so it costs the weights' memory once more (twice with AMX)
 from __future__ import annotations
 
 import logging
+import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +117,50 @@ def unpack_linears(model: nn.Module) -> int:
     return n
 
 
+# transformers modeling modules whose `apply_rotary_pos_emb` is q·cos + rotate_half(q)·sin
+ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
+
+
+def fused_rotary(original):
+    """`original` (a transformers `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`) with
+    bf16 CPU inputs computed by one kernel call (csrc/amx_norm.cpp `rope`) instead of ~14 tensor
+    ops: q, k [B, heads, n, d] (d a multiple of 32), cos, sin [B|1, n, d]; every element rounded
+    as transformers rounds it in bf16, so the outputs are the same bits. Inputs that need
+    gradients, other dtypes, shapes and devices go to `original`, and so does every call outside
+    `fused_rotary_scope` (another model in the process keeps transformers' own code)."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and q.device.type == "cpu" and q.dim() == k.dim() == 4 and cos.dim() == 3
+                and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+                and q.stride(-1) == 1 and k.stride(-1) == 1
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+                and _rotary_scope and amx_linear.kernel() is not None):
+            qo, ko = amx_linear.kernel().rope(q, k, cos, sin)
+            return qo, ko
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.fused = True
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+_rotary_scope: list = []  # non-empty while a model that `fuse_ops` fused runs a forward
+
+
+@contextmanager
+def fused_rotary_scope(model: nn.Module):
+    """Within this block, forwards of `model` use the fused rotary embedding if `fuse_ops` fused
+    it (target/features.py `FeatureTarget.forward` enters it for every forward)."""
+    if not getattr(model, "peagle_fused_rotary", False):
+        yield
+        return
+    _rotary_scope.append(model)
+    try:
+        yield
+    finally:
+        _rotary_scope.pop()
+
+
 # RMSNorm modules computing `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)` (transformers)
 NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"}
 
@@ -142,9 +189,11 @@ class FusedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, fused ({type(self.original).__name__})"
 
 
-def fuse_norms(model: nn.Module) -> int:
-    """Replace (in place) every RMSNorm of a `NORM_CLASSES` kind in a bf16 CPU model by a
-    `FusedRMSNorm` where the AMX extension is built; returns how many (0 otherwise)."""
+def fuse_ops(model: nn.Module) -> int:
+    """Fuse a bf16 CPU model's small decoding ops where the AMX extension is built: every RMSNorm
+    of a `NORM_CLASSES` kind becomes a `FusedRMSNorm` (in place), and the rotary embedding of the
+    modeling modules in `ROPE_MODULES` that the model uses runs as one call (`fused_rotary`).
+    Returns how many norms were fused (0 otherwise)."""
     first = next(model.parameters(), None)
     if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu" or amx_linear.kernel() is None:
         return 0
@@ -154,12 +203,18 @@ def fuse_norms(model: nn.Module) -> int:
             if type(child).__name__ in NORM_CLASSES and hasattr(child, "variance_epsilon"):
                 setattr(parent, name, FusedRMSNorm(child))
                 n += 1
+    for mod in {type(m).__module__ for m in model.modules()} & set(ROPE_MODULES):
+        module = sys.modules[mod]
+        if not getattr(module.apply_rotary_pos_emb, "fused", False):
+            module.apply_rotary_pos_emb = fused_rotary(module.apply_rotary_pos_emb)
+        model.peagle_fused_rotary = True
     return n
 
 
-def unfuse_norms(model: nn.Module) -> int:
-    """Undo `fuse_norms`: every `FusedRMSNorm` gives back its original module (the same weight
-    parameter); returns how many."""
+def unfuse_ops(model: nn.Module) -> int:
+    """Undo `fuse_ops`' norms: every `FusedRMSNorm` gives back its original module (the same
+    weight parameter) and its forwards use transformers' rotary embedding again; returns how many
+    norms."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -167,4 +222,5 @@ def unfuse_norms(model: nn.Module) -> int:
                 child.original.weight = child.weight
                 setattr(parent, name, child.original)
                 n += 1
+    model.peagle_fused_rotary = False
     return n

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.engine import GenerationResult, generate
-from ..decoding.packed_linear import fuse_norms, pack_linears, unfuse_norms, unpack_linears
+from ..decoding.packed_linear import fuse_ops, pack_linears, unfuse_ops, unpack_linears
 from ..errors import UserError
 from ..precision import log_precision, resolve_precision
 from .benchmarks import BenchmarkError, chat_ids
@@ -75,20 +75,20 @@ def prepare_for_decoding(target, heads: list, precision: str = "auto"):
     stays None); the heads given are left as they are (a trained head keeps its fp32 weights).
     In bf16 on CPU the linear weights of the target and of the copies are packed for oneDNN once
     (`decoding/packed_linear.py`: the same outputs, faster at decoding shapes), and with the AMX
-    extension their RMSNorms become one fused call each (`fuse_norms`)."""
+    extension their RMSNorms become one fused call each (`fuse_ops`)."""
     dev = target.model.device
     res = resolve_precision(precision, dev)
     log_precision(res)
     unpack_linears(target.model)
-    unfuse_norms(target.model)
+    unfuse_ops(target.model)
     target.model.to(res.dtype)
     pack_linears(target.model)
-    fuse_norms(target.model)
+    fuse_ops(target.model)
     copies = [None if h is None else copy.deepcopy(h).to(device=dev, dtype=res.dtype).eval() for h in heads]
     for h in copies:
         if h is not None:
             pack_linears(h)
-            fuse_norms(h)
+            fuse_ops(h)
     return res, copies
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.packed_linear import fused_rotary_scope
+
 DOCUMENT_ATTENTION = "peagle_documents"
 
 
@@ -207,7 +209,8 @@ class FeatureTarget:
             kw[self._cache_kw] = cache
         # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`)
         decoding = cache is not None and self.model.dtype != torch.float32
-        with attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None):
+        with (attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None),
+              fused_rotary_scope(self.model)):
             out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]

@@ -134,6 +134,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 // csrc/amx_norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
+                                const torch::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
@@ -141,4 +143,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("attention", &attention);
   m.def("rms_norm", &rms_norm);
+  m.def("rope", &rope);
 }

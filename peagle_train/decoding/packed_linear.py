@@ -1,4 +1,4 @@
-"""bf16 linear layers with their weights packed once for oneDNN (and fused RMSNorms), for decoding on CPU.
+"""bf16 linear layers with their weights packed once for oneDNN, and fused small ops, for decoding on CPU.
 
 At decoding shapes (1 to ~100 rows) a bf16 `F.linear` on CPU spends most of its time re-laying
 out the weight for oneDNN at every call: SmolLM2-135M's linear weights (incl. the tied lm_head)
@@ -14,10 +14,11 @@ memory's speed where oneDNN's small-row kernels often take twice as long. Its ou
 `F.linear`'s bit for bit up to 16 rows (tested) and rounds each row alike whatever the row count.
 
 With the AMX extension built, `fuse_ops` also replaces the target's and heads' RMSNorms by
-`FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops: ≈ 2–3 ms of a
-≈ 33 ms SmolLM2 step at batch 1; its outputs can differ from the module's in the last bit: its
-own order of the sum of squares), and each row is normalised by itself; and it runs the rotary
-embedding of Llama-family targets as one call with the same bits (`fused_rotary`).
+`FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops) and runs the rotary
+embedding of Llama-family targets as one call (`fused_rotary`): together ≈ 3 ms of a ≈ 33 ms
+SmolLM2 step at batch 1. The rotary embedding gives transformers' bits; a fused norm can differ
+from the module in the last bit (its own order for the sum of squares) and normalises each row by
+itself.
 
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter

@@ -9,7 +9,8 @@ One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2)
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
 and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
-on a CPU with AMX, for the AMX kernel, as `peagle evaluate` decodes; with AMX a third copy runs
+on a CPU with AMX, for the AMX kernel, with its norms and rotary embedding fused (`fuse_ops`), as
+`peagle evaluate` decodes; with AMX a third copy runs
 oneDNN's kernels only. The codes alternate prompt by prompt, so that a shared machine's load hits
 all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
 per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest

@@ -16,8 +16,9 @@ target step and a (K+1)-row verify round each token identically.
 docstring): q·k on the tiles, softmax and the weighted sum in fp32, every query independent of the
 others, of the batch and of masked slots.
 
-Both kernels split their work over torch's threads with OpenMP (`-fopenmp`; without it
-`at::parallel_for` runs on one thread). The extension is compiled with torch.utils.cpp_extension at first use (≈ 30 s, cached under
+The kernels split their work over torch's threads with OpenMP (`-fopenmp`; without it
+`at::parallel_for` runs on one thread). The extension (with csrc/amx_norm.cpp's RMSNorm and rotary
+embedding) is compiled with torch.utils.cpp_extension at first use (≈ 1 min, cached under
 TORCH_EXTENSIONS_DIR, rebuilt when the source changes). Where the CPU has no AMX, no compiler is
 found, or PEAGLE_AMX=0 is set, `kernel()` returns None and `PackedLinear` keeps oneDNN.
 """
@@ -46,9 +47,9 @@ _state: dict = {}
 
 def kernel():
     """The compiled extension (functions `pack(weight [N, K] bf16) -> packed`,
-    `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16` and `attention`, see
-    `amx_attention`), or None where AMX
-    cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
+    `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16`, `attention` (see
+    `amx_attention`), and `rms_norm` and `rope` (see packed_linear.py `FusedRMSNorm`,
+    `fused_rotary`)), or None where AMX cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
     once with the reason). Built once per process."""
     if "ext" in _state:
         return _state["ext"]

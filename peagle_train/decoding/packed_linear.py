@@ -135,9 +135,10 @@ def fused_rotary(original):
                 and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
                 and q.stride(-1) == 1 and k.stride(-1) == 1
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-                and _rotary_scope and amx_linear.kernel() is not None):
-            qo, ko = amx_linear.kernel().rope(q, k, cos, sin)
-            return qo, ko
+                and _rotary_scope):
+            ext = amx_linear.kernel()
+            if ext is not None:
+                return tuple(ext.rope(q, k, cos, sin))
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.fused = True

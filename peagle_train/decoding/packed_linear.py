@@ -115,6 +115,8 @@ def unpack_linears(model: nn.Module) -> int:
         lin.weight, lin.bias = child.weight, child.bias
         setattr(parent, name, lin)
         n += 1
+    if n:
+        model.peagle_fused_decoder = None  # its packed weights are the old ones
     return n
 
 
@@ -210,6 +212,10 @@ def fuse_ops(model: nn.Module) -> int:
         if not getattr(module.apply_rotary_pos_emb, "fused", False):
             module.apply_rotary_pos_emb = fused_rotary(module.apply_rotary_pos_emb)
         model.peagle_fused_rotary = True
+    if hasattr(model, "get_decoder"):  # a target: its decoding forward as one loop (decoding/fused_decoder.py)
+        from .fused_decoder import fuse_decoder
+
+        fuse_decoder(model)
     return n
 
 
@@ -225,4 +231,5 @@ def unfuse_ops(model: nn.Module) -> int:
                 setattr(parent, name, child.original)
                 n += 1
     model.peagle_fused_rotary = False
+    model.peagle_fused_decoder = None
     return n

@@ -186,7 +186,8 @@ class FeatureTarget:
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
         self._captured: dict[int, torch.Tensor] = {}
-        for i in sorted(set(self.aux_layer_ids) | {n - 1}):
+        self._capture_ids = tuple(sorted(set(self.aux_layer_ids) | {n - 1}))
+        for i in self._capture_ids:
             self.layers[i].register_forward_hook(self._hook(i))
 
     def _hook(self, i: int):
@@ -205,16 +206,21 @@ class FeatureTarget:
         float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
         needs no copy, and sampling converts the rows it uses)."""
         self._captured.clear()
-        if cache is not None:
-            kw[self._cache_kw] = cache
         # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`)
         decoding = cache is not None and self.model.dtype != torch.float32
-        with (attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None),
-              fused_rotary_scope(self.model)):
-            out = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw)
+        fused = getattr(self.model, "peagle_fused_decoder", None)  # decoding/fused_decoder.py
+        if decoding and fused is not None and fused.takes(input_ids, cache, kw):
+            normed, captured = fused.forward(input_ids, cache, capture=self._capture_ids, **kw)
+            self._captured.update(captured)
+        else:
+            if cache is not None:
+                kw[self._cache_kw] = cache
+            with (attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None),
+                  fused_rotary_scope(self.model)):
+                normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
-        hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        hidden = normed[:, -1:] if last_only else normed
         return TargetOutput(self._head(hidden, draft_ids, float_logits), aux, final)
 
     __call__ = forward

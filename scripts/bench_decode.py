@@ -9,9 +9,9 @@ One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2)
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
 and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
-on a CPU with AMX, for the AMX kernel, with its norms and rotary embedding fused (`fuse_ops`), as
-`peagle evaluate` decodes; with AMX a third copy runs
-oneDNN's kernels only. The codes alternate prompt by prompt, so that a shared machine's load hits
+on a CPU with AMX, for the AMX kernel, with its norms and rotary embedding fused and the target's
+lean decoding forward (`fuse_ops`, decoding/fused_decoder.py), as `peagle evaluate` decodes; with
+AMX a third copy runs oneDNN's kernels only (transformers' forward). The codes alternate prompt by prompt, so that a shared machine's load hits
 all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
 per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
 target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
@@ -70,6 +70,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from omegaconf import OmegaConf
 
     from peagle_train.decoding.engine import generate
+    from peagle_train.decoding.fused_decoder import fuse_decoder
     from peagle_train.decoding.packed_linear import fuse_ops, pack_linears
     from peagle_train.job import build_target
 
@@ -100,6 +101,7 @@ def measure(args, dtype, name: str) -> list[dict]:
         for m in [*dnn.model.modules(), *dnn_head.modules()]:
             if getattr(m, "amx", None) is not None:
                 m.amx = None
+        fuse_decoder(dnn.model)  # none now: its q/k/v and gate/up products would run on AMX
         codes["this tree (engine, oneDNN bf16 linears)"] = (lambda ids: generate(dnn, None, [ids], K, N, eos)[0],
                                                             lambda ids: generate(dnn, dnn_head, [ids], K, N, eos)[0])
     if args.base:

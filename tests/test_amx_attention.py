@@ -101,6 +101,16 @@ def _target(head_dim: int = 32) -> FeatureTarget:
     return FeatureTarget(model.to(torch.bfloat16), [0, 1, 2])
 
 
+def random_bf16_head(t: FeatureTarget):
+    """A random 1-layer bf16 P-EAGLE head (K_train 3) over every second id of a 128-token target."""
+    ids = torch.arange(0, 128, 2)
+    cfg = DraftConfig.from_target(t.model.config, num_layers=1, draft_vocab_size=len(ids), mask_token_id=127,
+                                  num_depths=3, aux_layer_ids=[0, 1, 2], algorithm="peagle")
+    head = make_draft_head(cfg).eval()
+    head.init_from_target(t.model, ids, ids - torch.arange(len(ids)), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
+    return head.to(torch.bfloat16)
+
+
 def test_bf16_batch_with_holes_decodes_each_prompt_as_alone():
     """A bf16 target (head_dim 32: the AMX attention) with packed linears keeps a bf16 cache, and
     its speculative decoding of 3 prompts in one batch (a random head: most drafts rejected, so
@@ -111,12 +121,7 @@ def test_bf16_batch_with_holes_decodes_each_prompt_as_alone():
     cache = target_cache(t)
     t(torch.tensor([[1, 2, 3]]), cache=cache)
     assert cache.layers[0].keys.dtype == torch.bfloat16
-    ids = torch.arange(0, 128, 2)
-    cfg = DraftConfig.from_target(t.model.config, num_layers=1, draft_vocab_size=len(ids), mask_token_id=127,
-                                  num_depths=3, aux_layer_ids=[0, 1, 2], algorithm="peagle")
-    head = make_draft_head(cfg).eval()
-    head.init_from_target(t.model, ids, ids - torch.arange(len(ids)), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
-    head.to(torch.bfloat16)
+    head = random_bf16_head(t)
     prompts = [[5, 17, 33, 2, 90, 7, 7, 81], [1, 2, 3], [64, 9, 9, 100, 12]]
     batch = generate(t, head, prompts, 3, 24, set())
     assert sum(a > 0 for r in batch for a in r.accepted) < sum(len(r.accepted) for r in batch)  # holes were made

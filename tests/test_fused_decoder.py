@@ -10,8 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from peagle_train.decoding import amx_linear, fused_decoder
 from peagle_train.decoding.engine import generate, target_cache
 from peagle_train.decoding.packed_linear import fuse_ops, pack_linears, unfuse_ops, unpack_linears
-from peagle_train.draft.peagle import DraftConfig, make_draft_head
 from peagle_train.target.features import FeatureTarget
+
+from .test_amx_attention import random_bf16_head
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(amx_linear.kernel() is None, reason="no Intel AMX here (or the kernel did not build)")]
@@ -35,7 +36,7 @@ def _llama(head_dim: int = 32, bias: bool = False) -> FeatureTarget:
     return t
 
 
-def _forwards(t: FeatureTarget, fused: bool, calls: list):
+def _forwards(t: FeatureTarget, fused: bool):
     """A prefill, a 1-token step, a 6-token verify, and a 2-row step over a cache with a hole
     (bool mask, explicit positions); returns every TargetOutput."""
     saved = t.model.peagle_fused_decoder
@@ -55,7 +56,6 @@ def _forwards(t: FeatureTarget, fused: bool, calls: list):
         return outs
     finally:
         t.model.peagle_fused_decoder = saved
-        calls.append(None)
 
 
 @pytest.mark.parametrize("head_dim,bias", [(32, False), (32, True), (16, False)])
@@ -69,9 +69,9 @@ def test_fused_forward_gives_the_bits_of_transformers_forward(head_dim, bias, mo
     real = fused_decoder.FusedDecoder.forward
     monkeypatch.setattr(fused_decoder.FusedDecoder, "forward",
                         lambda self, *a, **kw: used.append(a[0].shape) or real(self, *a, **kw))
-    fused = _forwards(t, True, [])
+    fused = _forwards(t, True)
     assert used == [(1, 7), (1, 1), (1, 6), (2, 3)]  # every forward took the lean path
-    plain = _forwards(t, False, [])
+    plain = _forwards(t, False)
     assert len(used) == 4  # and none of the reference ones
     for a, b in zip(fused, plain):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
@@ -123,12 +123,7 @@ def test_speculative_decoding_on_the_fused_forward_keeps_every_token():
     with and without the lean forward, and each prompt's tokens equal the target alone decoding
     it by itself."""
     t = _llama()
-    ids = torch.arange(0, 128, 2)
-    cfg = DraftConfig.from_target(t.model.config, num_layers=1, draft_vocab_size=len(ids), mask_token_id=127,
-                                  num_depths=3, aux_layer_ids=[0, 1, 2], algorithm="peagle")
-    head = make_draft_head(cfg).eval()
-    head.init_from_target(t.model, ids, ids - torch.arange(len(ids)), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
-    head.to(torch.bfloat16)
+    head = random_bf16_head(t)
     prompts = [[5, 17, 33, 2, 90, 7, 7, 81], [1, 2, 3], [64, 9, 9, 100, 12]]
     fast = [r.tokens for r in generate(t, head, prompts, 3, 24, set())]
     alone = [generate(t, None, [p], 3, 24, set())[0].tokens for p in prompts]

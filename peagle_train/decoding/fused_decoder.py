@@ -97,10 +97,11 @@ class FusedDecoder:
 
     def takes(self, input_ids: torch.Tensor, cache, kw: dict) -> bool:
         """Whether `forward` computes this forward: a cache, at most MAX_ROWS new tokens, no
-        gradients, an attention mask that is None or a bool [B|1, 1, n, S], and no keyword besides
-        attention_mask and position_ids."""
-        mask = kw.get("attention_mask")
+        gradients, the model still bf16 on CPU, an attention mask that is None or a bool
+        [B|1, 1, n, S], and no keyword besides attention_mask and position_ids."""
+        mask, w = kw.get("attention_mask"), self.decoder.embed_tokens.weight
         return (cache is not None and input_ids.numel() <= amx_linear.MAX_ROWS and not torch.is_grad_enabled()
+                and w.dtype == torch.bfloat16 and w.device.type == "cpu"
                 and set(kw) <= {"attention_mask", "position_ids"}
                 and (mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4)))
 

@@ -204,7 +204,9 @@ class FeatureTarget:
                 last_only: bool = False, float_logits: bool = True, **kw) -> TargetOutput:
         """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more).
         float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
-        needs no copy, and sampling converts the rows it uses)."""
+        needs no copy, and sampling converts the rows it uses). A decoding forward of a model that
+        `fuse_ops` gave a lean forward (decoding/fused_decoder.py) runs on it when it takes it:
+        the same bits as transformers' forward, captured without the hooks."""
         self._captured.clear()
         # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`)
         decoding = cache is not None and self.model.dtype != torch.float32

@@ -45,6 +45,7 @@ def main(out: Path, resume: bool):
     train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
     acc = Accelerator(cpu=True)
     train(acc, draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out)
+    acc.wait_for_everyone()  # as `peagle train` ends: no rank tears its group down while another still works
     acc.end_training()  # a process that exits with a live gloo group can abort ("terminate called ...")
 
 

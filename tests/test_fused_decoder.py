@@ -58,38 +58,43 @@ def _forwards(t: FeatureTarget, fused: bool):
         t.model.peagle_fused_decoder = saved
 
 
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """The input shapes of every `FusedDecoder.forward` call made while the test runs."""
+    used = []
+    real = fused_decoder.FusedDecoder.forward
+    monkeypatch.setattr(fused_decoder.FusedDecoder, "forward",
+                        lambda self, *a, **kw: used.append(a[0].shape) or real(self, *a, **kw))
+    return used
+
+
 @pytest.mark.parametrize("head_dim,bias", [(32, False), (32, True), (16, False)])
-def test_fused_forward_gives_the_bits_of_transformers_forward(head_dim, bias, monkeypatch):
+def test_fused_forward_gives_the_bits_of_transformers_forward(head_dim, bias, lean_calls):
     """head_dim 32: the AMX attention and the fused rotary kernel; 16: transformers' rotary
     formula and the fp32 decoding attention; with biases on every linear (q/k/v and gate/up
     biases concatenated)."""
     t = _llama(head_dim, bias)
     assert isinstance(t.model.peagle_fused_decoder, fused_decoder.FusedDecoder)
-    used = []
-    real = fused_decoder.FusedDecoder.forward
-    monkeypatch.setattr(fused_decoder.FusedDecoder, "forward",
-                        lambda self, *a, **kw: used.append(a[0].shape) or real(self, *a, **kw))
     fused = _forwards(t, True)
-    assert used == [(1, 7), (1, 1), (1, 6), (2, 3)]  # every forward took the lean path
+    assert lean_calls == [(1, 7), (1, 1), (1, 6), (2, 3)]  # every forward took the lean path
     plain = _forwards(t, False)
-    assert len(used) == 4  # and none of the reference ones
+    assert len(lean_calls) == 4  # and none of the reference ones
     for a, b in zip(fused, plain):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
     assert not torch.equal(fused[3].logits[0], fused[3].logits[1])
 
 
-def test_forwards_it_does_not_take_go_to_transformers(monkeypatch):
-    """More than MAX_ROWS new tokens (a long prefill), no cache, or another keyword: transformers'
-    forward; the outputs are the same either way."""
+def test_forwards_it_does_not_take_go_to_transformers(lean_calls):
+    """More than MAX_ROWS new tokens (a long prefill), no cache, or a 2D padding mask:
+    transformers' forward; the outputs are the same either way."""
     t = _llama()
-    used = []
-    real = fused_decoder.FusedDecoder.forward
-    monkeypatch.setattr(fused_decoder.FusedDecoder, "forward",
-                        lambda self, *a, **kw: used.append(a[0].shape) or real(self, *a, **kw))
     long = torch.arange(amx_linear.MAX_ROWS + 1)[None] % 128
     out = t(long, cache=target_cache(t), float_logits=False)
     t(long[:, :8])  # no cache: a training / features forward
-    assert used == []
+    padded = t(long[:, :8], cache=target_cache(t), attention_mask=torch.ones(1, 8, dtype=torch.long), float_logits=False)
+    assert lean_calls == []
+    assert torch.equal(padded.logits, t(long[:, :8], cache=target_cache(t), float_logits=False).logits)
+    assert lean_calls == [(1, 8)]
     t.model.peagle_fused_decoder = None
     assert torch.equal(t(long, cache=target_cache(t), float_logits=False).logits, out.logits)
 
@@ -116,6 +121,9 @@ def test_fuse_decoder_only_for_packed_bf16_llama_layers():
                                         num_attention_heads=4, num_key_value_heads=2)).eval()
     pack_linears(fp32), fuse_ops(fp32)
     assert getattr(fp32, "peagle_fused_decoder", None) is None
+    head = random_bf16_head(t)
+    pack_linears(head), fuse_ops(head)
+    assert getattr(head, "peagle_fused_decoder", None) is None
 
 
 def test_speculative_decoding_on_the_fused_forward_keeps_every_token():

@@ -56,6 +56,7 @@ class FusedLayer:
         self.attn, self.o_proj, self.down_proj = attn, attn.o_proj, mlp.down_proj
         self.head_dim, self.scaling, self.layer_idx = attn.head_dim, attn.scaling, attn.layer_idx
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
+        self.heads, self.kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.qkv, self.qkv_bias = _packed([attn.q_proj, attn.k_proj, attn.v_proj])
         self.intermediate = mlp.gate_proj.out_features
         self.gate_up, self.gate_up_bias = _packed([mlp.gate_proj, mlp.up_proj])
@@ -121,16 +122,15 @@ class FusedDecoder:
         if position_ids is None:
             position_ids = (torch.arange(n, device=x.device) + cache.get_seq_length())[None]
         cos, sin = self.decoder.rotary_emb(x, position_ids=position_ids)
-        rope = ext.rope if self.layers and self.layers[0].head_dim % 32 == 0 else None
+        rope = ext.rope if self.layers and self.layers[0].head_dim % 32 == 0 else _transformers_rotary()
         captured, on_amx = {}, None
         for i, L in enumerate(self.layers):
             h = L.input_norm(x)
             qkv = ext.linear(h, L.qkv, L.q_size + 2 * L.kv_size, L.qkv_bias).view(B, n, -1, L.head_dim)
-            heads, kv_heads = L.q_size // L.head_dim, L.kv_size // L.head_dim
-            q = qkv[:, :, :heads].transpose(1, 2)
-            k = qkv[:, :, heads:heads + kv_heads].transpose(1, 2)
-            v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
-            q, k = rope(q, k, cos, sin) if rope is not None else _rotate(q, k, cos, sin)
+            q = qkv[:, :, :L.heads].transpose(1, 2)
+            k = qkv[:, :, L.heads:L.heads + L.kv_heads].transpose(1, 2)
+            v = qkv[:, :, L.heads + L.kv_heads:].transpose(1, 2)
+            q, k = rope(q, k, cos, sin)
             keys, values = cache.update(k, v, L.layer_idx)
             if on_amx is None:  # the same dtypes, strides and mask at every layer
                 on_amx = _amx_attention_takes(q, keys, values, attention_mask)
@@ -147,12 +147,13 @@ class FusedDecoder:
         return self.decoder.norm(x), captured
 
 
-def _rotate(q, k, cos, sin):
-    """transformers' rotary embedding (head sizes the fused kernel does not take)."""
-    from transformers.models.llama.modeling_llama import rotate_half
+def _transformers_rotary():
+    """transformers' own `apply_rotary_pos_emb` of the Llama module (for head sizes the fused
+    kernel does not take), unwrapped from `fused_rotary` if `fuse_ops` wrapped it."""
+    from transformers.models.llama import modeling_llama
 
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    f = modeling_llama.apply_rotary_pos_emb
+    return getattr(f, "original", f)
 
 
 def fuse_decoder(model: nn.Module) -> bool:

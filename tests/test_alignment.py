@@ -14,18 +14,28 @@ def test_default_aux_layers():
 def test_repeated_aux_layers_are_refused(target_model):
     import pytest
 
-    with pytest.raises(ValueError, match="3 distinct layer indices"):
+    with pytest.raises(ValueError, match="3 distinct layer ids in \\[0, 8\\)"):
         FeatureTarget(target_model, [2, 3, 3])
+    with pytest.raises(ValueError, match="3 distinct layer ids in \\[0, 8\\)"):
+        FeatureTarget(target_model, [2, 3, 8])  # 8 = the last layer's output: not an input of a layer
+    with pytest.raises(ValueError, match=r"not in ascending order.*Fix: target.aux_layer_ids=\[1, 3, 5\]"):
+        FeatureTarget(target_model, [5, 1, 3])
 
 
 def test_capture_equals_output_hidden_states(target_model):
+    # vLLM's numbering: aux id k is HF hidden_states[k], the state entering decoder layer k (0 = embeddings)
     t = FeatureTarget(target_model, [1, 2, 4])
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
     ref = target_model(ids, output_hidden_states=True)
     out = t(ids)
     H = target_model.config.hidden_size
     for j, layer in enumerate([1, 2, 4]):
-        torch.testing.assert_close(out.aux[..., j * H:(j + 1) * H], ref.hidden_states[layer + 1], rtol=0, atol=0)
+        torch.testing.assert_close(out.aux[..., j * H:(j + 1) * H], ref.hidden_states[layer], rtol=0, atol=0)
+    t0 = FeatureTarget(target_model, [0, 4, 7])
+    out0 = t0(ids)
+    for j, layer in enumerate([0, 4, 7]):
+        torch.testing.assert_close(out0.aux[..., j * H:(j + 1) * H], ref.hidden_states[layer], rtol=0, atol=0)
+    assert not torch.equal(out0.aux[..., :H], ref.hidden_states[1])  # one layer off would differ
     # the final state is *pre*-norm: the model's final norm of it gives the post-norm state
     torch.testing.assert_close(target_model.model.norm(out.final), ref.hidden_states[-1], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out.final, ref.hidden_states[-1])

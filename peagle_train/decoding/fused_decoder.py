@@ -113,7 +113,7 @@ class FusedDecoder:
         attention_mask None (causal over the cache and the new slots) or bool [B|1, 1, n, S]
         (True = attend, S = cached + n slots); position_ids [B, n] (default: continuing the
         cache's length). Returns (final normed hidden states [B, n, hidden], {i: output of layer i
-        [B, n, hidden] for i in capture}), the bits of transformers' forward over the same modules."""
+        [B, n, hidden] for i in capture; -1: the embeddings}), the bits of transformers' forward over the same modules."""
         from ..target.features import _amx_attention_takes, decode_attention
 
         ext = amx_linear.kernel()
@@ -121,9 +121,10 @@ class FusedDecoder:
         B, n = input_ids.shape
         if position_ids is None:
             position_ids = (torch.arange(n, device=x.device) + cache.get_seq_length())[None]
+        captured = {-1: x} if -1 in capture else {}  # the embeddings (aux id 0)
         cos, sin = self.decoder.rotary_emb(x, position_ids=position_ids)
         rope = ext.rope if self.layers and self.layers[0].head_dim % 32 == 0 else _transformers_rotary()
-        captured, on_amx = {}, None
+        on_amx = None
         for i, L in enumerate(self.layers):
             h = L.input_norm(x)
             qkv = ext.linear(h, L.qkv, L.q_size + 2 * L.kv_size, L.qkv_bias).view(B, n, -1, L.head_dim)

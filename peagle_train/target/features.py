@@ -1,9 +1,10 @@
 """Capture of the target's aux hidden states and final hidden state, and the EAGLE alignment.
 
-DESIGN.md §2: aux layers default to [2, N//2, N-3] (the *outputs* of those decoder layers, i.e.
-HF `output_hidden_states[i+1]`); the final hidden state is the last decoder layer's output before
-the final norm. Forward hooks on the decoder layers capture them without asking the model for all
-N hidden states.
+DESIGN.md §2: aux layers default to [2, N//2, N-3] in vLLM's and speculators' numbering
+(`AUX_LAYER_NUMBERING`): id k is the hidden state *entering* decoder layer k, HF
+`output_hidden_states[k]`, i.e. the output of layer k-1. The final hidden state is the last decoder
+layer's output before the final norm. Forward hooks on the decoder layers capture them without
+asking the model for all N hidden states.
 
 Packed rows (several documents, one forward): `FeatureTarget.forward_documents` concatenates the
 documents on one axis with position ids restarting at 0 per document, and a registered attention
@@ -146,16 +147,51 @@ def attention_implementation(config, name: str | None):
         config._attn_implementation = saved
 
 
+# What an aux layer id means (DESIGN.md §2): id k is HF `output_hidden_states[k]`, the input of
+# decoder layer k, as vLLM (`models/llama.py` collects it at the top of its layer loop), speculators and
+# EAGLE-3 read it. Checkpoints and exports record it under this key; files without it were written
+# with the older numbering "layer_output" (id i = the output of layer i = `output_hidden_states[i+1]`).
+AUX_LAYER_NUMBERING = "hidden_states"
+OLD_AUX_LAYER_NUMBERING = "layer_output"
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default); distinct for
-    N ≥ 8."""
+    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default, in
+    `AUX_LAYER_NUMBERING`); distinct for N ≥ 8."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def aux_ids_from_layer_outputs(ids: list[int]) -> list[int]:
+    """Aux layer ids written in the old "layer_output" numbering (id i = output of layer i) in
+    `AUX_LAYER_NUMBERING` (id k = input of layer k): each id + 1, the very same hidden states."""
+    return [int(i) + 1 for i in ids]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int, setting: str = "target.aux_layer_ids") -> None:
+    """Raise ConfigError (one line, with the fix) unless `ids` are 3 distinct, ascending layer ids
+    in [0, N) for a target of N decoder layers, in `AUX_LAYER_NUMBERING` (0 = the embeddings).
+
+    Why these rules: vLLM concatenates 3 features (3H) in ascending id order; id N (the last
+    layer's output) is collected only by newer vLLM releases (0.22's loop stops at N-1);
+    speculators rejects repeated layers."""
+    from ..errors import ConfigError
+
+    ids = [int(i) for i in ids]
+    ok = (len(ids) == 3 and len(set(ids)) == 3 and all(0 <= i < num_layers for i in ids))
+    if not ok:
+        raise ConfigError(
+            f"{setting}={ids} must be 3 distinct layer ids in [0, {num_layers}) for this {num_layers}-layer target "
+            "(id k = the hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
+            f"Fix: {setting}=null for the default {default_aux_layer_ids(num_layers)}, or 3 ids in that range.")
+    if ids != sorted(ids):
+        raise ConfigError(f"{setting}={ids} is not in ascending order; vLLM sorts the ids and would feed the "
+                          f"features in another order than training. Fix: {setting}={sorted(ids)}.")
 
 
 @dataclass
 class TargetOutput:
     """logits: [B, T, V] (or [B, T, V_draft] when restricted; None from forward_documents(logits=False));
-    aux: [B, T, 3H] the aux hidden states concatenated in layer order; final: [B, T, H] the pre-norm
+    aux: [B, T, 3H] the aux hidden states (HF hidden_states[k] for each aux id k) concatenated in id order; final: [B, T, H] the pre-norm
     last-layer output."""
 
     logits: torch.Tensor
@@ -178,17 +214,16 @@ class FeatureTarget:
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
         n = len(self.layers)
-        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n)
-        ids = self.aux_layer_ids
-        if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
-            raise ValueError(f"aux_layer_ids={ids} must be 3 distinct layer indices in [0, {n}) (vLLM assumes 3H "
-                             "features; speculators rejects repeated layers). Fix: set target.aux_layer_ids.")
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids] if aux_layer_ids else default_aux_layer_ids(n)
+        check_aux_layer_ids(self.aux_layer_ids, n)
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
         self._captured: dict[int, torch.Tensor] = {}
-        self._capture_ids = tuple(sorted(set(self.aux_layer_ids) | {n - 1}))
+        # aux id k (the input of layer k) is the output of layer k-1, captured by a hook on that layer;
+        # id 0 is the embeddings' output (captured under -1)
+        self._capture_ids = tuple(sorted({k - 1 for k in self.aux_layer_ids} | {n - 1}))
         for i in self._capture_ids:
-            self.layers[i].register_forward_hook(self._hook(i))
+            (self.decoder.embed_tokens if i < 0 else self.layers[i]).register_forward_hook(self._hook(i))
 
     def _hook(self, i: int):
         def fn(_module, _inp, out):
@@ -220,7 +255,7 @@ class FeatureTarget:
             with (attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None),
                   fused_rotary_scope(self.model)):
                 normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        aux = torch.cat([self._captured[k - 1] for k in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
         hidden = normed[:, -1:] if last_only else normed
         return TargetOutput(self._head(hidden, draft_ids, float_logits), aux, final)

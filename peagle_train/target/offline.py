@@ -40,7 +40,9 @@ from .features import FeatureTarget
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: aux_layer_ids in vLLM's numbering (target/features.py AUX_LAYER_NUMBERING); 1: the older
+# numbering (id i = the output of layer i), the same stored states, read converted (`upgrade_fingerprint`)
+FORMAT_VERSION = 2
 STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
 INT8_SCALES = tuple(Int8Scale.values())  # the `features.int8_scale` choices
 MANIFEST = "manifest.json"
@@ -74,7 +76,19 @@ def features_fingerprint(target: FeatureTarget, tok, rows, storage: str, int8_sc
     }
 
 
+def upgrade_fingerprint(found: dict) -> dict:
+    """A manifest fingerprint in this FORMAT_VERSION: format 1 named the same stored states by
+    the older aux numbering (id i = output of layer i), so its ids become id + 1 (vLLM's)."""
+    if found.get("format_version") == 1 and isinstance(found.get("aux_layer_ids"), list):
+        from .features import aux_ids_from_layer_outputs
+
+        return {**found, "format_version": FORMAT_VERSION,
+                "aux_layer_ids": aux_ids_from_layer_outputs(found["aux_layer_ids"])}
+    return found
+
+
 def _compare(found: dict, expected: dict, where: Path) -> None:
+    found = upgrade_fingerprint(found)
     bad = [k for k in expected if found.get(k) != expected[k]]
     if bad:
         detail = "; ".join(f"{k}: manifest {str(found.get(k))[:40]!r} vs this run {str(expected[k])[:40]!r}" for k in bad)
@@ -218,6 +232,9 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         if mpath.is_file():
             manifest = json.loads(mpath.read_text())
             _compare(manifest.get("fingerprint", {}), fp, mpath)
+            if manifest["fingerprint"] != fp:  # a format-1 manifest of the same states: record them in format 2
+                manifest["fingerprint"] = fp
+                atomic_write_json(mpath, manifest, indent=1)
             if manifest.get("docs_per_shard") != docs_per_shard:
                 raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, "
                                         f"this run asks {docs_per_shard}. Fix: use the same value or a new features.dir.")

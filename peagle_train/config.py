@@ -59,6 +59,14 @@ class Precision(Choice):
     bf16 = "bf16"
 
 
+class EvalEngine(Choice):
+    """The `eval.engine` key of `peagle evaluate`: which decoder measures τ."""
+
+    reference = "reference"  # the framework's reference decoder (peagle_train/decoding)
+    vllm = "vllm"            # vLLM's offline LLM API on the head's export (peagle_train/serving)
+    both = "both"            # both, on the same prompt token ids, side by side
+
+
 class Dtype(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -294,6 +302,11 @@ class EvaluateEvalConfig(EvalConfig):
     temperature: float = opt(0.0, "0 = greedy (lossless check); > 0 = speculative (rejection) sampling")
     seed: int = opt(0, "sampling seed (temperature > 0)")
     plot: bool = opt(True, "write acceptance.png of per-position acceptance")
+    engine: EvalEngine = opt(EvalEngine.reference, "reference (our decoder) | vllm (vLLM serves the head's export; "
+                                                   "first turns, greedy, batch 1) | both (side by side)")
+    vllm_python: Optional[str] = opt(None, "python of the environment with vLLM; null = $PEAGLE_VLLM_PYTHON, this "
+                                           "python if it imports vllm, else ~/.cache/peagle_train/vllm-venv "
+                                           "(bash scripts/install.sh vllm)")
 
 
 @dataclass

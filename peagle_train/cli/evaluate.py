@@ -9,6 +9,14 @@
 Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
 decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
 A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
+
+    peagle evaluate head=runs/demo/checkpoint eval.engine=both       # our decoder and vLLM, side by side
+    peagle evaluate head=runs/demo/export eval.engine=vllm eval.vllm_python=/opt/vllm/bin/python
+
+eval.engine=vllm serves the head's export (a checkpoint is exported to output_dir/eval/vllm_export)
+in vLLM's offline `LLM` API, on the same first-turn prompt token ids, greedy, batch 1, and writes
+eval/acceptance_vllm.json: τ and per-position acceptance from vLLM's own counters, lossless against
+vLLM without the head (peagle_train/serving/vllm_engine.py). `both` also writes eval/engines.md.
 With training.tracker=tensorboard|wandb, τ and the per-position acceptance (unconditional and
 conditional) also go to that tracker under output_dir (peagle_train/training/tracking.py).
 """
@@ -16,6 +24,7 @@ conditional) also go to that tracker under output_dir (peagle_train/training/tra
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -30,6 +39,14 @@ from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
 from peagle_train.target.features import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
+from peagle_train.evaluation.benchmarks import first_turn_ids
+from peagle_train.evaluation.run import eos_ids as _eos_ids
+from peagle_train.export.speculators import validate_export, verifier_name, write_export
+from peagle_train.precision import resolve_precision
+from peagle_train.serving.vllm_engine import evaluate_with_vllm, vllm_python
+from peagle_train.target.load import model_source
+
+logger = logging.getLogger(__name__)
 
 
 def load_head_and_metrics(path: str):
@@ -83,14 +100,72 @@ def main(cfg: DictConfig) -> dict:
         btarget = target if bids == ids else FeatureTarget(target.model, bids)
         check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
         baseline.to(device=target.model.device)
+    engine = str(cfg.eval.get("engine", "reference"))
+    if engine != "reference" and float(cfg.eval.temperature) > 0:
+        raise SystemExit(f"eval.engine={engine} measures greedy decoding only. Fix: eval.temperature=0, or "
+                         "eval.engine=reference for sampling.")
+    prompts = prompts_from_config(cfg.eval)
+    if engine == "vllm":
+        return evaluate_in_vllm(cfg, head, draft, target, tok, prompts)
     acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
                               cpu=device == "cpu")
-    result = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
+    result = evaluate_from_config(cfg.eval, target, draft, tok, prompts,
                                   out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
                                   baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics)
     acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
     acc.end_training()
+    if engine == "both":
+        result["vllm"] = evaluate_in_vllm(cfg, head, draft, target, tok, prompts, reference=result)
     return result
+
+
+def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: list[dict],
+                     reference: dict | None = None) -> dict:
+    """τ of `head` served by vLLM on the first turns of `prompts` (their chat token ids, as our
+    decoder sees them), greedy, batch 1, in `precision`; writes eval/acceptance_vllm.json and, beside
+    a `reference` result, eval/engines.md (the two side by side)."""
+    out = Path(cfg.output_dir) / "eval"
+    export_dir = Path(head)
+    if not (export_dir / "config.json").is_file():  # a checkpoint: export it as `peagle export` would
+        export_dir = out / "vllm_export"
+        try:
+            verifier = verifier_name(cfg.target.name_or_path, cfg.target.path)
+        except ValueError:  # a local file: vLLM is given the target directory itself
+            verifier = str(cfg.target.path)
+        write_export(draft, export_dir, verifier_name_or_path=verifier,
+                     verifier_architectures=list(target.config.architectures or ["LlamaForCausalLM"]),
+                     dtype=torch.bfloat16, overwrite=True)
+    else:
+        validate_export(export_dir)  # an export vLLM would mis-read (older numbering, fc_norm) is refused here
+    ids = [first_turn_ids(q, tok) for q in prompts]
+    ids = [x for x in ids if x]
+    eos = set(_eos_ids(target, tok))
+    prec = resolve_precision(cfg.precision, "cuda" if torch.cuda.is_available() else "cpu").name
+    result = evaluate_with_vllm(model_source(cfg.target.path), export_dir, ids, K=int(cfg.eval.num_speculative_tokens),
+                                max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos),
+                                precision=prec, out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
+                                threads=cfg.threads)
+    logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
+                "(%d mismatches, %s)", result["vllm_version"], result["acceptance_length"],
+                result["acceptance_length_stderr"], result["num_speculative_tokens"], result["num_prompts"],
+                ", ".join(f"{a:.3f}" for a in result["per_position_acceptance"]), result["lossless"],
+                result["lossless_mismatches"], result["precision"])
+    if reference is not None:
+        table = engines_table(reference, result)
+        (out / "engines.md").write_text(table)
+        logger.info("\n%s", table)
+    return result
+
+
+def engines_table(reference: dict, vllm_result: dict) -> str:
+    """Markdown: τ ± stderr, per-position acceptance and lossless of our decoder and of vLLM."""
+    rows = ["| decoder | prompts | K | precision | τ | per-position acceptance | lossless |", "|---|---|---|---|---|---|---|"]
+    for name, r in (("reference decoder", reference), (f"vLLM {vllm_result['vllm_version']}", vllm_result)):
+        pos = " ".join(f"{a:.3f}" for a in r["per_position_acceptance"])
+        rows.append(f"| {name} | {r['num_prompts']} | {r['num_speculative_tokens']} | {r['precision']} | "
+                    f"{r['acceptance_length']:.3f} ± {r.get('acceptance_length_stderr', 0.0):.3f} | {pos} | "
+                    f"{r['lossless']} ({r['lossless_mismatches']} mismatches) |")
+    return "\n".join(rows) + "\n"
 
 
 register()  # the typed, strict schema (peagle_train/config.py) that conf/evaluate.yaml starts from

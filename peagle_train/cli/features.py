@@ -12,6 +12,13 @@ With N processes, process r writes shards r, r+N, ...; the shards equal a one-pr
 and rerun with the same config, it resumes: finished shards are checked and skipped, only the
 others are computed. A directory made for another target/tokenizer/template/layer set/data is
 refused with the differing fields named.
+
+    peagle features recipe=... features.dir=/tmp/feats features.engine=vllm    # vLLM computes them
+
+features.engine=vllm takes the aux and final hidden states from vLLM's `extract_hidden_states`
+speculative method, in vLLM's own environment (eval.vllm_python / PEAGLE_VLLM_PYTHON / bash
+scripts/install.sh vllm), all rows in one engine pass; the shards and manifest are the same, so
+training reads them as any others (peagle_train/serving/vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -44,18 +51,37 @@ def main(cfg: DictConfig) -> dict:
     if world != acc.num_processes:
         raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "
                          "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
-    target, tok = build_target(cfg.target, acc.device)
+    vllm_engine = str(cfg.features.get("engine", "target")) == "vllm"
+    # with vLLM the in-process target only fingerprints the weights and names the layers: kept off the GPU
+    target, tok = build_target(cfg.target, "cpu" if vllm_engine else acc.device)
     with acc.main_process_first():  # one process fills the data cache, the others read it
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     # the target's forward computes in `precision`, as in online training (bf16 autocast where the hardware has it)
     prec = resolve_precision(cfg.precision, acc.device)
     log_precision(prec)
+    doc_features = None
+    if vllm_engine:  # vLLM computes them, in its own environment
+        from peagle_train.serving.vllm_engine import VllmDocFeatures, vllm_python
+        from peagle_train.target.load import model_source
+
+        if world > 1:
+            raise SystemExit("features.engine=vllm runs one vLLM engine (its own tensor parallelism); launch it "
+                             "as one process: peagle features ... features.engine=vllm")
+        doc_features = VllmDocFeatures(data.rows, model_source(cfg.target.path), target.aux_layer_ids,
+                                       target.config.num_hidden_layers,
+                                       python=vllm_python(cfg.features.get("vllm_python") or cfg.eval.get("vllm_python")),
+                                       storage_dir=Path(cfg.features.dir) / ".vllm-hidden-states",
+                                       dtype="float32" if prec.name == "fp32" else "bfloat16", threads=cfg.threads)
     with autocast_context(prec, acc.device):
         summary = write_features_from_config(cfg.features, target, tok, data.rows,
                                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),
                                              tokens_per_forward=cfg.training.tokens_per_step, rank=acc.process_index,
-                                             world=world, barrier=acc.wait_for_everyone)
+                                             world=world, barrier=acc.wait_for_everyone, doc_features=doc_features)
     summary["precision"] = prec.as_dict()
+    summary["engine"] = str(cfg.features.get("engine", "target"))
+    if doc_features is not None and doc_features.response:
+        summary["vllm"] = {k: doc_features.response.get(k) for k in ("vllm_version", "load_seconds", "generate_seconds",
+                                                                    "prompt_tokens")}
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
     acc.wait_for_everyone()

@@ -183,34 +183,53 @@ def vllm_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: 
     return [o["token_ids"] for o in resp.pop("outputs")], resp
 
 
-def vllm_hidden_states(target_dir: str, prompts: list[list[int]], aux_layer_ids: list[int], num_layers: int, *,
-                       python: str, log_path: Path, storage_dir: str | Path, dtype: str = "bfloat16",
-                       max_model_len: int = 4096, threads: int | None = None) -> tuple[list[tuple], dict]:
-    """The target's aux hidden states (ids in vLLM's numbering) and pre-norm final hidden state of
-    every prompt token, through vLLM's `extract_hidden_states` method (ids + [N]: vLLM collects id N
-    after the last layer, before the final norm).
+class VllmDocFeatures:
+    """Target features of data rows through vLLM's `extract_hidden_states` method, for
+    `write_features` (target/offline.py DocFeatures): `prepare` runs every row in one vLLM job (one
+    engine start), `__call__` reads the rows' files.
 
-    Returns ([(aux [T, 3H], final [T, H]) per prompt, in `dtype`], the job's response). Files are
-    written under `storage_dir` and removed once read."""
-    from safetensors.torch import load_file
+    vLLM is asked for the aux ids (vLLM's numbering, as ours) and id N, which vLLM collects after
+    the last layer, before the final norm: our pre-norm final state. Files go to `storage_dir`
+    and are removed once read. The job's response (version, seconds, tokens) is `self.response`."""
 
-    ids = list(aux_layer_ids) + [int(num_layers)]
-    storage_dir = Path(storage_dir)
-    storage_dir.mkdir(parents=True, exist_ok=True)
-    resp = run_worker({"task": "features", "model": str(target_dir), "dtype": dtype, "prompts": prompts,
-                       "max_new_tokens": 1, "layer_ids": ids, "storage_dir": str(storage_dir),
-                       "max_model_len": int(max_model_len)}, python, log_path, threads)
-    out = []
-    for p, o in zip(prompts, resp.pop("outputs")):
-        path = o.get("hidden_states_path")
-        if not path:
-            raise VllmError(f"vLLM returned no hidden states for a prompt of {len(p)} tokens. Full log: {log_path}.")
-        d = load_file(path)
-        hs, tok = d["hidden_states"], d["token_ids"]
-        if tok.tolist() != list(p):
-            raise VllmError(f"{path}: vLLM's token ids differ from the prompt's. Full log: {log_path}.")
-        out.append((hs[:, :3].reshape(hs.shape[0], -1).contiguous(), hs[:, 3].contiguous()))
-        for f in (Path(path), Path(path + ".lock")):
-            f.unlink(missing_ok=True)
-    return out, resp
+    def __init__(self, rows, target_dir: str, aux_layer_ids: list[int], num_layers: int, *, python: str,
+                 storage_dir: str | Path, dtype: str = "bfloat16", threads: int | None = None):
+        self.rows, self.target_dir, self.python, self.dtype, self.threads = rows, str(target_dir), python, dtype, threads
+        self.layer_ids = [int(i) for i in aux_layer_ids] + [int(num_layers)]
+        self.storage_dir = Path(storage_dir)
+        self.paths: dict[int, str] = {}
+        self.response: dict = {}
 
+    def prepare(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        self.storage_dir.mkdir(parents=True, exist_ok=True)
+        prompts = [[int(t) for t in self.rows[i]["input_ids"]] for i in indices]
+        logger.info("vLLM: hidden states of %d rows (%d tokens), layers %s", len(prompts),
+                    sum(map(len, prompts)), self.layer_ids)
+        resp = run_worker({"task": "features", "model": self.target_dir, "dtype": self.dtype, "prompts": prompts,
+                           "max_new_tokens": 1, "layer_ids": self.layer_ids, "storage_dir": str(self.storage_dir),
+                           "max_model_len": max(map(len, prompts)) + 8}, self.python,
+                          self.storage_dir / "vllm_features.log", self.threads)
+        for i, o in zip(indices, resp.pop("outputs")):
+            if not o.get("hidden_states_path"):
+                raise VllmError(f"vLLM returned no hidden states for data row {i}. Full log: "
+                                f"{self.storage_dir / 'vllm_features.log'}.")
+            self.paths[i] = o["hidden_states_path"]
+        self.response = resp
+
+    def __call__(self, indices: list[int]) -> list[tuple]:
+        from safetensors.torch import load_file
+
+        out = []
+        for i in indices:
+            path = self.paths.pop(i)
+            d = load_file(path)
+            hs, tok = d["hidden_states"], d["token_ids"]
+            if tok.tolist() != [int(t) for t in self.rows[i]["input_ids"]]:
+                raise VllmError(f"{path}: vLLM's token ids differ from data row {i}'s.")
+            n = len(self.layer_ids) - 1
+            out.append((hs[:, :n].reshape(hs.shape[0], -1).contiguous(), hs[:, n].contiguous()))
+            for f in (Path(path), Path(path + ".lock")):
+                f.unlink(missing_ok=True)
+        return out

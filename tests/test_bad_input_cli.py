@@ -74,6 +74,14 @@ def test_train_with_bad_data_and_bad_config(tmp_path, tiny_target):
     assert p.stderr.startswith("train.py: error: config: Error merging override training.lr=abc")
     p = run("train.py", f"target.path={tiny_target}", "training.schedule=foo", f"output_dir={tmp_path / 'o3'}")
     user_error(p, "training.schedule='foo' must be cosine, linear or constant")
+    # heads vLLM cannot serve, refused before any data or training (not by the export at the end)
+    p = run("train.py", f"target.path={tiny_target}", "target.name_or_path=test/tiny-llama", "draft.fc_norm=true",
+            f"output_dir={tmp_path / 'o4'}")
+    user_error(p, "draft.fc_norm=true heads do not load in vLLM", "Fix: draft.fc_norm=false")
+    assert not (tmp_path / "o4" / "data").exists()
+    p = run("train.py", f"target.path={tiny_target}", "target.name_or_path=test/tiny-llama", "target.aux_layer_ids=[5,2,3]",
+            f"output_dir={tmp_path / 'o5'}", "data.num_proc=1", tmp=tmp_path)
+    user_error(p, "target.aux_layer_ids=[5, 2, 3] is not in ascending order", "Fix: target.aux_layer_ids=[2, 3, 5]")
 
 
 def test_evaluate_and_export_with_a_damaged_head(tmp_path, target_model, tiny_target):

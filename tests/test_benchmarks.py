@@ -41,7 +41,7 @@ def test_every_benchmark_script_has_the_shared_options():
     a = bench_arguments(argparse.ArgumentParser(), Path("d.md")).parse_args(["--out", "o.md", "--no-docs", "--threads", "3"])
     assert (a.out, a.no_docs, a.threads) == (Path("o.md"), True, 3)
     scripts = sorted((REPO_ROOT / "scripts").glob("bench_*.py"))
-    assert len(scripts) == 11  # every bench_*.py of scripts/
+    assert len(scripts) == 12  # every bench_*.py of scripts/
     for path in scripts:
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)

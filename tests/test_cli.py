@@ -70,7 +70,7 @@ def test_subcommand_help_reaches_its_entry_point(name, tmp_path):
 # an invalid call per subcommand: the message only that entry point gives, as `peagle <name>: error:`
 INVALID = {
     "prepare": (["traning.lr=1"], "unknown config key 'traning.lr'"),
-    "regenerate": (["regenerate.backend=foo"], "peagle regenerate: error: regenerate.backend='foo' must be hf or endpoint"),
+    "regenerate": (["regenerate.backend=foo"], "peagle regenerate: error: regenerate.backend='foo' must be hf, vllm or endpoint"),
     "features": ([], "peagle features: error: Give the output directory: features.dir="),
     "train": (["training.lr=abc"], "peagle train: error: config: Error merging override training.lr=abc"),
     "evaluate": ([], "peagle evaluate: error: Give the head to evaluate: head="),

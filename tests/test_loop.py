@@ -29,7 +29,8 @@ def tiny_rows(n=12, seed=0):
 def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
     t = FeatureTarget(target_model)
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
-    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": algorithm == "peagle", "fc_norm": True,
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": algorithm == "peagle",
+                             "fc_norm": False,  # vLLM does not load fc_norm: exports refuse it (test_aux_numbering.py)
                              "norm_before_residual": False,
                              "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127, algorithm)

@@ -25,8 +25,8 @@ def test_real_target_capture(path, layers, vocab, aux):
     ref = model(ids, output_hidden_states=True)
     out = t(ids)
     H = model.config.hidden_size
-    for j, layer in enumerate(aux):
-        torch.testing.assert_close(out.aux[..., j * H:(j + 1) * H], ref.hidden_states[layer + 1], rtol=0, atol=0)
+    for j, layer in enumerate(aux):  # id k = hidden_states[k], the input of layer k (vLLM's numbering)
+        torch.testing.assert_close(out.aux[..., j * H:(j + 1) * H], ref.hidden_states[layer], rtol=0, atol=0)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(t.logits_from_final(out.final), ref.logits, rtol=1e-5, atol=1e-4)
     text = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:])

@@ -95,3 +95,25 @@ def test_vllm_features_equal_ours_and_train(tmp_path):
     _peagle("train", *common, "features.source=offline", f"features.dir={theirs}", "training.max_steps=2",
             "eval.enabled=false", "export.enabled=false", f"output_dir={run}")
     assert (run / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_vllm_regenerates_what_the_target_writes(tmp_path):
+    """`peagle regenerate regenerate.backend=vllm` writes, in fp32, the greedy answers the in-process
+    target writes for the same conversations (the same rendered token ids), resumably."""
+    _vllm_python()
+    common = ["recipe=smollm2-135m-demo", "data.num_conversations=3", "precision=fp32", "regenerate.max_new_tokens=24",
+              "regenerate.max_turns=1"]
+    _peagle("regenerate", *common, f"output_dir={tmp_path / 'hf'}")
+    proc = _peagle("regenerate", *common, "regenerate.backend=vllm", f"output_dir={tmp_path / 'vllm'}")
+
+    def answers(path):
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in lines}
+
+    hf, vl = answers(tmp_path / "hf" / "regenerated.jsonl"), answers(tmp_path / "vllm" / "regenerated.jsonl")
+    assert len(hf) == 3 and hf == vl
+    assert all(a and a[0].strip() for a in vl.values())
+    again = _peagle("regenerate", *common, "regenerate.backend=vllm", f"output_dir={tmp_path / 'vllm'}")
+    assert answers(tmp_path / "vllm" / "regenerated.jsonl") == vl  # a rerun skips what is written
+    assert "vllm_regenerate.log" in {p.name for p in (tmp_path / "vllm").iterdir()}
+    assert proc.returncode == again.returncode == 0

@@ -82,7 +82,9 @@ def main(cfg: DictConfig) -> dict:
             raise SystemExit(f"head={head} was trained on aux layers {ids}, but target.aux_layer_ids="
                              f"{list(cfg.target.aux_layer_ids)}. Fix: drop target.aux_layer_ids.")
         cfg.target.aux_layer_ids = ids
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = str(cfg.eval.get("engine", "reference"))
+    # vLLM alone needs the in-process target only for its tokenizer and config: kept off the GPU vLLM uses
+    device = "cuda" if torch.cuda.is_available() and engine != "vllm" else "cpu"
     n_layers = None
     try:
         target, tok = build_target(cfg.target, device)
@@ -100,7 +102,6 @@ def main(cfg: DictConfig) -> dict:
         btarget = target if bids == ids else FeatureTarget(target.model, bids)
         check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
         baseline.to(device=target.model.device)
-    engine = str(cfg.eval.get("engine", "reference"))
     if engine != "reference" and float(cfg.eval.temperature) > 0:
         raise SystemExit(f"eval.engine={engine} measures greedy decoding only. Fix: eval.temperature=0, or "
                          "eval.engine=reference for sampling.")
@@ -125,6 +126,10 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
     decoder sees them), greedy, batch 1, in `precision`; writes eval/acceptance_vllm.json and, beside
     a `reference` result, eval/engines.md (the two side by side)."""
     out = Path(cfg.output_dir) / "eval"
+    if target.model.device.type == "cuda":  # after the reference decoder: give vLLM the GPU memory
+        target.model.to("cpu")
+        draft.to("cpu")
+        torch.cuda.empty_cache()
     export_dir = Path(head)
     if not (export_dir / "config.json").is_file():  # a checkpoint: export it as `peagle export` would
         export_dir = out / "vllm_export"

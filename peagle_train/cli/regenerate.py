@@ -1,6 +1,7 @@
 """Regenerate the assistant turns of a conversation file with the target (self-distillation).
 
     peagle regenerate recipe=smollm2-135m-demo data.num_conversations=50 output_dir=/tmp/regen
+    peagle regenerate recipe=smollm2-135m-demo regenerate.backend=vllm regenerate.batch_size=64 output_dir=/tmp/regen
     peagle regenerate regenerate.backend=endpoint regenerate.endpoint_url=http://HOST:8000/v1 \
         regenerate.model=MODEL data.path=conversations.jsonl data.num_conversations=null output_dir=/tmp/regen
 
@@ -57,13 +58,21 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
 def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     r = cfg.regenerate
-    backend, tok = backend_from_config(r, cfg.target, cfg.data)
-    convs, too_long = conversations(cfg, tok)
-    stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
-                       extra={"regenerated_by": str((cfg.target.name_or_path or cfg.target.path) if r.backend == "hf" else r.model)})
+    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision))
+    try:
+        convs, too_long = conversations(cfg, tok)
+        by = (cfg.target.name_or_path or cfg.target.path) if r.backend in ("hf", "vllm") else r.model
+        stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
+                           extra={"regenerated_by": str(by)})
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()  # the vllm backend's engine
+    vllm_summary = getattr(backend, "_last_summary", None)
     if too_long:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
+    if vllm_summary:
+        out["vllm"] = vllm_summary
     logger.info("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
     return out
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
-from peagle_train.errors import cli_main
+from peagle_train.errors import ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import evaluate_from_config
@@ -64,6 +64,10 @@ def main(cfg: DictConfig) -> dict:
     check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
     verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \
         else cfg.target.name_or_path  # the verifier the export names: refused now, not after training
+    if cfg.export.enabled and cfg.draft.fc_norm:  # refused now, not by the export after training
+        raise ConfigError("draft.fc_norm=true heads do not load in vLLM (its P-EAGLE loader does not build fc_norm), "
+                          "so the export would fail after training. Fix: draft.fc_norm=false (draft.norm_before_fc=true "
+                          "is served), or export.enabled=false to train one for study only.")
     if cfg.dry_run:
         from peagle_train.dryrun import dry_run
 

@@ -9,8 +9,9 @@ Resumable: finished conversations are appended to an OpenAI-style `messages` JSO
 conversation, keyed by `id`, flushed and fsynced per batch). A rerun reads the ids already written
 (dropping a torn last line left by a kill) and skips them. The output is a valid `data.path`.
 
-Backends: `HFBackend` (an in-process transformers model; CPU works) and `EndpointBackend` (any
-OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
+Backends: `HFBackend` (an in-process transformers model; CPU works), `VllmBackend` (vLLM's offline
+engine in its own environment, token ids in and out, one engine for the whole run) and
+`EndpointBackend` (any OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
 """
 
 from __future__ import annotations
@@ -89,6 +90,57 @@ def _as_list(x):
     return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
 
 
+class VllmBackend:
+    """Generation by vLLM's offline engine in its own environment (peagle_train/serving/vllm_engine.py
+    `VllmSession`): the prompt is rendered and tokenised here exactly as `HFBackend` does (chat
+    template with add_generation_prompt=True, template_kwargs), vLLM generates from those token
+    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`."""
+
+    def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
+                 max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
+                 dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0):
+        self.tok, self.eos = tokenizer, set(eos)
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.template_kwargs = dict(template_kwargs or {})
+        self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
+                          max_model_len=max_model_len, threads=threads)
+        self._session, self._last_summary = None, None
+        self.generated_tokens = 0
+
+    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+        """conversations: message lists ending with a user turn. Returns one Generation each."""
+        from ..serving.vllm_engine import VllmSession
+
+        if self._session is None:
+            self._session = VllmSession(**self._args)
+        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+                 for c in conversations]
+        prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+        outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
+                                      temperature=self.temperature, seed=self.seed)
+        gens = []
+        for o in outs:
+            row = o["token_ids"]
+            stop = next((i for i, t in enumerate(row) if t in self.eos), None)
+            ids = row if stop is None else row[:stop]
+            self.generated_tokens += len(row)
+            gens.append(Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None))
+        return gens
+
+    def summary(self) -> dict:
+        """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
+        s = self._session
+        return {"vllm_version": s.info.get("vllm_version") if s else None,
+                "load_seconds": s.info.get("load_seconds") if s else None,
+                "generate_seconds": s.generate_seconds if s else 0.0, "generated_tokens": self.generated_tokens}
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._last_summary = self.summary()
+            self._session.close()
+            self._session = None
+
+
 class EndpointBackend:
     """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
 
@@ -160,11 +212,12 @@ def done_ids(out_path: Path) -> set[str]:
     return ids
 
 
-def backend_from_config(rcfg, target_cfg, data_cfg):
+def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
     """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
     target.path in-process (with data.chat_template); `endpoint` talks to regenerate.endpoint_url
     serving regenerate.model. Both render with data.template_kwargs and use regenerate.max_new_tokens
-    and temperature. Raises ConfigError for another backend."""
+    and temperature; `vllm` runs vLLM on target.path in its own environment, in `precision` (auto:
+    bf16 where the hardware has it). Raises ConfigError for another backend."""
     from omegaconf import OmegaConf
 
     from ..errors import ConfigError
@@ -180,10 +233,32 @@ def backend_from_config(rcfg, target_cfg, data_cfg):
         set_chat_template(tok, data_cfg.chat_template)
         return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature,
                          template_kwargs=kw), tok
+    if rcfg.backend == "vllm":
+        from transformers import AutoTokenizer
+
+        from ..serving.vllm_engine import vllm_python
+        from ..target.load import load_target_config, model_source
+        from .template import set_chat_template
+
+        src = model_source(target_cfg.path)
+        tok = AutoTokenizer.from_pretrained(src)
+        set_chat_template(tok, data_cfg.chat_template)
+        gen_cfg = Path(src, "generation_config.json")
+        eos = {tok.eos_token_id} | set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")
+                                                if gen_cfg.is_file() else None))
+        eos.discard(None)
+        ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
+        from ..precision import resolve_precision
+
+        prec = resolve_precision(precision, "cuda" if torch.cuda.is_available() else "cpu")
+        return VllmBackend(src, tok, eos, dtype="float32" if prec.name == "fp32" else "bfloat16", python=vllm_python(rcfg.get("vllm_python")),
+                           log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
+                           max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
+                           max_model_len=min(int(ctx), 8192)), tok
     if rcfg.backend == "endpoint":
         return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
                                temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None
-    raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf or endpoint")
+    raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf, vllm or endpoint")
 
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,

@@ -67,9 +67,9 @@ def worker_env(python: str, threads: int | None = None) -> dict:
     PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
     environment win."""
     env = dict(os.environ)
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
     if not iomp.exists():  # a venv's bin/python may resolve to the base interpreter
-        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+        iomp = Path(python).parents[1] / "lib" / "libiomp5.so"
     if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -104,6 +104,73 @@ def run_worker(request: dict, python: str, log_path: Path, threads: int | None =
                             f"Full log: {log_path}. Fix: read the log; a vLLM outside 0.22-0.33 refuses P-EAGLE "
                             "heads, and VLLM_CPU_KVCACHE_SPACE (GiB) sizes its cache on a CPU.")
         return json.loads(resp.read_text())
+
+
+class VllmSession:
+    """One vLLM engine kept up for many generate calls (the worker's "serve" task): regeneration asks
+    turn after turn, and an engine start costs tens of seconds. Use as a context manager; the
+    engine stops when the session closes.
+
+    Raises VllmError when the engine does not come up (or dies), naming its log."""
+
+    def __init__(self, target_dir: str, *, python: str, log_path: Path, dtype: str = "bfloat16",
+                 max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 16,
+                 startup_timeout_s: float = 1800.0):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="peagle-vllm-")
+        tmp = Path(self._tmp.name)
+        req = tmp / "request.json"
+        req.write_text(json.dumps({"task": "serve", "model": str(target_dir), "dtype": dtype,
+                                   "max_model_len": int(max_model_len), "max_num_seqs": int(max_num_seqs)}))
+        self._log = open(self.log_path, "w")
+        self._proc = subprocess.Popen([python, str(WORKER), str(req), str(tmp / "ready.json")], stdin=subprocess.PIPE,
+                                      stdout=self._log, stderr=subprocess.STDOUT, env=worker_env(python, threads),
+                                      text=True)
+        self._calls, self.generate_seconds = 0, 0.0
+        self.info = self._wait(tmp / "ready.json", startup_timeout_s, "start")  # vllm_version, load_seconds
+
+    def _wait(self, path: Path, timeout_s: float, what: str) -> dict:
+        t0 = time.perf_counter()
+        while not path.is_file():
+            if self._proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
+                self.close()
+                tail = self.log_path.read_text(errors="replace").splitlines()[-5:]
+                raise VllmError(f"the vLLM engine did not {what} (exit {self._proc.returncode}): "
+                                f"{' | '.join(t.strip() for t in tail)[-400:]}. Full log: {self.log_path}.")
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids, temperature: float = 0.0,
+                 seed: int = 0) -> list[dict]:
+        """[{token_ids, finish_reason}] per prompt (token ids in, vLLM's scheduler batches them)."""
+        self._calls += 1
+        resp = Path(self._tmp.name) / f"response-{self._calls}.json"
+        self._proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts],
+                                           "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+                                           "seed": int(seed), "stop_token_ids": sorted(map(int, stop_token_ids)),
+                                           "response": str(resp)}) + "\n")
+        self._proc.stdin.flush()
+        r = self._wait(resp, 24 * 3600, "answer")
+        resp.unlink()
+        self.generate_seconds += r["generate_seconds"]
+        return r["outputs"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+        self._log.close()
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def speculative_config(export_dir: str | Path, K: int) -> dict:

@@ -15,6 +15,10 @@ starts this file and reads the response. Tasks:
   and its `ExampleHiddenStatesConnector`: one safetensors file per prompt under `storage_dir`
   (hidden_states [T, L, H] for the L requested layer ids in vLLM's numbering, token_ids [T]).
   With `max_new_tokens` > 1 and `include_output_tokens`, generation and features in one pass.
+- "serve": one engine for many generate calls (regeneration, turn after turn): after the engine is
+  up, each line of stdin is a request {prompts, max_new_tokens, temperature, seed, stop_token_ids,
+  response: path}; its response {outputs, generate_seconds} is written to `response` (atomically).
+  The job ends at the end of stdin.
 """
 
 import json
@@ -44,11 +48,13 @@ def main(request_path: str, response_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm.platforms import current_platform
+
     req = json.loads(open(request_path).read())
     task = req["task"]
     kw = dict(model=req["model"], dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"],
-              seed=req.get("seed", 0), enforce_eager=True, max_num_seqs=req.get("max_num_seqs", 16),
-              disable_log_stats=False)
+              seed=req.get("seed", 0), enforce_eager=req.get("enforce_eager", current_platform.is_cpu()),
+              max_num_seqs=req.get("max_num_seqs", 16), disable_log_stats=False)
     if req.get("tokenizer"):
         kw["tokenizer"] = req["tokenizer"]
     if req.get("speculative_config"):
@@ -59,8 +65,6 @@ def main(request_path: str, response_path: str) -> None:
                                         "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}}
         kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                     "kv_connector_extra_config": {"shared_storage_path": req["storage_dir"]}}
-        from vllm.platforms import current_platform
-
         if current_platform.is_cpu():  # the parent connector needs CUDA streams (vllm_cpu_connector.py)
             kw["kv_transfer_config"].update(kv_connector="CPUHiddenStatesConnector",
                                             kv_connector_module_path="vllm_cpu_connector")
@@ -73,6 +77,20 @@ def main(request_path: str, response_path: str) -> None:
     params = SamplingParams(temperature=req.get("temperature", 0.0), max_tokens=req["max_new_tokens"],
                             stop_token_ids=list(req.get("stop_token_ids") or []), seed=req.get("seed", 0),
                             ignore_eos=bool(req.get("ignore_eos", False)), **extra)
+    if task == "serve":
+        _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            p = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
+                               stop_token_ids=list(r.get("stop_token_ids") or []), seed=r.get("seed", 0))
+            t0 = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
+            _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                                                "finish_reason": o.outputs[0].finish_reason} for o in outs],
+                                   "generate_seconds": time.perf_counter() - t0})
+        return
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in req["prompts"]]
     t0 = time.perf_counter()
     per_prompt = []
@@ -104,10 +122,13 @@ def main(request_path: str, response_path: str) -> None:
             "load_seconds": load_s, "generate_seconds": gen_s,
             "prompt_tokens": sum(len(p) for p in req["prompts"]),
             "new_tokens": sum(len(r["token_ids"]) for r in records)}
-    tmp = response_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(resp, f)
-    os.replace(tmp, response_path)
+    _write(response_path, resp)
+
+
+def _write(path: str, obj: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":  # vLLM starts its engine in a spawned process: the guard is required

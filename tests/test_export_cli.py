@@ -39,8 +39,10 @@ def test_export_cli(tmp_path, target_model):
     spec = ('{"method": "eagle3", "model": "' + str(out.resolve()) + '", "num_speculative_tokens": 5, '
             '"parallel_drafting": true}')
     assert "serve it with vLLM 0.22 to 0.33 (0.34 refuses P-EAGLE)" in val.stdout
-    assert f"  python -m vllm.entrypoints.openai.api_server --model tiny/llama --speculative-config '{spec}'" \
+    assert f"    python -m vllm.entrypoints.openai.api_server --model tiny/llama --speculative-config '{spec}'" \
         in val.stdout.splitlines(), val.stdout
+    assert f"    vllm serve tiny/llama --speculative-config '{spec}'" in val.stdout.splitlines()
+    assert "any K ≤ 5 (K_train; pick it with peagle recommend-k)" in val.stdout
     (out / "model.safetensors").write_bytes(b"not a safetensors file")
     bad = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
     assert bad.returncode == 1 and "INVALID" in bad.stderr

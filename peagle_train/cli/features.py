@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> dict:
     log_precision(prec)
     doc_features = None
     if vllm_engine:  # vLLM computes them, in its own environment
-        from peagle_train.serving.vllm_engine import VllmDocFeatures, vllm_python
+        from peagle_train.serving.vllm_engine import VllmDocFeatures, vllm_dtype, vllm_python
         from peagle_train.target.load import model_source
 
         if world > 1:
@@ -74,7 +74,7 @@ def main(cfg: DictConfig) -> dict:
                                        target.config.num_hidden_layers,
                                        python=vllm_python(cfg.features.get("vllm_python") or cfg.eval.get("vllm_python")),
                                        storage_dir=Path(cfg.features.dir) / ".vllm-hidden-states",
-                                       dtype="float32" if prec.name == "fp32" else "bfloat16", threads=cfg.threads)
+                                       dtype=vllm_dtype(prec.name), threads=cfg.threads)
     with autocast_context(prec, acc.device):
         summary = write_features_from_config(cfg.features, target, tok, data.rows,
                                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),

@@ -65,9 +65,9 @@ def main(cfg: DictConfig) -> dict:
         stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
                            extra={"regenerated_by": str(by)})
     finally:
+        vllm_summary = backend.summary() if hasattr(backend, "summary") else None
         if hasattr(backend, "close"):
             backend.close()  # the vllm backend's engine
-    vllm_summary = getattr(backend, "_last_summary", None)
     if too_long:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}

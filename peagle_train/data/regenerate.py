@@ -58,8 +58,7 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]]) -> list[Generation]:
         """conversations: message lists ending with a user turn. Returns one Generation each."""
-        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
-                 for c in conversations]
+        texts = _prompt_texts(self.tok, conversations, self.template_kwargs)
         if self.temperature <= 0:
             from ..decoding.engine import generate
             from ..target.features import FeatureTarget
@@ -81,9 +80,20 @@ class HFBackend:
         return [self._answer(row) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
 
     def _answer(self, row: list[int]) -> Generation:
-        stop = next((i for i, t in enumerate(row) if t in self.eos), None)
-        ids = row if stop is None else row[:stop]
-        return Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None)
+        return _answer(self.tok, self.eos, row)
+
+
+def _prompt_texts(tok, conversations: list[list[dict]], template_kwargs: dict) -> list[str]:
+    """Each conversation in the chat template with a generation prompt (what the target answers)."""
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs)
+            for c in conversations]
+
+
+def _answer(tok, eos: set[int], row: list[int]) -> Generation:
+    """The answer in generated token ids `row`: decoded up to the first eos id; cut when there is none."""
+    stop = next((i for i, t in enumerate(row) if t in eos), None)
+    ids = row if stop is None else row[:stop]
+    return Generation(tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None)
 
 
 def _as_list(x):
@@ -104,7 +114,7 @@ class VllmBackend:
         self.template_kwargs = dict(template_kwargs or {})
         self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
                           max_model_len=max_model_len, threads=threads)
-        self._session, self._last_summary = None, None
+        self._session = None
         self.generated_tokens = 0
 
     def generate(self, conversations: list[list[dict]]) -> list[Generation]:
@@ -113,19 +123,12 @@ class VllmBackend:
 
         if self._session is None:
             self._session = VllmSession(**self._args)
-        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
-                 for c in conversations]
+        texts = _prompt_texts(self.tok, conversations, self.template_kwargs)
         prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
         outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
                                       temperature=self.temperature, seed=self.seed)
-        gens = []
-        for o in outs:
-            row = o["token_ids"]
-            stop = next((i for i, t in enumerate(row) if t in self.eos), None)
-            ids = row if stop is None else row[:stop]
-            self.generated_tokens += len(row)
-            gens.append(Generation(self.tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None))
-        return gens
+        self.generated_tokens += sum(len(o["token_ids"]) for o in outs)
+        return [_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
 
     def summary(self) -> dict:
         """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
@@ -136,7 +139,6 @@ class VllmBackend:
 
     def close(self) -> None:
         if self._session is not None:
-            self._last_summary = self.summary()
             self._session.close()
             self._session = None
 
@@ -236,7 +238,7 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
     if rcfg.backend == "vllm":
         from transformers import AutoTokenizer
 
-        from ..serving.vllm_engine import vllm_python
+        from ..serving.vllm_engine import vllm_dtype, vllm_python
         from ..target.load import load_target_config, model_source
         from .template import set_chat_template
 
@@ -248,10 +250,7 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
                                                 if gen_cfg.is_file() else None))
         eos.discard(None)
         ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
-        from ..precision import resolve_precision
-
-        prec = resolve_precision(precision, "cuda" if torch.cuda.is_available() else "cpu")
-        return VllmBackend(src, tok, eos, dtype="float32" if prec.name == "fp32" else "bfloat16", python=vllm_python(rcfg.get("vllm_python")),
+        return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
                            log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
                            max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
                            max_model_len=min(int(ctx), 8192)), tok

@@ -67,6 +67,17 @@ def vllm_python(setting: str | None = None) -> str:
                     "~/.cache/peagle_train/vllm-venv), or eval.vllm_python=<python with vllm>.")
 
 
+def vllm_dtype(precision: str) -> str:
+    """vLLM's dtype for our `precision` setting (auto | fp32 | bf16, or a resolved name): float32 for
+    fp32, else bfloat16; auto resolves as the in-process paths do (peagle_train/precision.py)."""
+    import torch
+
+    from ..precision import resolve_precision
+
+    name = resolve_precision(precision, "cuda" if torch.cuda.is_available() else "cpu").name
+    return "float32" if name == "fp32" else "bfloat16"
+
+
 def worker_env(python: str, threads: int | None = None) -> dict:
     """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
     for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), threads bound to cores 0..threads-1, and
@@ -198,7 +209,7 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     """τ of an export as vLLM serves it, on the given prompt token ids (greedy, batch 1).
 
     Runs vLLM twice (with the head; without it, for the lossless check), one prompt at a time so that
-    each prompt's counters are known (τ's standard error). precision: fp32 | bf16 (vLLM's dtype).
+    each prompt's counters are known (τ's standard error). precision: auto | fp32 | bf16 (`vllm_dtype`).
     Writes out_dir/acceptance_vllm.json and returns its dict: acceptance_length (τ = 1 + accepted /
     drafts), acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts),
     num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
@@ -209,7 +220,7 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
         raise VllmError("no prompt to serve in vLLM (every prompt was empty). Fix: check eval.prompts and "
                         "eval.num_prompts.")
     out_dir = Path(out_dir)
-    dtype = "float32" if precision == "fp32" else "bfloat16"
+    dtype = vllm_dtype(precision)
     longest = max(len(p) for p in prompts) + max_new_tokens + K + 8
     base = {"task": "generate", "model": str(target_dir), "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
             "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(int(t) for t in stop_token_ids),

@@ -100,11 +100,13 @@ class Schedule(Choice):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
+    wsd = "wsd"
 
 
 class Loss(Choice):
     kl = "kl"
     ce = "ce"
+    tv = "tv"
 
 
 class Attention(Choice):
@@ -219,6 +221,7 @@ class DraftSchema:
     fc_norm: bool = opt(False, "RMSNorm per aux layer (H each) before fc")
     norm_before_residual: bool = opt(False, "the first layer's residual is its normed input (else the raw one)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
+    mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden")
     init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
                                          ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 
@@ -232,9 +235,15 @@ class TrainingConfig:
     lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     warmup_steps: int = opt(10, "linear warm-up steps before the schedule")
-    schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant")
+    schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant | "
+                                              "wsd (stable, then a linear decay over the last decay_fraction of "
+                                              "the steps)")
+    decay_fraction: float = opt(0.2, "wsd only: share of the steps (after warm-up) in the final linear decay")
     grad_clip: Optional[float] = opt(1.0, "gradient-norm clip; null = none")
-    loss: Loss = opt(Loss.kl, "kl (forward KL to the target) | ce (target argmax)")
+    loss: Loss = opt(Loss.kl, "kl (forward KL to the target) | ce (target argmax) | tv (total variation "
+                              "distance to the target)")
+    mask_oov_targets: bool = opt(False, "drop positions whose next token lies outside the draft vocabulary "
+                                        "(the head can never propose it)")
     down_sample_ratio: float = opt(0.7, "COD: depth d keeps a share r^d of the anchors")
     down_sample_ratio_min: float = opt(0.2, "COD: the kept share never falls below this")
     max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all")

@@ -48,6 +48,8 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)
     draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
+    if hasattr(draft, "mask_hidden"):
+        draft.init_mask_hidden(getattr(dcfg, "mask_hidden_std", 0.02))
     if getattr(dcfg, "init_from", None):  # continue from an existing head (checkpoint or export)
         from .export.speculators import init_from_head
 

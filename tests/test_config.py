@@ -36,7 +36,7 @@ def test_unknown_recipe_lists_existing_ones_and_recipe_typos_are_caught(tmp_path
     assert len(bad) == 2
     assert "unknown config key 'training.warmup_step' in " + str(tmp_path / "bad.yaml") in bad[0]
     assert "Did you mean training.warmup_steps" in bad[0]
-    assert bad[1] == (f"training.schedule='cosin' must be cosine, linear or constant (in {tmp_path / 'bad.yaml'}). "
+    assert bad[1] == (f"training.schedule='cosin' must be cosine, linear, constant or wsd (in {tmp_path / 'bad.yaml'}). "
                       "Did you mean training.schedule=cosine?")
 
 

@@ -30,6 +30,9 @@ from ..decoding.kv_cache import SlotCache, SlotLayer
 from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
+MASK_HIDDEN_STD = 0.02  # the constructor's init of mask_hidden (`PEagleDraft.init_mask_hidden` rescales it)
+
+
 @dataclass
 class DraftConfig:
     """Sizes of a draft head; `from_target` copies them from the target's HF config."""
@@ -267,7 +270,7 @@ class PEagleDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * 0.02)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * MASK_HIDDEN_STD)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
@@ -279,6 +282,14 @@ class PEagleDraft(nn.Module):
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids])
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def init_mask_hidden(self, std: float) -> None:
+        """Make the freshly built `mask_hidden` [1, 1, 3H] a draw of N(0, std²): the constructor's
+        N(0, MASK_HIDDEN_STD²) draw rescaled, so the random stream is the same whatever `std`.
+        speculators, SpecForge and NeMo Automodel use std 1, the scale of the target's hidden
+        states; the layers' own init uses 0.02."""
+        self.mask_hidden.mul_(std / MASK_HIDDEN_STD)
 
     def slot_inputs(self, tokens: torch.Tensor, features: torch.Tensor, is_slot: torch.Tensor):
         """Replace depth ≥ 1 slots by the mask token and `mask_hidden`.

@@ -57,6 +57,20 @@ def pack_row(docs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     return PackedRow(*(torch.cat(x) for x in zip(*parts)))
 
 
+def mask_out_of_vocab(row: PackedRow, in_draft_vocab: torch.Tensor) -> PackedRow:
+    """`row` with the positions whose label lies outside the draft vocabulary made invalid (no loss,
+    no metric), as SpecForge's P-EAGLE trains: the head can never propose such a token.
+
+    Position i of a document predicts the token at its position i + 1 (`align_for_draft`), so its
+    label is tokens[i + 1]; a document's last position, whose label the row does not hold, is kept.
+    in_draft_vocab: [V] bool over the target vocabulary (True for the draft vocabulary's ids).
+    Returns a new PackedRow; `row` is unchanged."""
+    ok = torch.ones_like(row.valid)
+    same_doc = row.doc_ids[1:] == row.doc_ids[:-1]
+    ok[:-1] = ~same_doc | in_draft_vocab[row.tokens[1:]]
+    return PackedRow(row.tokens, row.features, row.target_logits, row.valid & ok, row.doc_ids, row.pos_ids)
+
+
 def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
     """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
     if not 0 <= n_val < n:

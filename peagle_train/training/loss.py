@@ -53,7 +53,25 @@ def ce_loss_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: 
     return F.cross_entropy(draft_logits[valid].float(), target_logits[valid].argmax(-1), reduction="sum")
 
 
-LOSSES = {"kl": kl_loss_sum, "ce": ce_loss_sum}
+def tv_loss_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
+                chunk: int = 256) -> torch.Tensor:
+    """Σ over valid elements of the total variation distance ½ Σ_v |p_target(v) − q_draft(v)|, in
+    fp32 over the draft vocabulary. 1 − TV is the acceptance probability of a sampled draft token
+    (Leviathan et al. 2023, arXiv 2211.17192 §3), so TV is the loss whose minimum is the acceptance
+    itself (speculators' `tv`).
+
+    draft_logits, target_logits: [M, V_draft]; valid: [M] bool. Returns an fp32 scalar (a sum),
+    differentiable in draft_logits; computed `chunk` valid rows at a time."""
+    x, t = draft_logits[valid], target_logits[valid].detach()
+    total = draft_logits.new_zeros((), dtype=torch.float32)
+    for r0 in range(0, x.shape[0], chunk):
+        q = F.softmax(x[r0:r0 + chunk].float(), dim=-1)
+        p = F.softmax(t[r0:r0 + chunk].float(), dim=-1)
+        total = total + 0.5 * (p - q).abs().sum()
+    return total
+
+
+LOSSES = {"kl": kl_loss_sum, "ce": ce_loss_sum, "tv": tv_loss_sum}
 
 
 def depth_counts(draft_logits, target_logits, anchors, depths, valid, num_depths: int) -> torch.Tensor:

@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 
 
-def lr_lambda(warmup: int, total: int, schedule: str):
-    """Linear warmup over `warmup` steps, then cosine or linear decay to 10% (or constant)."""
+def lr_lambda(warmup: int, total: int, schedule: str, decay_fraction: float = 0.2):
+    """The LR factor of optimizer step `step` (0-based): a linear warm-up over `warmup` steps, then
+
+    - cosine: cosine decay from 1 to 0.1 at step `total`;
+    - linear: linear decay from 1 to 0.1 at step `total`;
+    - constant: 1;
+    - wsd (warmup-stable-decay, Hu et al. 2024, MiniCPM arXiv 2404.06395 §4): 1 until the last
+      `decay_fraction` of the post-warm-up steps, then a linear decay to 0.1 at step `total`.
+
+    Returns a function step -> factor (LambdaLR's `lr_lambda`)."""
     def f(step):
         if step < warmup:
             return (step + 1) / warmup
         if schedule == "constant":
             return 1.0
         t = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "wsd":
+            t = max(0.0, (t - (1 - decay_fraction)) / decay_fraction)
+            return 1 - 0.9 * t
         return 0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t)
     return f

@@ -23,7 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from ..algorithms import make_objective
 from ..config import REMOVED_KEYS
 from ..errors import ConfigError
-from ..features.rows import pack_documents, split_validation
+from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.sources import FeatureSource, OnlineFeatures
 from ..precision import autocast_context, resolve_precision
 from ..target.features import FeatureTarget
@@ -59,7 +59,7 @@ class Trainer:
 
     train_cfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
     schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    partitions, attention, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
+    partitions, attention, mask_oov_targets, decay_fraction, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
     optional: save_every (steps between resumable checkpoints, null = none), keep_last
     (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
     out_dir/checkpoints; without it a folder holding checkpoints is refused), val_conversations
@@ -126,7 +126,8 @@ class Trainer:
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], train_cfg.lr, train_cfg.weight_decay,
                          fused=engine_kind == "ddp")
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule,
+                                                                         train_cfg.get("decay_fraction", 0.2)))
         attention_kind(train_cfg.attention, acc.device)  # raises now, not at the first backward
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
@@ -172,6 +173,8 @@ class Trainer:
             logger.info("resuming from %s (step %d of %d)", self.resume_from, self.start_step, steps)
         self.model.train()
         self.draft_ids = self.draft_ids.to(acc.device)
+        self.in_draft_vocab = torch.zeros(int(self.draft.t2d.numel()), dtype=torch.bool, device=acc.device)
+        self.in_draft_vocab[self.draft_ids] = True
         self.logf = None
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +185,10 @@ class Trainer:
     def _row(self, doc_indices: list[int]):
         docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
         with self.target_amp:
-            return self.features.packed_row(doc_indices, docs, self.draft_ids), len(docs)
+            row = self.features.packed_row(doc_indices, docs, self.draft_ids)
+        if self.train_cfg.get("mask_oov_targets"):
+            row = mask_out_of_vocab(row, self.in_draft_vocab)
+        return row, len(docs)
 
     # ------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:

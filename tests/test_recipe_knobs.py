@@ -1,0 +1,67 @@
+"""The training knobs of the quality ablations: the wsd schedule, the tv loss, masking labels outside
+the draft vocabulary and the init scale of mask_hidden, each against a hand-computed value."""
+
+import math
+
+import torch
+
+from peagle_train.features.rows import PackedRow, mask_out_of_vocab
+from peagle_train.training.loss import LOSSES, tv_loss_sum
+from peagle_train.training.schedule import lr_lambda
+
+
+def test_wsd_holds_then_decays_linearly_over_the_last_fraction():
+    f = lr_lambda(warmup=10, total=110, schedule="wsd", decay_fraction=0.2)
+    # warm-up 1/10 .. 10/10; stable through post-warm-up step 80 (t = 0.8); then 1 → 0.1 at 110
+    assert [f(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert f(10) == 1.0 and f(50) == 1.0 and f(90) == 1.0
+    assert math.isclose(f(95), 1 - 0.9 * 0.25)   # t = 0.85 → 0.25 of the decay
+    assert math.isclose(f(110), 0.1) and math.isclose(f(500), 0.1)
+    # cosine is unchanged: 0.55 at mid-way
+    assert math.isclose(lr_lambda(10, 110, "cosine")(60), 0.55)
+
+
+def test_tv_loss_value_and_gradient_against_the_plain_expression():
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, requires_grad=True)
+    t = torch.randn(5, 7)
+    valid = torch.tensor([True, False, True, True, False])
+    got = tv_loss_sum(x, t, valid, chunk=2)
+    got.backward()
+    g = x.grad.clone()
+    x2 = x.detach().clone().requires_grad_()
+    ref = 0.5 * (t[valid].softmax(-1) - x2[valid].softmax(-1)).abs().sum()
+    ref.backward()
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.allclose(g, x2.grad, atol=1e-6)
+    assert g[~valid].abs().sum() == 0
+    # hand value: two one-hot-like distributions over 2 tokens differ by |0.5 - 1/(1+e)| twice
+    a, b = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, 0.0]])
+    p1 = 1 / (1 + math.exp(-1))
+    assert math.isclose(float(tv_loss_sum(a, b, torch.tensor([True]))), p1 - 0.5, rel_tol=1e-6)
+    assert LOSSES["tv"] is tv_loss_sum
+
+
+def test_mask_out_of_vocab_drops_labels_outside_the_draft_vocabulary():
+    # two documents: tokens [5, 9, 2 | 9, 7]; the draft vocabulary is {2, 5, 7}
+    tokens = torch.tensor([5, 9, 2, 9, 7])
+    doc = torch.tensor([0, 0, 0, 1, 1])
+    row = PackedRow(tokens, torch.zeros(5, 3), torch.zeros(5, 4), torch.tensor([True, True, True, True, False]),
+                    doc, torch.tensor([0, 1, 2, 0, 1]))
+    in_vocab = torch.zeros(10, dtype=torch.bool)
+    in_vocab[[2, 5, 7]] = True
+    out = mask_out_of_vocab(row, in_vocab)
+    # position 0's label is 9 (out), 1's is 2 (in), 2 is doc 0's last (kept), 3's label is 7 (in), 4 was invalid
+    assert out.valid.tolist() == [False, True, True, True, False]
+    assert row.valid.tolist() == [True, True, True, True, False]  # the input row is unchanged
+
+
+def test_mask_hidden_init_std_rescales_the_same_draw(target_model):
+    from .test_decoding import make_draft
+
+    ids = torch.arange(0, 128, 2)
+    _, a = make_draft(target_model, ids, seed=3)
+    _, b = make_draft(target_model, ids, seed=3)
+    b.init_mask_hidden(1.0)
+    assert torch.allclose(b.mask_hidden, a.mask_hidden * 50)
+    assert 0.8 < float(b.mask_hidden.detach().std()) < 1.2

@@ -196,7 +196,7 @@ def test_help_lists_every_key_with_type_default_and_help(capsys):
         else:
             i = next(i for i, x in enumerate(lines) if x.split()[:1] == [k.name])
             assert " ".join(x.strip() for x in lines[i + 1:i + 4]).startswith(k.help), k.name
-    assert "  training.schedule" in out and "cosine|linear|constant = cosine" in out
+    assert "  training.schedule" in out and "cosine|linear|constant|wsd = cosine" in out
     assert "recipes: " in out and "smollm2-135m-demo" in out
     with pytest.raises(SystemExit):
         C.check_or_exit(["-h", "recommend"], "recommend-k")

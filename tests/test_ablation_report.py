@@ -1,0 +1,38 @@
+"""scripts/ablation_report.py: the ablation table read from a run directory, hand-checked."""
+
+import json
+import subprocess
+import sys
+
+from .conftest import REPO_ROOT
+
+
+def _eval(run, pair, step, head, baseline=None):
+    d = run / "eval" / pair / f"step_{step:06d}" / "eval"
+    d.mkdir(parents=True)
+    acc = {"acceptance_length": head[0], "acceptance_length_stderr": head[1], "per_position_acceptance": head[2]}
+    if baseline:
+        acc["baseline"] = {"acceptance_length": baseline[0], "acceptance_length_stderr": baseline[1],
+                           "per_position_acceptance": baseline[2]}
+    (d / "acceptance.json").write_text(json.dumps(acc))
+
+
+def test_ablation_table_hand_checked(tmp_path):
+    run = tmp_path / "run"
+    (run / "base").mkdir(parents=True)  # orig has no training log: its token-passes are unknown
+    (run / "base" / "train_log.jsonl").write_text(json.dumps({"step": 96, "tokens": 2_000_000}) + "\n")
+    _eval(run, "orig__base", 96, (1.30, 0.01, [0.25, 0.05, 0.0]), (1.40, 0.02, [0.30, 0.09, 0.01]))
+    out = tmp_path / "R.md"
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+                        f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    base = next(x for x in lines if x.startswith("| base |"))
+    orig = next(x for x in lines if x.startswith("| orig |"))
+    # the base row first; c1 = P(≥2)/P(≥1) = 0.09/0.30; Δτ of orig = 1.30 − 1.40
+    assert lines.index(base) < lines.index(orig)
+    assert base.endswith("| 96 | 2.00M | 1.400 ± 0.020 |  | 0.300 | 0.090 | 0.010 | 0.30 |")
+    assert orig.endswith("| 96 | ? | 1.300 ± 0.010 | -0.100 | 0.250 | 0.050 | 0.000 | 0.20 |")
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
+                          f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr

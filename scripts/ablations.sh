@@ -2,8 +2,8 @@
 # Quality ablations at equal token budget on SmolLM2-135M-Instruct (docs/RESULTS.md, "Quality ablations").
 #   bash scripts/ablations.sh runs/ablations          # every stage resumes after a kill
 #   python scripts/ablation_report.py run_dir=runs/ablations
-# 1. the target regenerates the first turn of CONVS ShareGPT conversations (vLLM backend when its
-#    venv exists, else the in-process engine); 2. target features of the regenerated rows, once;
+# 1. the target regenerates the first turn of CONVS ShareGPT conversations (BACKEND: vLLM, or hf, the
+#    in-process engine); 2. target features of the regenerated rows, once (vLLM's with BACKEND=vllm);
 # 3. one training per arm, one factor changed from the base (regenerated answers, 2 layers, KL,
 #    mask_hidden N(0, 0.02²), constant lr after 30 warm-up steps), checkpoints at the budgets
 #    (a constant lr makes step N the run stopped at N); schedule arms train one run per budget;
@@ -16,7 +16,8 @@ BUDGETS=${BUDGETS:-"96 288"}         # optimizer steps of ≤ 2,048 tokens
 LAST=${BUDGETS##* }
 FIRST=${BUDGETS%% *}
 PY=${PYTHON:-python}
-BACKEND=${BACKEND:-vllm}
+BACKEND=${BACKEND:-vllm}             # regeneration: vllm | hf
+FEATURES_ENGINE=${FEATURES_ENGINE:-$([ "$BACKEND" = vllm ] && echo vllm || echo target)}
 mkdir -p "$OUT/eval"
 stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/ablations.log"; }
 regen=(recipe=smollm2-135m data.path="$OUT/regen/regenerated.jsonl" data.num_conversations=null)
@@ -26,7 +27,8 @@ stamp "1/4 regenerating $CONVS first turns ($BACKEND)"
     regenerate.batch_size=128 regenerate.max_new_tokens=384 data.num_conversations="$CONVS" \
     output_dir="$OUT/regen" > "$OUT/regen.log" 2>&1
 stamp "2/4 target features of the regenerated rows"
-"$PY" -m peagle_train.cli features "${regen[@]}" features.dir="$OUT/features" output_dir="$OUT/features-run" \
+"$PY" -m peagle_train.cli features "${regen[@]}" features.engine="$FEATURES_ENGINE" features.dir="$OUT/features" \
+    output_dir="$OUT/features-run" \
     > "$OUT/features.log" 2>&1
 
 arm() {  # arm NAME STEPS [overrides...]

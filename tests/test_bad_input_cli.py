@@ -73,7 +73,7 @@ def test_train_with_bad_data_and_bad_config(tmp_path, tiny_target):
     assert p.returncode == 2 and "Traceback" not in p.stderr and "training.lr" in p.stderr, p.stderr[-3000:]
     assert p.stderr.startswith("train.py: error: config: Error merging override training.lr=abc")
     p = run("train.py", f"target.path={tiny_target}", "training.schedule=foo", f"output_dir={tmp_path / 'o3'}")
-    user_error(p, "training.schedule='foo' must be cosine, linear or constant")
+    user_error(p, "training.schedule='foo' must be cosine, linear, constant or wsd")
     # heads vLLM cannot serve, refused before any data or training (not by the export at the end)
     p = run("train.py", f"target.path={tiny_target}", "target.name_or_path=test/tiny-llama", "draft.fc_norm=true",
             f"output_dir={tmp_path / 'o4'}")

@@ -22,6 +22,7 @@ from peagle_train.errors import UserError, cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## Quality ablations at equal token budget"
+REFERENCE = {"orig_oov": "orig"}  # arms compared with another arm than the base
 WHAT = {  # arm -> what differs from the base
     "base": "base: regenerated answers, 2 layers, KL, mask_hidden N(0, 0.02²), r 0.7 / r_min 0.2, constant lr",
     "orig": "ShareGPT's own answers (not regenerated)",
@@ -29,7 +30,7 @@ WHAT = {  # arm -> what differs from the base
     "mask_std1": "mask_hidden N(0, 1)",
     "cod_r0.85": "COD retention r 0.85, r_min 0.4",
     "tv": "loss: total variation",
-    "oov_mask": "labels outside the draft vocabulary masked",
+    "orig_oov": "ShareGPT's own answers, labels outside the draft vocabulary masked (Δτ vs orig)",
     "wsd": "schedule: wsd (last 20% decays), one run per budget",
     "cosine": "schedule: cosine, one run per budget",
 }
@@ -72,13 +73,15 @@ def collect(run: Path) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    """The markdown table, arms in WHAT's order, budgets ascending; Δτ against the base at the same budget."""
-    base = {r["step"]: r["tau"] for r in records if r["arm"] == "base"}
+    """The markdown table, arms in WHAT's order, budgets ascending; Δτ against the base (or the arm
+    REFERENCE names) at the same budget."""
+    tau = {(r["family"], r["step"]): r["tau"] for r in records}
     order = {k: i for i, k in enumerate(WHAT)}
-    lines = ["| arm | what differs | steps | token-passes | τ ± s.e. | Δτ vs base | P(≥1) | P(≥2) | P(≥3) | c1 |",
+    lines = ["| arm | what differs | steps | token-passes | τ ± s.e. | Δτ | P(≥1) | P(≥2) | P(≥3) | c1 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (order.get(r["family"], 99), r["step"])):
-        d = f"{r['tau'] - base[r['step']]:+.3f}" if r["step"] in base and r["arm"] != "base" else ""
+        ref = (REFERENCE.get(r["family"], "base"), r["step"])
+        d = f"{r['tau'] - tau[ref]:+.3f}" if ref in tau and r["family"] != "base" else ""
         tok = f"{r['tokens'] / 1e6:.2f}M" if r["tokens"] else "?"
         lines.append(f"| {r['family']} | {WHAT.get(r['family'], '')} | {r['step']} | {tok} | {r['tau']:.3f} ± "
                      f"{r['se']:.3f} | {d} | {r['p'][0]:.3f} | {r['p'][1]:.3f} | {r['p'][2]:.3f} | {r['c1']:.2f} |")

@@ -12,7 +12,7 @@ set -euo pipefail
 OUT=${1:?usage: ablations.sh OUTPUT_DIR}
 CONVS=${CONVS:-2400}
 ORIG_CONVS=${ORIG_CONVS:-1200}       # ShareGPT's own answers: about the same tokens as the regenerated rows
-BUDGETS=${BUDGETS:-"96 288"}         # optimizer steps of ≤ 2,048 tokens
+BUDGETS=${BUDGETS:-"96 192"}         # optimizer steps of ≤ 2,048 tokens
 LAST=${BUDGETS##* }
 FIRST=${BUDGETS%% *}
 PY=${PYTHON:-python}
@@ -22,8 +22,8 @@ mkdir -p "$OUT/eval"
 stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/ablations.log"; }
 regen=(recipe=smollm2-135m data.path="$OUT/regen/regenerated.jsonl" data.num_conversations=null)
 
-stamp "1/4 regenerating $CONVS first turns ($BACKEND)"
-"$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend="$BACKEND" regenerate.max_turns=1 \
+stamp "1/4 regenerating $CONVS first turns ($BACKEND; REGENERATE=0 trains on the rows written so far)"
+[ "${REGENERATE:-1}" = 0 ] || "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend="$BACKEND" regenerate.max_turns=1 \
     regenerate.batch_size=128 regenerate.max_new_tokens=384 data.num_conversations="$CONVS" \
     output_dir="$OUT/regen" > "$OUT/regen.log" 2>&1
 stamp "2/4 target features of the regenerated rows"
@@ -46,13 +46,14 @@ lane1() {
     arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
     arm tv "$LAST" "${offline[@]}" training.loss=tv
     for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
+    arm "cosine@$FIRST" "$FIRST" "${offline[@]}" training.schedule=cosine
 }
-lane2() {
+lane2() {  # the ShareGPT-answer arms read features online (the target runs in the step)
     arm orig "$LAST" recipe=smollm2-135m data.num_conversations="$ORIG_CONVS"
     arm layers4 "$LAST" "${offline[@]}" draft.num_layers=4
     arm cod_r0.85 "$LAST" "${offline[@]}" training.down_sample_ratio=0.85 training.down_sample_ratio_min=0.4
-    arm oov_mask "$LAST" "${offline[@]}" training.mask_oov_targets=true
-    for S in $BUDGETS; do arm "cosine@$S" "$S" "${offline[@]}" training.schedule=cosine; done
+    arm orig_oov "$LAST" recipe=smollm2-135m data.num_conversations="$ORIG_CONVS" training.mask_oov_targets=true
+    arm "cosine@$LAST" "$LAST" "${offline[@]}" training.schedule=cosine
 }
 lane1 & lane2; wait
 
@@ -71,6 +72,6 @@ for S in $BUDGETS; do
     pair layers4 "$(ck layers4 "$S")" mask_std1 "$(ck mask_std1 "$S")" "$S"
     pair cod_r0.85 "$(ck cod_r0.85 "$S")" tv "$(ck tv "$S")" "$S"
     pair "wsd@$S" "$(ck "wsd@$S" "$S")" "cosine@$S" "$(ck "cosine@$S" "$S")" "$S"
-    pair oov_mask "$(ck oov_mask "$S")" "" "" "$S"
+    pair orig_oov "$(ck orig_oov "$S")" "" "" "$S"
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

@@ -104,16 +104,18 @@ class VllmBackend:
     """Generation by vLLM's offline engine in its own environment (peagle_train/serving/vllm_engine.py
     `VllmSession`): the prompt is rendered and tokenised here exactly as `HFBackend` does (chat
     template with add_generation_prompt=True, template_kwargs), vLLM generates from those token
-    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`."""
+    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
+    `max_num_seqs` sequences decode together (the regeneration batch: `regenerate.batch_size`)."""
 
     def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
                  max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
-                 dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0):
+                 dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0,
+                 max_num_seqs: int = 16):
         self.tok, self.eos = tokenizer, set(eos)
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.template_kwargs = dict(template_kwargs or {})
         self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
-                          max_model_len=max_model_len, threads=threads)
+                          max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
         self._session = None
         self.generated_tokens = 0
 
@@ -253,7 +255,7 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
         return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
                            log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
                            max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
-                           max_model_len=min(int(ctx), 8192)), tok
+                           max_model_len=min(int(ctx), 8192), max_num_seqs=rcfg.batch_size), tok
     if rcfg.backend == "endpoint":
         return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
                                temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None

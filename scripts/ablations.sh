@@ -3,32 +3,33 @@
 #   bash scripts/ablations.sh runs/ablations          # every stage resumes after a kill
 #   python scripts/ablation_report.py run_dir=runs/ablations
 # 1. the target regenerates the first turn of CONVS ShareGPT conversations (BACKEND: vLLM, or hf, the
-#    in-process engine); 2. target features of the regenerated rows, once (vLLM's with BACKEND=vllm);
-# 3. one training per arm, one factor changed from the base (regenerated answers, 2 layers, KL,
-#    mask_hidden N(0, 0.02²), constant lr after 30 warm-up steps), checkpoints at the budgets
-#    (a constant lr makes step N the run stopped at N); schedule arms train one run per budget;
+#    in-process engine; REGENERATE=0 skips this stage and trains on the rows written so far);
+# 2. target features of ORIG_CONVS ShareGPT conversations with their own answers, once;
+# 3. one training per arm, one factor changed from the base (ShareGPT's answers, offline features,
+#    2 layers, KL, mask_hidden N(0, 0.02²), COD r 0.7 / r_min 0.2, constant lr after 30 warm-up
+#    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
+#    schedule arms train one run per budget; the regenerated arm reads its features online;
 # 4. the heads of two arms per `peagle evaluate` run: 80 MT-Bench first turns, K = 5, 128 tokens.
 set -euo pipefail
 OUT=${1:?usage: ablations.sh OUTPUT_DIR}
 CONVS=${CONVS:-2400}
-ORIG_CONVS=${ORIG_CONVS:-1200}       # ShareGPT's own answers: about the same tokens as the regenerated rows
+ORIG_CONVS=${ORIG_CONVS:-1200}       # ShareGPT's own answers: ≈ 0.68M tokens at max_length 640
 BUDGETS=${BUDGETS:-"96 192"}         # optimizer steps of ≤ 2,048 tokens
 LAST=${BUDGETS##* }
 FIRST=${BUDGETS%% *}
 PY=${PYTHON:-python}
 BACKEND=${BACKEND:-vllm}             # regeneration: vllm | hf
-FEATURES_ENGINE=${FEATURES_ENGINE:-$([ "$BACKEND" = vllm ] && echo vllm || echo target)}
 mkdir -p "$OUT/eval"
 stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/ablations.log"; }
 regen=(recipe=smollm2-135m data.path="$OUT/regen/regenerated.jsonl" data.num_conversations=null)
+orig=(recipe=smollm2-135m data.num_conversations="$ORIG_CONVS")
 
-stamp "1/4 regenerating $CONVS first turns ($BACKEND; REGENERATE=0 trains on the rows written so far)"
-[ "${REGENERATE:-1}" = 0 ] || "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend="$BACKEND" regenerate.max_turns=1 \
-    regenerate.batch_size=128 regenerate.max_new_tokens=384 data.num_conversations="$CONVS" \
+stamp "1/4 regenerating $CONVS first turns ($BACKEND)"
+[ "${REGENERATE:-1}" = 0 ] || "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend="$BACKEND" \
+    regenerate.max_turns=1 regenerate.batch_size=128 regenerate.max_new_tokens=384 data.num_conversations="$CONVS" \
     output_dir="$OUT/regen" > "$OUT/regen.log" 2>&1
-stamp "2/4 target features of the regenerated rows"
-"$PY" -m peagle_train.cli features "${regen[@]}" features.engine="$FEATURES_ENGINE" features.dir="$OUT/features" \
-    output_dir="$OUT/features-run" \
+stamp "2/4 target features of $ORIG_CONVS ShareGPT conversations"
+"$PY" -m peagle_train.cli features "${orig[@]}" features.dir="$OUT/features" output_dir="$OUT/features-run" \
     > "$OUT/features.log" 2>&1
 
 arm() {  # arm NAME STEPS [overrides...]
@@ -39,21 +40,20 @@ arm() {  # arm NAME STEPS [overrides...]
         training.save_every="$FIRST" training.keep_last=null training.val_conversations=0 training.resume=true \
         output_dir="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
 }
-offline=("${regen[@]}" features.source=offline features.dir="$OUT/features")
+offline=("${orig[@]}" features.source=offline features.dir="$OUT/features")
 stamp "3/4 training the arms in two lanes, one thread each"
 lane1() {
     arm base "$LAST" "${offline[@]}"
     arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
     arm tv "$LAST" "${offline[@]}" training.loss=tv
     for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
-    arm "cosine@$FIRST" "$FIRST" "${offline[@]}" training.schedule=cosine
+    arm regen "$LAST" "${regen[@]}"
 }
-lane2() {  # the ShareGPT-answer arms read features online (the target runs in the step)
-    arm orig "$LAST" recipe=smollm2-135m data.num_conversations="$ORIG_CONVS"
+lane2() {
     arm layers4 "$LAST" "${offline[@]}" draft.num_layers=4
     arm cod_r0.85 "$LAST" "${offline[@]}" training.down_sample_ratio=0.85 training.down_sample_ratio_min=0.4
-    arm orig_oov "$LAST" recipe=smollm2-135m data.num_conversations="$ORIG_CONVS" training.mask_oov_targets=true
-    arm "cosine@$LAST" "$LAST" "${offline[@]}" training.schedule=cosine
+    arm oov_mask "$LAST" "${offline[@]}" training.mask_oov_targets=true
+    for S in $BUDGETS; do arm "cosine@$S" "$S" "${offline[@]}" training.schedule=cosine; done
 }
 lane1 & lane2; wait
 
@@ -68,10 +68,10 @@ pair() {  # pair ARM_A DIR_A ARM_B DIR_B STEP
 }
 ck() { echo "$OUT/$1/checkpoints/step_$(printf %06d "$2")"; }
 for S in $BUDGETS; do
-    pair orig "$(ck orig "$S")" base "$(ck base "$S")" "$S"
+    pair regen "$(ck regen "$S")" base "$(ck base "$S")" "$S"
     pair layers4 "$(ck layers4 "$S")" mask_std1 "$(ck mask_std1 "$S")" "$S"
     pair cod_r0.85 "$(ck cod_r0.85 "$S")" tv "$(ck tv "$S")" "$S"
     pair "wsd@$S" "$(ck "wsd@$S" "$S")" "cosine@$S" "$(ck "cosine@$S" "$S")" "$S"
-    pair orig_oov "$(ck orig_oov "$S")" "" "" "$S"
+    pair oov_mask "$(ck oov_mask "$S")" "" "" "$S"
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

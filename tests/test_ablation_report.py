@@ -19,20 +19,20 @@ def _eval(run, pair, step, head, baseline=None):
 
 def test_ablation_table_hand_checked(tmp_path):
     run = tmp_path / "run"
-    (run / "base").mkdir(parents=True)  # orig has no training log: its token-passes are unknown
+    (run / "base").mkdir(parents=True)  # regen has no training log: its token-passes are unknown
     (run / "base" / "train_log.jsonl").write_text(json.dumps({"step": 96, "tokens": 2_000_000}) + "\n")
-    _eval(run, "orig__base", 96, (1.30, 0.01, [0.25, 0.05, 0.0]), (1.40, 0.02, [0.30, 0.09, 0.01]))
+    _eval(run, "regen__base", 96, (1.30, 0.01, [0.25, 0.05, 0.0]), (1.40, 0.02, [0.30, 0.09, 0.01]))
     out = tmp_path / "R.md"
     r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = out.read_text().splitlines()
     base = next(x for x in lines if x.startswith("| base |"))
-    orig = next(x for x in lines if x.startswith("| orig |"))
-    # the base row first; c1 = P(≥2)/P(≥1) = 0.09/0.30; Δτ of orig = 1.30 − 1.40
-    assert lines.index(base) < lines.index(orig)
+    regen = next(x for x in lines if x.startswith("| regen |"))
+    # the base row first; c1 = P(≥2)/P(≥1) = 0.09/0.30; Δτ of regen = 1.30 − 1.40
+    assert lines.index(base) < lines.index(regen)
     assert base.endswith("| 96 | 2.00M | 1.400 ± 0.020 |  | 0.300 | 0.090 | 0.010 | 0.30 |")
-    assert orig.endswith("| 96 | ? | 1.300 ± 0.010 | -0.100 | 0.250 | 0.050 | 0.000 | 0.20 |")
+    assert regen.endswith("| 96 | ? | 1.300 ± 0.010 | -0.100 | 0.250 | 0.050 | 0.000 | 0.20 |")
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
                           f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr

@@ -41,8 +41,8 @@ class Generation:
 
 class HFBackend:
     """Greedy (temperature 0) or sampled generation with an in-process HF causal LM. Greedy batches
-    use shared forwards with finished rows leaving the batch (`decoding.engine`, ~2× HF `generate`
-    on a CPU, where a batch runs until its longest answer); sampling uses
+    use shared forwards with finished rows leaving the batch (`decoding.engine`; HF `generate`
+    runs a batch until its longest answer); sampling uses
     HF `generate` with left padding. The prompt is the tokenizer's chat template with
     add_generation_prompt=True."""
 

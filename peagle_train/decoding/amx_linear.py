@@ -3,9 +3,8 @@
 
 A decoding forward multiplies 1 to K+1 rows per sequence by every weight of the model, so it is
 bound by reading the weights. oneDNN's bf16 kernels reach that bound only part of the time at
-these shapes: on a 2-core Xeon with AMX SmolLM2-135M's 211 linears took 30–70 ms per 1-row
-forward from one run to the next, against ≈ 22 ms for reading their 268 MB once
-(docs/BENCHMARKS.md, "Decoding matrix products"). This kernel packs every weight once in the AMX
+these shapes, and their time varies from one run to the next (docs/BENCHMARKS.md, "Decoding
+matrix products"). This kernel packs every weight once in the AMX
 (VNNI) layout and multiplies each group of 64 output features by up to 16 rows per tile, with
 fp32 accumulation and one rounding to bf16, like oneDNN's AMX kernel (the outputs are
 bit-identical to `F.linear`'s at decoding shapes, tests/test_packed_linear.py). Every output row

@@ -1,9 +1,9 @@
 """A lean decoding forward for bf16 Llama-architecture targets on the AMX kernels.
 
-At batch 1 a SmolLM2-135M decoding step spends ≈ 20 ms reading its linear weights and, before this
-path, ≈ 10 ms more in transformers' per-layer Python (module calls, decorators, keyword plumbing,
-the attention-interface lookup) and in small tensor ops between the kernels (docs/BENCHMARKS.md,
-"Decoding step costs"). `FusedDecoder.forward` runs the same computation as transformers'
+At batch 1 a small target's decoding step spends most of its time reading its linear weights and,
+before this path, a large share more in transformers' per-layer Python (module calls, decorators,
+keyword plumbing, the attention-interface lookup) and in small tensor ops between the kernels
+(measured in docs/BENCHMARKS.md, "Decoding step costs"). `FusedDecoder.forward` runs the same computation as transformers'
 `LlamaModel.forward` with the modules that `pack_linears` and `fuse_ops` leave, as one plain loop:
 
     x = embed(ids)

@@ -1,9 +1,8 @@
 """bf16 linear layers with their weights packed once for oneDNN, and fused small ops, for decoding on CPU.
 
 At decoding shapes (1 to ~100 rows) a bf16 `F.linear` on CPU spends most of its time re-laying
-out the weight for oneDNN at every call: SmolLM2-135M's linear weights (incl. the tied lm_head)
-take ~30 ms per 1-row forward that way and ~11 ms packed once (docs/BENCHMARKS.md, "Decoding
-step costs"). `pack_linears` replaces every `nn.Linear` of a bf16 CPU module by a `PackedLinear`
+out the weight for oneDNN at every call, most of a 1-row forward's time (docs/BENCHMARKS.md,
+"Decoding step costs"). `pack_linears` replaces every `nn.Linear` of a bf16 CPU module by a `PackedLinear`
 that calls the same oneDNN kernel on a pre-packed copy of the weight (what torch.compile's
 freezing pass does for CPU linears, `torch.ops.mkldnn._linear_pointwise`), so the outputs are
 bit-identical to `F.linear`'s (tests/test_packed_linear.py) and lossless checks are unaffected.
@@ -15,8 +14,7 @@ memory's speed where oneDNN's small-row kernels often take twice as long. Its ou
 
 With the AMX extension built, `fuse_ops` also replaces the target's and heads' RMSNorms by
 `FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops) and runs the rotary
-embedding of Llama-family targets as one call (`fused_rotary`): together ≈ 3 ms of a ≈ 33 ms
-SmolLM2 step at batch 1. The rotary embedding gives transformers' bits; a fused norm can differ
+embedding of Llama-family targets as one call (`fused_rotary`). The rotary embedding gives transformers' bits; a fused norm can differ
 from the module in the last bit (its own order for the sum of squares) and normalises each row by
 itself.
 

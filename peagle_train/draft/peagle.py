@@ -393,7 +393,7 @@ class Eagle3Draft(PEagleDraft):
     """The EAGLE-3 head (arXiv 2503.01840), the baseline: the same layout without `mask_hidden`
     and mask token. It drafts sequentially: step j ≥ 1 reads the token drafted at step j-1 and its
     own pre-norm output hidden state (bypassing fc), so K tokens cost K draft forwards. Trained
-    with test-time training steps (training/eagle3.py)."""
+    with test-time training steps (algorithms/eagle3.py)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__(cfg)

@@ -43,9 +43,7 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fuse
 
     `fused` (the ddp engine, whose parameters are plain tensors) takes PyTorch's fused kernel where
     the parameters' device has one (CPU and CUDA): one pass over each tensor instead of a dozen
-    elementwise ops, the same update up to rounding. For the smollm2-135m recipe's head (41.7M
-    trainable parameters, 28.3M of them embed_tokens) one step takes 64 ms against 306 ms on one
-    Xeon core, and the recipe's P-EAGLE training runs 1.38× faster (scripts/bench_optimizer.py,
+    elementwise ops, the same update up to rounding (measured by scripts/bench_optimizer.py,
     docs/BENCHMARKS.md). DeepSpeed and FSDP (sharded DTensor parameters) keep the default
     implementation."""
     fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -10,6 +10,7 @@
 #    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
 #    schedule arms train one run per budget; the regenerated arm reads its features online;
 # 4. the heads of two arms per `peagle evaluate` run: 80 MT-Bench first turns, K = 5, 128 tokens.
+# TV=0 leaves out the total-variation loss arm.
 set -euo pipefail
 OUT=${1:?usage: ablations.sh OUTPUT_DIR}
 CONVS=${CONVS:-2400}
@@ -44,10 +45,10 @@ offline=("${orig[@]}" features.source=offline features.dir="$OUT/features")
 stamp "3/4 training the arms in two lanes, one thread each"
 lane1() {
     arm base "$LAST" "${offline[@]}"
-    arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
-    arm tv "$LAST" "${offline[@]}" training.loss=tv
-    for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
     arm regen "$LAST" "${regen[@]}"
+    arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
+    for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
+    [ "${TV:-1}" = 0 ] || arm tv "$LAST" "${offline[@]}" training.loss=tv
 }
 lane2() {
     arm layers4 "$LAST" "${offline[@]}" draft.num_layers=4
@@ -70,7 +71,7 @@ ck() { echo "$OUT/$1/checkpoints/step_$(printf %06d "$2")"; }
 for S in $BUDGETS; do
     pair regen "$(ck regen "$S")" base "$(ck base "$S")" "$S"
     pair layers4 "$(ck layers4 "$S")" mask_std1 "$(ck mask_std1 "$S")" "$S"
-    pair cod_r0.85 "$(ck cod_r0.85 "$S")" tv "$(ck tv "$S")" "$S"
+    pair cod_r0.85 "$(ck cod_r0.85 "$S")" "$([ "${TV:-1}" = 0 ] || echo tv)" "$([ "${TV:-1}" = 0 ] || ck tv "$S")" "$S"
     pair "wsd@$S" "$(ck "wsd@$S" "$S")" "cosine@$S" "$(ck "cosine@$S" "$S")" "$S"
     pair oov_mask "$(ck oov_mask "$S")" "" "" "$S"
 done

@@ -121,3 +121,65 @@ def test_vllm_regenerates_what_the_target_writes(tmp_path):
     assert answers(tmp_path / "vllm" / "regenerated.jsonl") == vl  # a rerun skips what is written
     assert "vllm_regenerate.log" in {p.name for p in (tmp_path / "vllm").iterdir()}
     assert proc.returncode == again.returncode == 0
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live processes of process group `pgid` (/proc/<pid>/stat field 5)."""
+    out = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(stat))
+    return out
+
+
+def test_a_killed_command_leaves_no_vllm_engine(tmp_path):
+    """SIGKILL of `peagle regenerate` while vLLM generates: the worker and vLLM's engine processes
+    (its process group) are gone within seconds, not left decoding (one generate call of 400
+    conversations takes minutes, so only the worker's watch of its parent ends it in time)."""
+    import time
+
+    _vllm_python()
+    proc = subprocess.Popen([sys.executable, "-m", "peagle_train.cli", "regenerate", "recipe=smollm2-135m-demo",
+                             "data.num_conversations=400", "regenerate.max_new_tokens=2000", "regenerate.batch_size=400",
+                             "regenerate.backend=vllm", "threads=1", f"output_dir={tmp_path}"], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        worker, deadline = None, time.time() + 300
+        while time.time() < deadline:  # the worker is a child of the command, leader of its own group
+            kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+            worker = next((k for k in kids if os.getpgid(k) == k), None) if kids else None
+            if worker and _engine_up(worker):
+                break
+            time.sleep(1)
+        assert worker and _engine_up(worker), "the vLLM engine did not start"
+        time.sleep(10)  # generating
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 30
+        while _group_members(worker) and time.time() < deadline:
+            time.sleep(0.5)
+        assert _group_members(worker) == []
+    finally:
+        proc.kill()
+
+
+def _engine_up(pgid: int) -> bool:
+    """Whether vLLM's model-running process (named VLLM::Worker) is up in process group `pgid`."""
+    def comm(pid):
+        try:
+            return open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            return ""
+    return any(comm(p).startswith("VLLM::Worker") for p in _group_members(pgid))
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None

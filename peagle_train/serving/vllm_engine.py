@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,10 +110,14 @@ def run_worker(request: dict, python: str, log_path: Path, threads: int | None =
         req, resp = Path(tmp) / "request.json", Path(tmp) / "response.json"
         req.write_text(json.dumps(request))
         with open(log_path, "w") as log:
+            proc = subprocess.Popen([python, str(WORKER), str(req), str(resp)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=worker_env(python, threads), start_new_session=True)
             try:
-                rc = subprocess.run([python, str(WORKER), str(req), str(resp)], stdout=log, stderr=subprocess.STDOUT,
-                                    env=worker_env(python, threads), timeout=timeout_s).returncode
-            except subprocess.TimeoutExpired:
+                rc = proc.wait(timeout=timeout_s)
+            except BaseException as e:  # a timeout, Ctrl-C: no engine process outlives the job
+                _kill_group(proc)
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    raise
                 rc = "timeout"
         if rc != 0 or not resp.is_file():
             raise VllmError(f"the vLLM job ({request['task']}) failed (exit {rc}): {_last_error(log_path)}. "
@@ -141,7 +146,7 @@ class VllmSession:
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen([python, str(WORKER), str(req), str(tmp / "ready.json")], stdin=subprocess.PIPE,
                                       stdout=self._log, stderr=subprocess.STDOUT, env=worker_env(python, threads),
-                                      text=True)
+                                      text=True, start_new_session=True)
         self._calls, self.generate_seconds = 0, 0.0
         self.info = self._wait(tmp / "ready.json", startup_timeout_s, "start")  # vllm_version, load_seconds
 
@@ -176,7 +181,7 @@ class VllmSession:
                 self._proc.stdin.close()
                 self._proc.wait(timeout=120)
             except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
+                _kill_group(self._proc)
         self._log.close()
         self._tmp.cleanup()
 
@@ -185,6 +190,16 @@ class VllmSession:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker started with start_new_session and every process of its group (vLLM's
+    engine processes), then reap the worker."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _last_error(log_path: Path) -> str:

@@ -43,7 +43,24 @@ def _metrics(llm) -> dict:
     return out
 
 
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """Kill this worker's process group (the worker and vLLM's engine processes) as soon as the
+    process that started it is gone, so a killed `peagle` command leaves no engine running. The
+    worker is started in a session of its own (`start_new_session`), so the group is only its own."""
+    import signal
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def main(request_path: str, response_path: str) -> None:
+    if os.getpgid(0) == os.getpid():  # started as a session leader by peagle_train (serving/vllm_engine.py)
+        exit_with_parent(os.getppid())
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

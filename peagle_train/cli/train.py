@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.config import register, train_config
+from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import ConfigError, cli_main
@@ -56,6 +56,7 @@ def run_dir(cfg) -> Path:
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)

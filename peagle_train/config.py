@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import math
 import re
 import sys
@@ -550,16 +551,21 @@ def _default(f: dataclasses.Field) -> Any:
 
 def schema_entries(cls: type = Config, prefix: str = "") -> list[Key]:
     """Every key of schema `cls` in declaration order: each group ("training") before its keys."""
+    return list(_schema_entries(cls, prefix))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_entries(cls: type, prefix: str) -> tuple[Key, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
         default, name = _default(f), prefix + f.name
         if is_dataclass(default):
             out.append(Key(name, type(default), None, f.metadata.get("help", ""), True))
-            out += schema_entries(type(default), name + ".")
+            out += _schema_entries(type(default), name + ".")
         else:
             out.append(Key(name, hints[f.name], default, f.metadata.get("help", ""), False, f.metadata.get("range")))
-    return out
+    return tuple(out)
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:

@@ -3,7 +3,7 @@
     peagle train recipe=smollm2-135m-demo output_dir=runs/demo
     accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo      # train.py: the same job
     accelerate launch -m peagle_train.cli train recipe=smollm2-135m-demo output_dir=runs/demo
-    peagle train -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k   # a sweep
+    peagle train -m recipe=smollm2-135m-demo draft.num_depths=5,8,12 output_dir=runs/sweep-k   # a sweep
 
 Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
 eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json,

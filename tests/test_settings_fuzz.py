@@ -318,9 +318,17 @@ def test_k_beyond_k_train():
         "with draft.num_depths=5 or more.")
 
 
-def test_several_problems_in_one_line_and_the_defaults_pass():
+def test_several_problems_in_one_line_and_the_defaults_and_recipes_pass(tmp_path):
     for command in C.SCHEMAS:
         assert problems(command) == [], command
+    for recipe in C.recipe_names():
+        assert problems("train", f"recipe={recipe}") == [], recipe
+    # a value out of range in a recipe of one's own is found the same way
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndata:\n  max_length: 0\n")
+    assert problems("train", f"hydra.searchpath=[file://{tmp_path}]", "recipe=mine") == [
+        "data.max_length=0 is out of range: it must be an integer ≥ 1. Fix: data.max_length=512 (the default) or "
+        "another integer ≥ 1."]
     with pytest.raises(ConfigError) as e:
         C.check_config(C.compose("train", ["training.lr=0", "training.epochs=0"]), "train")
     assert str(e.value) == (

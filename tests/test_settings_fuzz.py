@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from peagle_train import config as C
 from peagle_train.errors import ConfigError, user_error_message
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, tiny_llama
 
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PEAGLE_TRACEBACK")},
        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
@@ -363,7 +363,7 @@ def test_parse_pairs_checks_the_same_ranges():
 # ------------------------------------------------------------------------------------------------
 # commands that need a head
 
-def test_export_validate_of_no_export(tmp_path, target_model):
+def test_export_validate_of_no_export(tmp_path, target_model, chatml_tokenizer):
     from peagle_train.cli.export import export_dir_problem
     from peagle_train.draft.io import save_checkpoint
 
@@ -381,11 +381,23 @@ def test_export_validate_of_no_export(tmp_path, target_model):
     msg = (f"validate={ckpt} is a training checkpoint (draft_config.json), not an export. Fix: export it first, "
            f"peagle export head={ckpt} output=<export dir>, then peagle export validate=<export dir>.")
     assert export_dir_problem(ckpt) == msg
+    target = tmp_path / "target"  # 8 layers
+    tiny_llama(vocab_size=512, layers=8).save_pretrained(str(target))
+    chatml_tokenizer.save_pretrained(str(target))
     runs = {"validate": peagle("export", f"validate={ckpt}", f"output_dir={tmp_path / 'o'}", cwd=tmp_path),
+            # aux ids beyond the target's 8 layers: refused once the target is loaded, before any data
+            "train": peagle("train", f"target.path={target}", "target.name_or_path=test/tiny-llama",
+                            "target.aux_layer_ids=[2,5,8]", "threads=1", f"output_dir={tmp_path / 't'}",
+                            "data.path=/no/such/data.jsonl", cwd=tmp_path),
             # a K_train 3 head evaluated at K 5: refused before the target is loaded
             "evaluate": peagle("evaluate", f"head={ckpt}", "target.path=/no/such/target", "threads=1",
                                f"output_dir={tmp_path / 'e'}", cwd=tmp_path)}
     assert one_error_line(runs["validate"], "peagle export") == msg
+    assert one_error_line(runs["train"], "peagle train") == (
+        "target.aux_layer_ids=[2, 5, 8] must be 3 distinct layer ids in [0, 8) for this 8-layer target (id k = the "
+        "hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
+        "Fix: target.aux_layer_ids=null for the default [2, 4, 5], or 3 ids in that range.")
+    assert not (tmp_path / "t" / "data").exists()
     assert one_error_line(runs["evaluate"], "peagle evaluate") == (
         f"eval.num_speculative_tokens=5 > K_train=3 of head={ckpt}: the head never trained draft depths beyond 3, "
         "so τ would measure untrained slots. Fix: eval.num_speculative_tokens=3 or less, or train a head with "

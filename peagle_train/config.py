@@ -1,9 +1,9 @@
 """One typed, strict configuration schema for every entry point (add a new key here, and only here).
 
-Every key is a dataclass field holding its default, a one-line help and, for a number, the values it
-admits (`opt(default, "help", ge=1)`, stored in the field's metadata as a `Range`); a key with a fixed set of values is an Enum (`Choice`: a `str`
-whose members equal their strings, so `cfg.algorithm == "peagle"` holds, f-strings print the
-value and JSON writes the string). conf/*.yaml hold no values, only their defaults lists and
+Every key is a dataclass field holding its default, a one-line help and, for a number, the values
+it admits (`opt(default, "help", ge=1)`, stored in the field's metadata as a `Range`); a key with a
+fixed set of values is an Enum (`Choice`: a `str` whose members equal their strings, so
+`cfg.algorithm == "peagle"` holds, f-strings print the value and JSON writes the string). conf/*.yaml hold no values, only their defaults lists and
 Hydra's settings; a recipe (recipes/<name>.yaml, `recipe=<name>`) overrides keys and the command
 line wins over both.
 
@@ -171,8 +171,7 @@ class Range:
     def text(self, integer: bool) -> str:
         """'an integer ≥ 1', 'a number in (0, 1]', '2 or 3'."""
         if self.one_of is not None:
-            return " or ".join(map(str, self.one_of[:-1])) + (" or " if len(self.one_of) > 1 else "") + \
-                str(self.one_of[-1])
+            return " or ".join(map(str, self.one_of))
         kind = "an integer" if integer else "a number"
         low = f"[{_num(self.ge)}" if self.ge is not None else (f"({_num(self.gt)}" if self.gt is not None else None)
         if low is not None and self.le is not None:
@@ -665,8 +664,8 @@ def _null_meaning(help: str) -> str | None:
 
 def range_problem(key: Key, value: Any) -> str | None:
     """None when `value` lies in the range of `key` (`Key.range`; null where the key is Optional),
-    else one sentence naming the key, the value, what it admits (and what null
-    means) and the fix. A list key (recommend.ks) needs every item in range and one item at least."""
+    else one sentence naming the key, the value, what it admits (and what null means) and the fix.
+    A list key (recommend.ks) needs every item in range and one item at least."""
     rule = key.range
     if rule is None or (value is None and _optional(key.type)):
         return None
@@ -795,13 +794,14 @@ def config_problems(cfg, command: str = "train") -> list[str]:
 
 
 def check_config(cfg, command: str = "train") -> None:
-    """Raise ConfigError (one line: every problem of `config_problems`, joined by '; ') unless the
-    composed config `cfg` of `command` is in range. Every entry point runs it before any work."""
+    """Raise ConfigError (one line per problem of `config_problems`, the later ones indented under
+    the first) unless the composed config `cfg` of `command` is in range. Every entry point runs it
+    before any work."""
     from .errors import ConfigError
 
     problems = config_problems(cfg, command)
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError("\n  ".join(problems))
 
 
 _NO_PRECOMPOSE = ("-m", "--multirun", "-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path")
@@ -972,7 +972,7 @@ def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None
         _exit("\n  ".join(errors))
     problems = composed_problems(argv, command)
     if problems:
-        _exit("; ".join(problems))
+        _exit("\n  ".join(problems))
 
 
 def _exit(message: str) -> None:

@@ -318,7 +318,7 @@ def test_k_beyond_k_train():
         "with draft.num_depths=5 or more.")
 
 
-def test_several_problems_in_one_line_and_the_defaults_and_recipes_pass(tmp_path):
+def test_several_problems_one_line_each_and_the_defaults_and_recipes_pass(tmp_path):
     for command in C.SCHEMAS:
         assert problems(command) == [], command
     for recipe in C.recipe_names():
@@ -333,7 +333,7 @@ def test_several_problems_in_one_line_and_the_defaults_and_recipes_pass(tmp_path
         C.check_config(C.compose("train", ["training.lr=0", "training.epochs=0"]), "train")
     assert str(e.value) == (
         "training.epochs=0 is out of range: it must be an integer ≥ 1. Fix: training.epochs=1 (the default) or "
-        "another integer ≥ 1.; training.lr=0.0 is out of range: it must be a number > 0. Fix: training.lr=0.001 "
+        "another integer ≥ 1.\n  training.lr=0.0 is out of range: it must be a number > 0. Fix: training.lr=0.001 "
         "(the default) or another number > 0.")
 
 

@@ -117,7 +117,7 @@ def parse_pairs(argv: list[str], schema, doc: str):
         raise ConfigError(f"give {', '.join(f'{k}=...' for k in missing)}.")
     problems = range_problems(cfg, schema)  # the ranges written with the schema's fields (config.opt)
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError("\n  ".join(problems))
     return cfg
 
 

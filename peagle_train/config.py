@@ -16,7 +16,7 @@ a value outside a choice or an unknown recipe is an error naming the near matche
 names its replacement, and `--help` prints `describe(command)`; then the config is composed and
 `config_problems` refuses a number outside its range and a breach of a rule between keys (data.mix
 entries, aux layer ids, K ≤ K_train), naming the key, the value, what is allowed and the fix. Every
-entry point runs `check_config` again on the config Hydra hands it (the jobs of a -m sweep).
+entry point runs `check_config` again on the config Hydra hands it.
 """
 
 from __future__ import annotations
@@ -804,22 +804,47 @@ def check_config(cfg, command: str = "train") -> None:
         raise ConfigError("\n  ".join(problems))
 
 
-_NO_PRECOMPOSE = ("-m", "--multirun", "-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path")
+_OTHER_CONFIG = ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path")
+_MAX_SWEEP_CHECKS = 64
+
+
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """The override lists whose configs cover every value of a `-m` sweep: every swept key at its
+    first value, then each other value of each swept key in turn (the others at their first), at most
+    `_MAX_SWEEP_CHECKS`. Empty when Hydra's parser refuses the overrides (Hydra reports that)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed]
+    except Exception:  # noqa: BLE001 - an interval sweep or a syntax error: left to Hydra
+        return []
+    first = [line if v is None or not v else f"{o.get_key_element()}={v[0]}"
+             for line, o, v in zip(overrides, parsed, values)]
+    variants = [first]
+    for i, (o, v) in enumerate(zip(parsed, values)):
+        for value in (v or [])[1:]:
+            variants.append(first[:i] + [f"{o.get_key_element()}={value}"] + first[i + 1:])
+    return variants[:_MAX_SWEEP_CHECKS]
 
 
 def composed_problems(argv: list[str], command: str = "train") -> list[str]:
     """`config_problems` of the config Hydra will compose from the overrides in `argv`, composed here
-    before Hydra starts (so that nothing is created or loaded for a config out of range). Empty for a
-    `-m` sweep (each job checks its own) or another config directory, and when the config does not
-    compose (Hydra reports that itself)."""
-    if any(a in _NO_PRECOMPOSE or a.startswith(("--config-dir=", "--config-name=", "--config-path=")) for a in argv):
+    before Hydra starts (so that nothing is created or loaded for a config out of range); for a `-m`
+    sweep, of every swept value (`_sweep_variants`), before its first job. Empty for another config
+    directory, and for a config that does not compose (Hydra reports that itself). Each problem once."""
+    if any(a in _OTHER_CONFIG or a.startswith(("--config-dir=", "--config-name=", "--config-path=")) for a in argv):
         return []
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    try:
-        cfg = compose(command, overrides)
-    except Exception:  # noqa: BLE001 - Hydra composes it again and reports the error with its own message
-        return []
-    return config_problems(cfg, command)
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    problems: list[str] = []
+    for variant in _sweep_variants(overrides) if multirun else [overrides]:
+        try:
+            cfg = compose(command, variant)
+        except Exception:  # noqa: BLE001 - Hydra composes it again and reports the error with its own message
+            continue
+        problems += [p for p in config_problems(cfg, command) if p not in problems]
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------

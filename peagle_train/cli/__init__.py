@@ -86,11 +86,13 @@ def parse_pairs(argv: list[str], schema, doc: str):
     field takes dotted keys, `features.dir=...`).
 
     `--help` prints `doc` and the keys, then exits 0. Raises ConfigError naming an argument
-    that is not `key=value`, an unknown key (with the near matches) or a value of the wrong type;
-    and a required key (a field without default) left unset."""
+    that is not `key=value`, an unknown key (with the near matches), a value of the wrong type or
+    outside the range its field declares (`config.opt(..., ge=1)`, `config.range_problems`, as for
+    the Hydra commands); and a required key (a field without default) left unset."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from ..config import range_problems
     from ..errors import ConfigError
 
     base = OmegaConf.structured(schema)
@@ -113,6 +115,9 @@ def parse_pairs(argv: list[str], schema, doc: str):
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"give {', '.join(f'{k}=...' for k in missing)}.")
+    problems = range_problems(cfg, schema)  # the ranges written with the schema's fields (config.opt)
+    if problems:
+        raise ConfigError("\n  ".join(problems))
     return cfg
 
 

@@ -31,8 +31,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.draft.io import load_head
-from peagle_train.config import register
-from peagle_train.errors import cli_main
+from peagle_train.config import check_config, k_beyond_k_train_problem, register
+from peagle_train.errors import ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
@@ -68,6 +68,7 @@ def load_head_and_metrics(path: str):
 
 @cli_main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "evaluate")  # every setting in range (config.py), before any work
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     head = cfg.get("head")
@@ -75,6 +76,9 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit("Give the head to evaluate: head=runs/<run>/checkpoint (or an export directory).")
     draft, train_metrics = load_head_and_metrics(head)
     draft.eval()
+    K = int(cfg.eval.num_speculative_tokens)
+    if (problem := k_beyond_k_train_problem(K, draft.config.num_depths, f"head={head}")):
+        raise ConfigError(problem)  # before the target is loaded
     ids = list(draft.config.aux_layer_ids)
     with open_dict(cfg.target):
         if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
@@ -95,6 +99,8 @@ def main(cfg: DictConfig) -> dict:
     baseline, btarget = None, None
     if cfg.get("baseline_head"):
         baseline = load_head(cfg.baseline_head)[0].eval()
+        if (problem := k_beyond_k_train_problem(K, baseline.config.num_depths, f"baseline_head={cfg.baseline_head}")):
+            raise ConfigError(problem)
         bids = list(baseline.config.aux_layer_ids)
         if not all(0 <= i < n_layers for i in bids):
             raise SystemExit(f"baseline_head={cfg.baseline_head}: aux layers {bids} outside the target's {n_layers} layers.")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from peagle_train.config import register
-from peagle_train.errors import cli_main
+from peagle_train.config import check_config, register
+from peagle_train.errors import ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,
                                              serve_commands,
@@ -26,9 +26,31 @@ from peagle_train.draft.io import load_checkpoint
 logger = logging.getLogger(__name__)
 
 
+def export_dir_problem(path: Path) -> str | None:
+    """None when `path` is a directory holding an export's config.json (its contents are then checked
+    by `validate_export`), else why `validate=path` names no export, and the fix: a missing path, a
+    file, a training checkpoint (exported first) or a directory without config.json."""
+    fix = "Fix: validate=<an export directory (config.json + model.safetensors)>, as peagle train writes to " \
+          "<run>/export or peagle export head=<run>/checkpoint output=DIR does."
+    if not path.exists():
+        return f"validate={path}: no such file or directory. {fix}"
+    if not path.is_dir():
+        return f"validate={path} is a file, not an export directory. {fix}"
+    if not (path / "config.json").is_file() and (path / "draft_config.json").is_file():
+        return (f"validate={path} is a training checkpoint (draft_config.json), not an export. Fix: export it first, "
+                f"peagle export head={path} output=<export dir>, then peagle export validate=<export dir>.")
+    if not (path / "config.json").is_file():
+        return f"validate={path} holds no config.json: not an export directory. {fix}"
+    return None
+
+
 @cli_main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    check_config(cfg, "export")  # every setting in range (config.py), before any work
     if cfg.get("validate"):
+        not_an_export = export_dir_problem(Path(cfg.validate))
+        if not_an_export:
+            raise ConfigError(not_an_export)
         try:
             validate_export(cfg.validate)
         except ExportError as e:

@@ -30,7 +30,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.config import register
+from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config
 from peagle_train.errors import cli_main
 from peagle_train.paths import CONF_DIR
@@ -44,6 +44,7 @@ logger = logging.getLogger("peagle_train.features")
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "features")  # every setting in range (config.py), before any work
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if not cfg.features.dir:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from peagle_train.config import register
+from peagle_train.config import check_config, register
 from peagle_train.decoding.cost_model import CostModelError
 from peagle_train.errors import cli_main
 from peagle_train.evaluation.recommend import recommend_k
@@ -40,6 +40,7 @@ from peagle_train.paths import CONF_DIR
 
 @cli_main(config_path=str(CONF_DIR), config_name="recommend_k", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "recommend-k")  # every setting in range (config.py), before any work
     try:
         return recommend_k(cfg)
     except (CostModelError, FileNotFoundError) as e:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from peagle_train.data.regenerate import backend_from_config, regenerate
 from peagle_train.data.sources import load_source
-from peagle_train.config import register
+from peagle_train.config import check_config, register
 from peagle_train.errors import cli_main
 from peagle_train.paths import CONF_DIR, resolve_path
 
@@ -56,6 +56,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
 
 @cli_main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()
     r = cfg.regenerate
     backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision))

@@ -3,7 +3,7 @@
     peagle train recipe=smollm2-135m-demo output_dir=runs/demo
     accelerate launch train.py recipe=smollm2-135m-demo output_dir=runs/demo      # train.py: the same job
     accelerate launch -m peagle_train.cli train recipe=smollm2-135m-demo output_dir=runs/demo
-    peagle train -m recipe=smollm2-135m-demo draft.num_depths=2,4,8 output_dir=runs/sweep-k   # a sweep
+    peagle train -m recipe=smollm2-135m-demo draft.num_depths=5,8,12 output_dir=runs/sweep-k   # a sweep
 
 Writes under output_dir: data/ (summary, draft vocabulary, rows), checkpoint/, train_log.jsonl,
 eval/acceptance.json (+ per_prompt.csv), export/ (config.json, model.safetensors), summary.json,
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.config import register, train_config
+from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
 from peagle_train.errors import ConfigError, cli_main
@@ -56,6 +56,7 @@ def run_dir(cfg) -> Path:
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)

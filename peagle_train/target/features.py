@@ -166,25 +166,41 @@ def aux_ids_from_layer_outputs(ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
-def check_aux_layer_ids(ids: list[int], num_layers: int, setting: str = "target.aux_layer_ids") -> None:
-    """Raise ConfigError (one line, with the fix) unless `ids` are 3 distinct, ascending layer ids
-    in [0, N) for a target of N decoder layers, in `AUX_LAYER_NUMBERING` (0 = the embeddings).
+def aux_layer_ids_problem(ids: list, num_layers: int | None, setting: str = "target.aux_layer_ids") -> str | None:
+    """None when `ids` are 3 distinct, ascending layer ids in [0, N) for a target of N = `num_layers`
+    decoder layers (num_layers None: when the target is not loaded yet, ids ≥ 0), in
+    `AUX_LAYER_NUMBERING` (0 = the embeddings); else one sentence naming `setting`, the ids and the fix.
 
     Why these rules: vLLM concatenates 3 features (3H) in ascending id order; speculators rejects
     repeated layers; id N (vLLM: the last layer's output before the final norm) is left out, since
     HF's hidden_states[N] is after the norm and the two readings of the numbering differ there."""
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return (f"{setting}={ids} must be a list of 3 layer ids (integers). Fix: {setting}=null for the default "
+                "[2, N//2, N-3] of an N-layer target, or e.g. [2, 6, 9].")
+    ids = [int(i) for i in ids]
+    ok = len(ids) == 3 and len(set(ids)) == 3 and all(0 <= i and (num_layers is None or i < num_layers) for i in ids)
+    if not ok:
+        if num_layers is None:
+            return (f"{setting}={ids} must be 3 distinct layer ids ≥ 0, ascending (id k = the hidden state entering "
+                    "decoder layer k, HF hidden_states[k], as vLLM reads it; below the target's layer count). "
+                    f"Fix: {setting}=null for the default [2, N//2, N-3] of an N-layer target, or 3 such ids.")
+        return (f"{setting}={ids} must be 3 distinct layer ids in [0, {num_layers}) for this {num_layers}-layer "
+                "target (id k = the hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
+                f"Fix: {setting}=null for the default {default_aux_layer_ids(num_layers)}, or 3 ids in that range.")
+    if ids != sorted(ids):
+        return (f"{setting}={ids} is not in ascending order; vLLM sorts the ids and would feed the features in "
+                f"another order than training. Fix: {setting}={sorted(ids)}.")
+    return None
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int, setting: str = "target.aux_layer_ids") -> None:
+    """Raise ConfigError (one line, with the fix) unless `ids` are 3 distinct, ascending layer ids
+    in [0, N) for a target of N decoder layers (`aux_layer_ids_problem`)."""
     from ..errors import ConfigError
 
-    ids = [int(i) for i in ids]
-    ok = (len(ids) == 3 and len(set(ids)) == 3 and all(0 <= i < num_layers for i in ids))
-    if not ok:
-        raise ConfigError(
-            f"{setting}={ids} must be 3 distinct layer ids in [0, {num_layers}) for this {num_layers}-layer target "
-            "(id k = the hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
-            f"Fix: {setting}=null for the default {default_aux_layer_ids(num_layers)}, or 3 ids in that range.")
-    if ids != sorted(ids):
-        raise ConfigError(f"{setting}={ids} is not in ascending order; vLLM sorts the ids and would feed the "
-                          f"features in another order than training. Fix: {setting}={sorted(ids)}.")
+    problem = aux_layer_ids_problem([int(i) for i in ids], num_layers, setting)
+    if problem:
+        raise ConfigError(problem)
 
 
 @dataclass

@@ -425,3 +425,33 @@ def test_exact_duplicates_are_counted_and_kept_with_their_twins(tmp_path, chatml
             assert sorted(train + val) == list(range(13)) and len(val) == n_val
             assert not {keys[i] for i in val} & {keys[i] for i in train}  # no validation row has a twin in training
     assert split_validation(13, 3, 0, list(range(13))) == split_validation(13, 3, 0)  # no duplicates: the old split
+
+
+def test_training_keeps_duplicates_out_of_validation(tmp_path, caplog):
+    import logging
+
+    import datasets
+    from accelerate import Accelerator
+
+    from peagle_train.data.prepare import row_keys
+    from peagle_train.training.trainer import Trainer
+
+    from .test_loop import tiny_rows
+    from .test_resume import tiny_setup
+
+    base = tiny_rows(n=8)
+    ids, masks = list(base["input_ids"]), list(base["loss_mask"])
+    copies = (0, 0, 3, 5)  # row 0 three times, rows 3 and 5 twice
+    rows = datasets.Dataset.from_dict({"input_ids": ids + [ids[i] for i in copies],
+                                       "loss_mask": masks + [masks[i] for i in copies]})
+    keys = row_keys(rows)
+    for seed in range(4):
+        t, vocab, draft, cfg = tiny_setup(val_conversations=3, max_steps=1, save_every=None, seed=seed)
+        tr = Trainer(Accelerator(cpu=True), draft, t, rows, vocab.draft_ids, cfg, tmp_path / str(seed))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="peagle_train.training.trainer"):
+            tr.setup()
+        val, train = {i for b in tr.val_batches for i in b}, {i for b in tr.batches for i in b}
+        assert len(val) == 3 and len(train) == 9 and not {keys[i] for i in val} & {keys[i] for i in train}
+        assert ("4 rows duplicate an earlier one exactly; each is on the side of its twins (none in validation has a "
+                "twin in training)") in caplog.text

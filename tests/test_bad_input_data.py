@@ -324,6 +324,15 @@ def test_lone_surrogate_escape_skips_only_its_record(tmp_path, chatml_tokenizer)
     got, rep = read_records(arr)
     assert [r["id"] for r in got] == ["0", "2"]
     assert rep.bad_records[0].startswith(f"record 1 at byte {len(json.dumps(sg(0))) + 4}, id 'half': lone surrogate")
+    pairs = tmp_path / "pairs.jsonl"  # whole pairs and an escaped backslash: kept, and no record is re-checked
+    pairs.write_text('{"id": "p", "v": "\\ud83d\\ude00 \\uD83C\\uDF89"}\n{"id": "b", "v": "\\\\ud83d"}\n'
+                     '{"id": "low", "v": "\\ud83d\\ude00\\udc00"}\n')
+    got, rep = read_records(pairs)
+    assert [r["id"] for r in got] == ["p", "b"] and got[0]["v"] == "😀 🎉" and got[1]["v"] == "\\ud83d"
+    assert rep.bad_records == ["line 3, id 'low': lone surrogate escape (\\udc00: half of a UTF-16 pair, e.g. a cut "
+                               "emoji; not encodable as UTF-8)"]
+    pairs.write_text(jsonl([sg(0)]) + '{"id": "p", "conversations": "\\ud83d\\ude00"}\n')
+    assert read_records(pairs)[1].surrogate_escapes is False
     one = tmp_path / "one.json"  # the file's only record: named, and the file has no record left
     one.write_text(half)
     with pytest.raises(DataFileError, match=r"No complete record in .*one\.json .*1 malformed records skipped \(first: "

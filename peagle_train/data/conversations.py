@@ -69,7 +69,7 @@ class ReadReport:
     bad_reasons: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     invalid_utf8: bool = False  # the file holds bytes that are not UTF-8: records are checked for them
-    surrogate_escapes: bool = False  # the text holds \uD800-\uDFFF escapes: records are checked for lone ones
+    surrogate_escapes: bool = False  # the text holds what looks like a lone surrogate escape: records are checked
 
     def bad(self, where: str, reason: str) -> None:
         """Count one malformed record: `where` (line N / record N at byte B) and its reason."""
@@ -98,7 +98,11 @@ def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malf
 _MAGIC = [(b"\x1f\x8b", "gzip", "gzip"), (b"BZh", "bzip2", "bz2"), (b"\xfd7zXZ\x00", "xz", "lzma"),
           (b"\x28\xb5\x2f\xfd", "zstd", None), (b"PK\x03\x04", "zip", None), (b"PAR1", "Parquet", None)]
 _BAD_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that are not UTF-8, kept by errors="surrogateescape"
-_SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F]")  # a JSON escape \uD800-\uDFFF (half of a UTF-16 pair)
+# a JSON escape of a lone surrogate: a high half (\uD800-\uDBFF) not followed by a low one (\uDC00-\uDFFF), or
+# a low half not preceded by a high one. A prefilter (an escaped backslash before "u" also matches);
+# `_encoding_problem` decides on the decoded record.
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                                    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 _RECORD_REASONS = {"not a JSON object", "not valid UTF-8", "lone surrogate escape"}  # bad records that parse
 _WRAPPED = re.compile(r'\A\s*\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*\[')  # {"key": [ ... : records under one key
 
@@ -123,7 +127,7 @@ def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path to an existing JSON/JSONL file.")
     report = ReadReport(path=str(path))
     text = _decode(path, _read_bytes(path, report), report)
-    report.surrogate_escapes = _SURROGATE_ESCAPE.search(text) is not None
+    report.surrogate_escapes = _LONE_SURROGATE_ESCAPE.search(text) is not None
     stripped = text.lstrip()
     if stripped.startswith("["):
         records = _read_json_arrays(text, report)
@@ -320,7 +324,8 @@ def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
         if not isinstance(obj, dict):
             report.bad(f"line {lineno}", "not a JSON object")
             continue
-        if (bad := _encoding_problem(obj, report)) is not None:
+        if report.surrogate_escapes and _LONE_SURROGATE_ESCAPE.search(line) \
+                and (bad := _encoding_problem(obj, report)) is not None:
             report.bad(_with_id(f"line {lineno}", obj), bad)
             continue
         records.append(obj)
@@ -445,7 +450,8 @@ def _read_json_array(text: str, report: ReadReport, pos: int, records: list[dict
             report.bad(where, bad)
         elif not isinstance(obj, dict):
             report.bad(where, "not a JSON object")
-        elif (bad := _encoding_problem(obj, report)) is not None:
+        elif report.surrogate_escapes and _LONE_SURROGATE_ESCAPE.search(text, pos, end) \
+                and (bad := _encoding_problem(obj, report)) is not None:
             report.bad(_with_id(where, obj), bad)
         else:
             records.append(obj)

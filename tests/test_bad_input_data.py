@@ -391,6 +391,11 @@ def test_hidden_files_and_folders_are_skipped_and_noted(tmp_path, chatml_tokeniz
     assert info.notes == ["3 hidden files and folders skipped (.ipynb_checkpoints/, .a.jsonl.swp, .hidden.jsonl)"]
     s = prep(d, chatml_tokenizer).summary
     assert s["records_in_file"] == 2 and s["conversations_kept"] == 2
+    (d / "a.jsonl").unlink()  # only hidden copies left: the error says where the data went
+    with pytest.raises(DataFileError, match=r"dir is a directory without a saved dataset \(dataset_info\.json\) or "
+                                            r"\.parquet/\.json/\.jsonl files \(3 hidden files and folders skipped "
+                                            r"\(\.ipynb_checkpoints/, \.a\.jsonl\.swp, \.hidden\.jsonl\)\)\. Fix:"):
+        load_source(d)
 
 
 def test_symlinks_are_followed_once_and_noted(tmp_path):

@@ -206,8 +206,9 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
         raise DataFileError(f"{path} holds both .parquet ({len(parquet)}) and JSON/JSONL ({len(jsons)}) files. "
                             "Fix: keep one kind per directory, or list them as data.mix entries.")
     if not parquet and not jsons:
+        seen = f" ({'; '.join(walk_notes)})" if walk_notes else ""
         raise DataFileError(f"{path} is a directory without a saved dataset (dataset_info.json) or "
-                            ".parquet/.json/.jsonl files. Fix: point data.path at a file or a dataset directory.")
+                            f".parquet/.json/.jsonl files{seen}. Fix: point data.path at a file or a dataset directory.")
     used = parquet or jsons
     ignored = [str(f.relative_to(path)) for f in files if f not in used]
     notes = [f"{len(used)} files; {len(ignored)} other files ignored ({', '.join(ignored[:5])})"] if ignored else []

@@ -62,6 +62,14 @@ def test_prepare_data_with_bad_data(tmp_path, tiny_target):
     user_error(p, "prepare_data.py: error: ", "dialog.jsonl: none of its 2 records", "['dialog']", "Fix:")
 
 
+def test_prepare_with_an_empty_data_path(tmp_path, tiny_target):
+    """`data.path=$DATA` with DATA unset: an error line, not a read of the working directory."""
+    p = run("scripts/prepare_data.py", f"target.path={tiny_target}", "data.path=", f"output_dir={tmp_path / 'o'}",
+            "data.num_proc=1", tmp=tmp_path)
+    user_error(p, "prepare_data.py: error: data.path is empty (''): no data file or directory is named (an unset "
+                  "shell variable?). Fix: set data.path=FILE")
+
+
 def test_train_with_bad_data_and_bad_config(tmp_path, tiny_target):
     short = write_jsonl(tmp_path / "short.jsonl", [{"conversations": [{"from": "human", "value": "q"},
                                                                       {"from": "gpt", "value": "4"}]}] * 3)

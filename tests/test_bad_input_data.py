@@ -276,3 +276,196 @@ def test_pretokenised_rows_with_bad_values_are_dropped_not_crashing(tmp_path, ch
     d = prep(f, chatml_tokenizer)
     assert d.rows["source"] == ["ok"]
     assert d.summary["dropped"] == {"pre-tokenised row: input_ids/loss_mask not equal-length lists of ids and 0/1": 3}
+
+
+# ---- nothing silently lost, nothing silently added: concatenated values, encodings, directories, duplicates ----
+
+def test_concatenated_json_arrays_are_all_read(tmp_path, chatml_tokenizer):
+    f = tmp_path / "cat.json"  # cat a.json b.json
+    f.write_text(json.dumps([sg(0), sg(1)], indent=2) + "\n" + json.dumps([sg(2)], indent=2) + "\n")
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1", "2"]
+    assert rep.notes == ["2 JSON arrays one after another (concatenated files), all read"] and not rep.bad_records
+    s = prep(f, chatml_tokenizer).summary
+    assert s["records_in_file"] == 3 and s["conversations_kept"] == 3
+    tail = tmp_path / "tail.json"  # anything else after the array: counted, never dropped without a word
+    tail.write_text(json.dumps([sg(0), sg(1)]) + "\nnot json at all\n")
+    got, rep = read_records(tail)
+    assert [r["id"] for r in got] == ["0", "1"]
+    assert rep.bad_records == [f"after the closing bracket of JSON array 1, at byte {len(json.dumps([sg(0), sg(1)])) + 1}: "
+                               "data after the JSON array (16 bytes, not read)"]
+    s = prep(tail, chatml_tokenizer).summary
+    assert s["records_in_file"] == 3 and s["malformed_by_reason"] == {"data after the JSON array": 1}
+
+
+def test_concatenated_pretty_printed_objects_are_all_read(tmp_path):
+    f = tmp_path / "jq.json"  # jq '.[]' output, or cat of single-record files
+    f.write_text(json.dumps(sg(0), indent=2) + "\n" + json.dumps(sg(1), indent=2) + "\n"
+                 + json.dumps([sg(2), sg(3)], indent=2) + "\n")
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1", "2", "3"] and not rep.bad_records
+    assert rep.notes == ["3 JSON values one after another (concatenated files), all read"]
+
+
+def test_lone_surrogate_escape_skips_only_its_record(tmp_path, chatml_tokenizer):
+    half = '{"id": "half", "conversations": [{"from": "human", "value": "cut \\ud83d"}, {"from": "gpt", "value": "a"}]}'
+    whole = sg("whole", q="an emoji \\ud83d\\ude00 whole")
+    f = tmp_path / "emoji.jsonl"
+    f.write_text(jsonl([sg(0)]) + half + "\n" + json.dumps(whole).replace("\\\\", "\\") + "\n")
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "whole"] and got[1]["conversations"][0]["value"] == "an emoji 😀 whole"
+    assert rep.bad_records == ["line 2, id 'half': lone surrogate escape (\\ud83d: half of a UTF-16 pair, e.g. a cut "
+                               "emoji; not encodable as UTF-8)"]
+    s = prep(f, chatml_tokenizer).summary
+    assert s["records_in_file"] == 3 and s["conversations_kept"] == 2
+    assert s["malformed_by_reason"] == {"lone surrogate escape": 1}
+    arr = tmp_path / "emoji.json"
+    arr.write_text("[\n" + json.dumps(sg(0)) + ",\n" + half + ",\n" + json.dumps(sg(2)) + "\n]")
+    got, rep = read_records(arr)
+    assert [r["id"] for r in got] == ["0", "2"]
+    assert rep.bad_records[0].startswith(f"record 1 at byte {len(json.dumps(sg(0))) + 4}, id 'half': lone surrogate")
+    pairs = tmp_path / "pairs.jsonl"  # whole pairs and an escaped backslash: kept, and no record is re-checked
+    pairs.write_text('{"id": "p", "v": "\\ud83d\\ude00 \\uD83C\\uDF89"}\n{"id": "b", "v": "\\\\ud83d"}\n'
+                     '{"id": "low", "v": "\\ud83d\\ude00\\udc00"}\n')
+    got, rep = read_records(pairs)
+    assert [r["id"] for r in got] == ["p", "b"] and got[0]["v"] == "😀 🎉" and got[1]["v"] == "\\ud83d"
+    assert rep.bad_records == ["line 3, id 'low': lone surrogate escape (\\udc00: half of a UTF-16 pair, e.g. a cut "
+                               "emoji; not encodable as UTF-8)"]
+    pairs.write_text(jsonl([sg(0)]) + '{"id": "p", "conversations": "\\ud83d\\ude00"}\n')
+    assert read_records(pairs)[1].surrogate_escapes is False
+    one = tmp_path / "one.json"  # the file's only record: named, and the file has no record left
+    one.write_text(half)
+    with pytest.raises(DataFileError, match=r"No complete record in .*one\.json .*1 malformed records skipped \(first: "
+                                            r"the file's one record, id 'half': lone surrogate escape"):
+        read_records(one)
+
+
+def test_utf16_without_byte_order_mark_is_read_and_named(tmp_path, chatml_tokenizer):
+    for enc, name in (("utf-16-le", "UTF-16-LE"), ("utf-16-be", "UTF-16-BE"), ("utf-32-le", "UTF-32-LE")):
+        f = tmp_path / f"{enc}.jsonl"
+        f.write_bytes(jsonl([sg(0), sg(1, q="ünïcode ✓ 中文")]).encode(enc))
+        got, rep = read_records(f)
+        assert [r["id"] for r in got] == ["0", "1"] and got[1]["conversations"][0]["value"] == "ünïcode ✓ 中文"
+        assert rep.notes == [f"{name} without a byte-order mark (recognised by its NUL bytes)"] and not rep.truncated
+    s = prep(tmp_path / "utf-16-le.jsonl", chatml_tokenizer).summary
+    assert s["conversations_kept"] == 2 and not s["file_truncated"]
+    cut = tmp_path / "cut16.json"
+    cut.write_bytes(json.dumps([sg(0)]).encode("utf-16-le")[:-1])  # an odd byte count: not whole UTF-16
+    with pytest.raises(DataFileError, match=r"cut16\.json: its NUL bytes say UTF-16-LE without a byte-order mark, but "
+                                            r"it does not decode as UTF-16-LE \(.*\)\. Fix: re-encode it as UTF-8 "
+                                            r"\(iconv -f UTF-16LE -t UTF-8\)\."):
+        read_records(cut)
+    latin = tmp_path / "latin1.json"
+    latin.write_bytes('[{"id": "caf\xe9"}]'.encode("latin-1"))
+    with pytest.raises(DataFileError, match=r"not valid UTF-8 \(byte 0xe9\)\)\)\. Fix: re-encode the file as UTF-8 "
+                                            r"\(e\.g\. iconv -f LATIN1 -t UTF-8; name its real encoding after -f\)\."):
+        read_records(latin)
+
+
+def test_empty_data_path_is_an_error_not_the_working_directory(tmp_path, chatml_tokenizer, monkeypatch):
+    from peagle_train.data.sources import load_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stray.jsonl").write_text(jsonl([sg(0)]))  # what reading the working directory would find
+    for value, shown in (("", "''"), ("  ", "'  '"), (None, "null")):
+        with pytest.raises(DataFileError, match=rf"^data\.path is empty \({shown}\): no data file or directory is "
+                                                 r"named \(an unset shell variable\?\)\. Fix: set data\.path=FILE"):
+            prep(value, chatml_tokenizer)
+    with pytest.raises(DataFileError, match=r"^data\.mix\[1\]\.path is empty \(''\)"):
+        prep(None, chatml_tokenizer, mix=[{"path": str(tmp_path / "stray.jsonl")}, {"path": "", "weight": 1}])
+    with pytest.raises(DataFileError, match=r"^data\.path is empty \(''\)"):
+        load_source("")
+
+
+def test_hidden_files_and_folders_are_skipped_and_noted(tmp_path, chatml_tokenizer):
+    from peagle_train.data.sources import load_source
+
+    d = tmp_path / "dir"
+    (d / ".ipynb_checkpoints").mkdir(parents=True)
+    (d / "a.jsonl").write_text(jsonl([sg(0), sg(1)]))
+    (d / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text(jsonl([sg(0), sg(1)]))  # a copy: would double
+    (d / ".a.jsonl.swp").write_bytes(b"b0VIM 8.2\x00\x00garbage")
+    (d / ".hidden.jsonl").write_text(jsonl([sg(9)]))
+    ds, info = load_source(d)
+    assert sorted(ds["id"]) == ["0", "1"]
+    assert info.notes == ["3 hidden files and folders skipped (.ipynb_checkpoints/, .a.jsonl.swp, .hidden.jsonl)"]
+    s = prep(d, chatml_tokenizer).summary
+    assert s["records_in_file"] == 2 and s["conversations_kept"] == 2
+    (d / "a.jsonl").unlink()  # only hidden copies left: the error says where the data went
+    with pytest.raises(DataFileError, match=r"dir is a directory without a saved dataset \(dataset_info\.json\) or "
+                                            r"\.parquet/\.json/\.jsonl files \(3 hidden files and folders skipped "
+                                            r"\(\.ipynb_checkpoints/, \.a\.jsonl\.swp, \.hidden\.jsonl\)\)\. Fix:"):
+        load_source(d)
+
+
+def test_symlinks_are_followed_once_and_noted(tmp_path):
+    from peagle_train.data.sources import load_source
+
+    d, other = tmp_path / "dir", tmp_path / "other"
+    d.mkdir()
+    other.mkdir()
+    (d / "a.jsonl").write_text(jsonl([sg(0)]))
+    (other / "b.jsonl").write_text(jsonl([sg(1)]))
+    (other / "c.jsonl").write_text(jsonl([sg(2)]))
+    (d / "sub").symlink_to(other, target_is_directory=True)           # a symlinked folder: followed
+    (d / "ext.jsonl").symlink_to(other / "c.jsonl")                    # ... a symlinked file: followed, but c.jsonl
+    (d / "link.jsonl").symlink_to(d / "a.jsonl")                       # a second link to a.jsonl: read once
+    (d / "loop").symlink_to(d, target_is_directory=True)               # a loop: not followed twice
+    (d / "dead.jsonl").symlink_to(tmp_path / "gone.jsonl")             # broken: skipped
+    ds, info = load_source(d)
+    assert sorted(ds["id"]) == ["a.jsonl:0", "ext.jsonl:2", "sub/b.jsonl:1"]
+    assert info.notes == ["2 symlinks followed (sub/, ext.jsonl)",
+                          "1 symlinked folders already read skipped (a loop or a second link: loop/)",
+                          "2 files reached through a second link read once (link.jsonl = a.jsonl, sub/c.jsonl = ext.jsonl)",
+                          "1 broken symlinks skipped (dead.jsonl)"]
+
+
+def test_exact_duplicates_are_counted_and_kept_with_their_twins(tmp_path, chatml_tokenizer):
+    from peagle_train.data.prepare import row_keys
+    from peagle_train.features.rows import split_validation
+
+    f = tmp_path / "dups.jsonl"
+    recs = [sg(i, q=f"question number {i}") for i in range(10)]
+    recs += [{**sg(i, q=f"question number {i}"), "id": f"copy{i}"} for i in (2, 2, 5)]  # 3 copies of 2 conversations
+    f.write_text(jsonl(recs))
+    d = prep(f, chatml_tokenizer)
+    assert d.summary["duplicate_conversations"] == 3 and d.summary["conversations_kept"] == 13
+    keys = row_keys(d.rows)
+    twin = {s: [t for t, k in zip(d.rows["source"], keys) if k == keys[n] and t != s] for n, s in enumerate(d.rows["source"])}
+    assert sorted(twin["2"]) == ["copy2", "copy2"] and twin["5"] == ["copy5"] and twin["0"] == []
+    for seed in range(20):
+        for n_val in (1, 3, 5):
+            train, val = split_validation(13, n_val, seed, keys)
+            assert sorted(train + val) == list(range(13)) and len(val) == n_val
+            assert not {keys[i] for i in val} & {keys[i] for i in train}  # no validation row has a twin in training
+    assert split_validation(13, 3, 0, list(range(13))) == split_validation(13, 3, 0)  # no duplicates: the old split
+
+
+def test_training_keeps_duplicates_out_of_validation(tmp_path, caplog):
+    import logging
+
+    import datasets
+    from accelerate import Accelerator
+
+    from peagle_train.data.prepare import row_keys
+    from peagle_train.training.trainer import Trainer
+
+    from .test_loop import tiny_rows
+    from .test_resume import tiny_setup
+
+    base = tiny_rows(n=8)
+    ids, masks = list(base["input_ids"]), list(base["loss_mask"])
+    copies = (0, 0, 3, 5)  # row 0 three times, rows 3 and 5 twice
+    rows = datasets.Dataset.from_dict({"input_ids": ids + [ids[i] for i in copies],
+                                       "loss_mask": masks + [masks[i] for i in copies]})
+    keys = row_keys(rows)
+    for seed in range(4):
+        t, vocab, draft, cfg = tiny_setup(val_conversations=3, max_steps=1, save_every=None, seed=seed)
+        tr = Trainer(Accelerator(cpu=True), draft, t, rows, vocab.draft_ids, cfg, tmp_path / str(seed))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="peagle_train.training.trainer"):
+            tr.setup()
+        val, train = {i for b in tr.val_batches for i in b}, {i for b in tr.batches for i in b}
+        assert len(val) == 3 and len(train) == 9 and not {keys[i] for i in val} & {keys[i] for i in train}
+        assert ("4 rows duplicate an earlier one exactly; each is on the side of its twins (none in validation has a "
+                "twin in training)") in caplog.text

@@ -2,6 +2,9 @@
 
 Every good record is kept; every bad one is counted under a reason (malformed at reading, dropped at
 normalisation or tokenisation); nothing raises; kept + dropped + malformed = the records in the file.
+The directory test adds the ways data is silently lost or added: JSON arrays concatenated in one
+file, records holding a lone surrogate escape, a UTF-16 file without a byte-order mark, hidden copies
+(.ipynb_checkpoints/, swap files), symlinked files and folders, and exact duplicate conversations.
 """
 
 import json
@@ -9,6 +12,7 @@ import random
 
 import pytest
 
+from peagle_train.data.conversations import normalize_record
 from peagle_train.data.prepare import prepare_data
 
 ANSWER = "I am fine, thank you. The answer is 4."
@@ -142,3 +146,75 @@ def test_fuzzed_json_array_gives_the_same_counts(tmp_path, chatml_tokenizer):
     assert s["conversations_kept"] + sum(s["dropped"].values()) + s["malformed_records_skipped"] == 300
     print(f"\nfuzz (JSON array): 300 records: {len(good_ids)} good kept, {s['malformed_records_skipped']} malformed "
           f"{s['malformed_by_reason']} + {sum(s['dropped'].values())} dropped {s['dropped']}")
+
+
+def half_emoji_record(rng: random.Random, i: int) -> str:
+    """A record (JSON text) holding a lone surrogate escape somewhere: half of an emoji."""
+    text = rng.choice(["cut emoji \\ud83d", "\\udc00 low half first", "pair \\ud83d\\ude00 then half \\ud83c"])
+    where = rng.randrange(3)
+    turns = [{"from": "human", "value": "@Q@" if where == 0 else "hello there"},
+             {"from": "gpt", "value": "@Q@" if where == 1 else ANSWER}]
+    rec = {"id": f"half{i}", "conversations": turns, **({"meta": "@Q@"} if where == 2 else {})}
+    return json.dumps(rec).replace("@Q@", text)
+
+
+def content_key(rec: dict):
+    """What makes two good records the same training row: their normalised messages (or tokens)."""
+    if "input_ids" in rec:
+        return ("tokens", tuple(rec["input_ids"]), tuple(rec["loss_mask"]))
+    return json.dumps(normalize_record(rec)[0], sort_keys=True)
+
+
+def test_fuzzed_directory_counts_concatenation_encodings_hidden_links_and_duplicates(tmp_path, chatml_tokenizer):
+    rng = random.Random(36)
+    root, outside = tmp_path / "data", tmp_path / "outside"
+    (root / ".ipynb_checkpoints").mkdir(parents=True)
+    outside.mkdir()
+    good, n_half, n_records = {}, 0, 0  # good: "file:id" -> content key
+
+    def records(name: str, n: int, halves: bool) -> list[str]:
+        nonlocal n_half, n_records
+        out = []
+        for i in range(n):
+            r, rid = rng.random(), f"{name}{i}"
+            if r < 0.4:
+                rec = good_record(rng, i)
+                while "y y y y" in json.dumps(rec):  # no row cut at max_length: equal content = equal rows
+                    rec = good_record(rng, i)
+                if good and rng.random() < 0.3:  # an exact duplicate of an earlier good record, under another id
+                    src = rng.choice(sorted(good))
+                    rec = json.loads(good[src][1])
+                rec["id"] = rid
+                good[f"{name}.json{'l' if name != 'a' else ''}:{rid}"] = (content_key(rec), json.dumps(rec))
+                out.append(json.dumps(rec))
+            elif r < 0.55 and halves:
+                out.append(half_emoji_record(rng, i).replace(f'"half{i}"', f'"{rid}"'))
+                n_half += 1
+            else:
+                out.append(json.dumps(bad_record(rng, i)))
+        n_records += n
+        return out
+
+    a = records("a", 60, True)
+    a1, a2 = a[:40], a[40:]
+    array = lambda recs: "[\n" + ",\n".join(recs) + "\n]\n"  # noqa: E731
+    (root / "a.json").write_text(array(a1) + array(a2))                              # cat a.json b.json
+    (root / "b.jsonl").write_bytes("\n".join(records("b", 60, False)).encode("utf-16-le"))  # UTF-16, no BOM
+    (outside / "c.jsonl").write_text("\n".join(records("c", 60, True)) + "\n")
+    (root / "c.jsonl").symlink_to(outside / "c.jsonl")                                  # a symlinked file
+    (root / "again").symlink_to(root, target_is_directory=True)                         # a loop: read once
+    (root / ".ipynb_checkpoints" / "a-checkpoint.json").write_text((root / "a.json").read_text())  # hidden copies
+    (root / ".a.json.swp").write_bytes(b"b0VIM\x00" + (root / "a.json").read_bytes())
+    d = prepare_data(root, chatml_tokenizer, 400, num_conversations=None, max_length=512, min_supervised_tokens=1,
+                     draft_vocab_size=20)
+    s = d.summary
+    assert "cut at max_length" not in s["changed"]
+    assert set(d.rows["source"]) == set(good)                # every good record kept once, no copy, no bad one
+    assert s["records_in_file"] == n_records == 180          # the hidden copies are not read
+    dropped, malformed = sum(s["dropped"].values()), s["malformed_records_skipped"]
+    assert s["conversations_kept"] + dropped + malformed == n_records
+    assert s["malformed_by_reason"].get("lone surrogate escape", 0) == n_half > 0
+    keys = [k for k, _ in good.values()]
+    assert s["duplicate_conversations"] == len(keys) - len(set(keys)) > 0
+    print(f"\nfuzz (directory): {n_records} records: {len(good)} good kept ({s['duplicate_conversations']} duplicates), "
+          f"{malformed} malformed {s['malformed_by_reason']} + {dropped} dropped {s['dropped']}")

@@ -212,3 +212,123 @@ def test_k_table_rows_per_k_from_acceptance_dicts():
                        "1.04× / 0.80× (50.0 tok/s) | 8/8 / 7/8 |")
     with pytest.raises(KeyError, match="K = 7 run has no baseline"):
         k_table({7: acc(1.4, [0.3], 0.003, 1.0, 0)})
+
+
+# ---- evaluation tells the truth: unique ids, measured speed-ups, lossless checked like with like ----
+
+def test_duplicate_prompt_ids_are_refused(tmp_path):
+    from peagle_train.evaluation.benchmarks import load_spec_bench
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "ho"}\n\n{"id": "a", "prompt": "hu"}\n')
+    with pytest.raises(BenchmarkError) as e:
+        load_jsonl_prompts(str(f))
+    assert str(e.value) == (f"{f}:4: prompt id 'a' repeats the id of line 1; results are keyed by id, so one of the two "
+                            "would be decoded and its result reported for both. Fix: give every line a unique 'id' (or "
+                            "drop the 'id' fields: the line number is then the id).")
+    f.write_text('{"prompt": "hi"}\n{"id": 1, "prompt": "ho"}\n')  # line 1's id is its line number
+    with pytest.raises(BenchmarkError, match=r"p\.jsonl:2: prompt id 1 repeats the id of line 1;"):
+        load_jsonl_prompts(str(f))
+    f.write_text('{"id": 7, "prompt": "hi"}\n{"id": "7", "prompt": "ho"}\n')  # the same key in results.jsonl
+    with pytest.raises(BenchmarkError, match=r"p\.jsonl:2: prompt id '7' repeats the id of line 1;"):
+        load_jsonl_prompts(str(f))
+    q = tmp_path / "question.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "math", "turns": ["x"]}) + "\n" for i in (81, 82, 81)))
+    with pytest.raises(BenchmarkError, match=r"question\.jsonl:3: prompt id 81 repeats the id of line 1; .* Fix: give "
+                                             r"every line a unique 'question_id'\.$"):
+        load_spec_bench(str(q), None, None)
+    t, d = small_pair(K=3)
+    prompts = [{"id": i, "category": "c", "input_ids": [5, 17, 33 + n]} for n, i in enumerate((7, 8, 7))]
+    with pytest.raises(BenchmarkError) as e:
+        evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=4, out_dir=tmp_path / "e",
+                            plot=False, benchmark="mine")
+    assert str(e.value) == ("mine: prompts 1 and 3 share the id 7; results are keyed by id, so one would be decoded and "
+                            "reported twice. Fix: give every prompt a unique 'id'.")
+    assert not (tmp_path / "e").exists()  # refused before anything is decoded
+
+
+def test_speedup_needs_a_warm_up_and_enough_timed_tokens(tmp_path, monkeypatch):
+    import peagle_train.evaluation.report as report
+    import peagle_train.evaluation.run as run_mod
+    from peagle_train.evaluation.report import format_acceptance
+
+    t, d = small_pair(K=3)
+    calls, real = [], run_mod.generate
+
+    def spy(target, draft, prompts, K, max_new_tokens, eos, **kw):
+        calls.append(("target" if draft is None else "head", len(prompts), max_new_tokens))
+        return real(target, draft, prompts, K, max_new_tokens, eos, **kw)
+
+    monkeypatch.setattr(run_mod, "generate", spy)
+    prompts = [{"id": 0, "category": "c", "input_ids": [5, 17, 33, 2, 90]}]  # a quick run: 1 prompt, few tokens
+    kw = dict(num_speculative_tokens=3, max_new_tokens=40, plot=False, precision="fp32")
+    r = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "quick", **kw)
+    assert calls == [("target", 1, 16), ("head", 1, 16), ("target", 1, 40), ("head", 1, 40)]  # warm-up, then timed
+    decoded = {x["decoder"]: len(x["tokens"]) for x in map(json.loads, (tmp_path / "quick" / "results.jsonl").open())}
+    assert r["timed_tokens"] == decoded and r["warmup_excluded"] is True  # the warm-up is in no result
+    assert r["speedup"] is None and r["per_category"]["c"]["speedup"] is None
+    assert r["speedup_not_measured"] == (
+        f"too few tokens timed (the head: {decoded['head']}, the target alone: {decoded['target']}; a speed-up needs at "
+        "least 256 each, warm-up excluded). Fix: more prompts (eval.num_prompts) or a larger eval.max_new_tokens")
+    assert json.loads((tmp_path / "quick" / "acceptance.json").read_text())["speedup"] is None
+    assert f"(speedup not measured: too few tokens timed (the head: {decoded['head']}," in format_acceptance(r)
+    calls.clear()
+    evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "quick", **kw)  # resumed: nothing decoded, no warm-up
+    assert calls == []
+    monkeypatch.setattr(report, "MIN_TIMED_TOKENS", 8)  # enough tokens timed: measured
+    r = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "enough", **kw)
+    assert r["speedup"] == pytest.approx(r["tokens_per_second"] / r["target_only_tokens_per_second"])
+    assert "speedup_not_measured" not in r and "(speedup " in format_acceptance(r)
+
+
+def test_k_table_says_not_measured_and_not_checked():
+    from peagle_train.evaluation.report import k_table
+
+    why = "too few tokens timed (the head: 8, the target alone: 8; ...)"
+    base = {"acceptance_length": 1.0, "per_position_acceptance": [0.0], "draft_seconds_per_step": 0.001,
+            "speedup": None, "speedup_not_measured": why, "lossless_mismatches": None,
+            "lossless_not_checked": "not checked: bf16 at batch 8; ...", "num_prompts": 1, "num_turns": 1,
+            "target_only_tokens_per_second": 50.0}
+    rows = k_table({3: {**base, "baseline": dict(base)}}).splitlines()
+    assert rows[2] == ("| 3 | 1.000 | 1.000 | 0.000 | 0.000 | 1.0 / 1.0 ms | not measured / not measured (50.0 tok/s) | "
+                       "not checked / not checked |")
+    assert rows[3:] == ["", f"Not measured or not checked: {why}.",
+                        "Not measured or not checked: not checked: bf16 at batch 8; ...."]
+
+
+def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
+    from peagle_train.decoding import amx_linear
+    from peagle_train.decoding.engine import GenerationResult
+    from peagle_train.evaluation.report import format_acceptance, summarize
+    from peagle_train.evaluation.run import _row
+
+    monkeypatch.setitem(amx_linear._state, "ext", None)  # oneDNN's bf16: no kernel build inside a unit test
+    t, d = small_pair(K=3)
+    _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
+    prompts = [{"id": i, "category": "c", "input_ids": [5 + i, 17, 33, 2, 90][: 3 + i]} for i in range(3)]
+    kw = dict(num_speculative_tokens=3, max_new_tokens=12, plot=False, precision="bf16", baseline_draft=e3)
+    r = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "b2", batch_size=2, **kw)
+    why = ("not checked: bf16 at batch 2; the rounding of every forward depends on which rows share the batch, and no "
+           "target-alone pass can share the speculative run's batches. Run with eval.batch_size=1 (compared with the "
+           "target alone in the verifier's numerics) or precision=fp32 (exact) to check it")
+    assert r["lossless"] is None and r["lossless_mismatches"] is None and r["num_lossless_prompts"] is None
+    assert r["lossless_not_checked"] == r["lossless_definition"] == why
+    assert r["baseline"]["lossless"] is None and r["baseline"]["lossless_not_checked"] == why
+    res = {(x["id"], x["decoder"]): x["tokens"] for x in map(json.loads, (tmp_path / "b2" / "results.jsonl").open())}
+    assert r["turns_differing_from_target_alone"] == sum(res[(i, "head")] != res[(i, "target")] for i in range(3))
+    rows = list(csv.DictReader(open(tmp_path / "b2" / "per_prompt.csv")))
+    assert [x["lossless"] for x in rows] == ["", "", ""] and {x["equals_target_alone"] for x in rows} <= {"True", "False"}
+    one = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "b1", batch_size=1, **kw)  # batch 1: checked
+    assert isinstance(one["lossless"], bool) and "lossless_not_checked" not in one
+    assert one["lossless_definition"].startswith("speculative output == the target alone decoded in the verifier's")
+    # a turn that differs from the target alone in a bf16 batch is counted, never reported as a failure
+    differ = {"target": GenerationResult([1, 2, 3], seconds=0.1), "head": GenerationResult([1, 2, 4], [0, 0, 0], seconds=0.1)}
+    row = _row({"id": 1, "category": "c"}, 1, 5, differ, True, checked=False)
+    assert row["lossless"] is None and row["equals_target_alone"] is False
+    s = summarize([row], {k: [v] for k, v in differ.items()}, K=3, max_new_tokens=3, temperature=0.0, batch_size=8,
+                  precision="bf16", skipped={})
+    assert s["lossless"] is None and s["turns_differing_from_target_alone"] == 1
+    assert "| lossless: not checked: bf16 at batch 8; the rounding" in format_acceptance(s)
+    s = summarize([_row({"id": 1, "category": "c"}, 1, 5, differ, True)], {k: [v] for k, v in differ.items()}, K=3,
+                  max_new_tokens=3, temperature=0.0, batch_size=8, precision="fp32", skipped={})
+    assert s["lossless"] is False and s["lossless_mismatches"] == 1  # in fp32 the check is exact: a real failure

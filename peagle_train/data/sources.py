@@ -16,6 +16,7 @@ a second run with the same file is a cache hit and reads nothing but the Arrow f
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,8 @@ import datasets
 from ..io import atomic_write_json
 from ..provenance import digest, sha256_file
 from .conversations import DataFileError, normalize_record, read_records, read_summary
+
+logger = logging.getLogger(__name__)
 
 NORMALIZE_VERSION = "3"  # bump when the normalisation rules change: invalidates cached Arrow tables
 FEATURES = datasets.Features({
@@ -76,9 +79,10 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None) -> tuple[
     directory are read with `datasets`.
 
     Raises:
-        DataFileError: the path does not exist, cannot be read, or holds no record (names the path
-            and the fix).
+        DataFileError: the path is empty, does not exist, cannot be read, or holds no record (names
+            the path and the fix).
     """
+    check_data_path(path)
     path = Path(path).expanduser()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if path.is_dir():
@@ -90,6 +94,15 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None) -> tuple[
     if _is_parquet(path):
         return _load_with_datasets(path, [path], sha, path.stat().st_size, cache)
     return _load_json_files(path, [path], sha, path.stat().st_size, cache)
+
+
+def check_data_path(path, key: str = "data.path") -> None:
+    """Refuse an empty or blank path (an unset shell variable in `data.path=$DATA`), which would
+    otherwise name the working directory. Raises DataFileError naming `key` and the fix."""
+    if path is None or not str(path).strip():
+        raise DataFileError(f"{key} is empty ({'null' if path is None else repr(str(path))}): no data file or "
+                            f"directory is named (an unset shell variable?). Fix: set {key}=FILE, a JSON/JSONL/Parquet "
+                            "file or a dataset directory.")
 
 
 def _is_parquet(path: Path) -> bool:
@@ -179,9 +192,11 @@ JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".json.bz2", ".json
 
 def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, SourceInfo]:
     """A `save_to_disk` directory (read with `datasets`), or a directory of .parquet files (read with
-    `datasets`) or of JSON/JSONL files (each through `read_records`, as a single file is)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    listing = digest("".join(f"{f.relative_to(path)}:{sha256_file(f, memo_dir=cache)}\n" for f in files))
+    `datasets`) or of JSON/JSONL files (each through `read_records`, as a single file is). Files are
+    listed by `list_data_files` (hidden ones skipped, symlinks followed; both noted)."""
+    files, walk_notes = list_data_files(path)
+    listing = digest("".join(f"{f.relative_to(path)}:{sha256_file(f, memo_dir=cache)}\n" for f in files),
+                     *walk_notes)
     size = sum(f.stat().st_size for f in files)
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
         return _load_with_datasets(path, None, listing, size, cache)
@@ -191,14 +206,80 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
         raise DataFileError(f"{path} holds both .parquet ({len(parquet)}) and JSON/JSONL ({len(jsons)}) files. "
                             "Fix: keep one kind per directory, or list them as data.mix entries.")
     if not parquet and not jsons:
+        seen = f" ({'; '.join(walk_notes)})" if walk_notes else ""
         raise DataFileError(f"{path} is a directory without a saved dataset (dataset_info.json) or "
-                            ".parquet/.json/.jsonl files. Fix: point data.path at a file or a dataset directory.")
+                            f".parquet/.json/.jsonl files{seen}. Fix: point data.path at a file or a dataset directory.")
     used = parquet or jsons
     ignored = [str(f.relative_to(path)) for f in files if f not in used]
     notes = [f"{len(used)} files; {len(ignored)} other files ignored ({', '.join(ignored[:5])})"] if ignored else []
+    notes += walk_notes
+    for n in walk_notes:
+        logger.info("%s: %s", path, n)
     if parquet:
         return _load_with_datasets(path, parquet, listing, size, cache, notes)
     return _load_json_files(path, jsons, listing, size, cache, notes)
+
+
+def _shown(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def list_data_files(root: Path) -> tuple[list[Path], list[str]]:
+    """The files under directory `root` that are read as data, sorted, and notes on what was not read.
+
+    Hidden files and folders (a name starting with "."; e.g. .ipynb_checkpoints/, editor swap files,
+    .DS_Store) are skipped, as `datasets` skips them: they hold copies that would double the data.
+    Symlinked files and folders are followed; a folder reached again (a symlink loop, or a second
+    link to it) is read once, a file reached through several links is read once, and a broken link
+    is skipped. Each of these is noted with its count and the first names (relative to `root`)."""
+    root = Path(root)
+    files, hidden, broken, loops, twice, links = [], [], [], [], [], []
+    seen_dirs, seen_files = {os.path.realpath(root)}, {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        here = Path(dirpath)
+        keep = []
+        for d in sorted(dirnames):
+            rel = str((here / d).relative_to(root))
+            if d.startswith("."):
+                hidden.append(rel + "/")
+                continue
+            real = os.path.realpath(here / d)
+            if real in seen_dirs:
+                loops.append(rel + "/")
+                continue
+            seen_dirs.add(real)
+            if (here / d).is_symlink():
+                links.append(rel + "/")
+            keep.append(d)
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            f = here / name
+            rel = str(f.relative_to(root))
+            if name.startswith("."):
+                hidden.append(rel)
+            elif not f.exists():
+                broken.append(rel)
+            elif not f.is_file():
+                continue  # a socket or fifo: not data
+            elif (real := os.path.realpath(f)) in seen_files:
+                twice.append(f"{rel} = {seen_files[real]}")
+            else:
+                seen_files[real] = rel
+                if f.is_symlink():
+                    links.append(rel)
+                files.append(f)
+    notes = []
+    if hidden:
+        notes.append(f"{len(hidden)} hidden files and folders skipped ({_shown(hidden)})")
+    if links:
+        notes.append(f"{len(links)} symlinks followed ({_shown(links)})")
+    if loops:
+        notes.append(f"{len(loops)} symlinked folders already read skipped (a loop or a second link: {_shown(loops)})")
+    if twice:
+        notes.append(f"{len(twice)} files reached through a second link read once ({_shown(twice)})")
+    if broken:
+        notes.append(f"{len(broken)} broken symlinks skipped ({_shown(broken)})")
+    return sorted(files), notes
 
 
 def _load_with_datasets(path: Path, parquet: list[Path] | None, digest: str, size: int, cache: Path,

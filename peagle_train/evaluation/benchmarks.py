@@ -34,6 +34,14 @@ def _read_jsonl(p: Path, what: str) -> list[tuple[int, dict]]:
     return out
 
 
+def _check_new_id(p: Path, lineno: int, rid, seen: dict[str, int], fix: str) -> None:
+    """Refuse an id already used at line seen[str(rid)] of `p` (results are keyed by id)."""
+    first = seen.setdefault(str(rid), lineno)
+    if first != lineno:
+        raise BenchmarkError(f"{p}:{lineno}: prompt id {rid!r} repeats the id of line {first}; results are keyed by "
+                             f"id, so one of the two would be decoded and its result reported for both. Fix: {fix}.")
+
+
 def _round_robin(pool: dict[str, list[dict]], num_prompts: int | None) -> list[dict]:
     out, i = [], 0
     total = sum(len(v) for v in pool.values())
@@ -57,6 +65,7 @@ def load_spec_bench(path: str, categories: tuple[str, ...] | None, num_prompts: 
     """
     p = resolve_path(path)
     pool: dict[str, list[dict]] = {}
+    seen: dict[str, int] = {}
     for lineno, q in _read_jsonl(p, "a Spec-Bench question.jsonl"):
         try:
             turns = [str(t) for t in q["turns"]]
@@ -64,6 +73,7 @@ def load_spec_bench(path: str, categories: tuple[str, ...] | None, num_prompts: 
                     "turns": turns if all_turns else turns[:1]}
         except (KeyError, IndexError, TypeError) as e:
             raise BenchmarkError(f"{p}:{lineno}: malformed question ({e!r}). Fix: each line needs question_id, category, turns.") from e
+        _check_new_id(p, lineno, item["id"], seen, "give every line a unique 'question_id'")
         if categories is None or item["category"] in categories:
             pool.setdefault(item["category"], []).append(item)
     if not pool:
@@ -94,12 +104,16 @@ def load_jsonl_prompts(path: str, num_prompts: int | None = None) -> list[dict]:
     """A user JSONL: per line {"prompt": str} or {"turns": [str, ..]} or {"messages": [{role, content}, ..]}
     (a conversation whose last message is the user's), with optional "id" and "category".
 
-    Raises BenchmarkError naming the line of a record with none of these fields."""
+    Raises BenchmarkError naming the line of a record with none of these fields, or of a record
+    whose id repeats an earlier line's (a line without an id has its line number as id)."""
     p = resolve_path(path)
     out = []
+    seen: dict[str, int] = {}
     for lineno, r in _read_jsonl(p, "a JSONL of prompts"):
         item = {"id": r.get("id", lineno) if isinstance(r, dict) else lineno,
                 "category": r.get("category", "default") if isinstance(r, dict) else "default"}
+        _check_new_id(p, lineno, item["id"], seen, "give every line a unique 'id' (or drop the 'id' fields: the "
+                      "line number is then the id)")
         if isinstance(r, dict) and isinstance(r.get("prompt"), str):
             item["turns"] = [r["prompt"]]
         elif isinstance(r, dict) and isinstance(r.get("turns"), list) and r["turns"]:

@@ -11,8 +11,15 @@ it: a 1-token bf16 forward rounds differently, so near-ties flip). The KV entrie
 drafts still come from other rows of the verify forward than in the reference, so a near-tie can
 flip there too: every turn that differs is counted in `lossless_mismatches` (and, below fp32, those
 that differ from the 1-token target alone in `mismatches_vs_one_token_target`). In batches > 1 the
-matmul shapes follow which rows are still decoding, so below fp32 the comparison is with the
-target alone and only counted.
+matmul shapes follow which rows are still decoding, so no target-alone pass rounds as the verifier
+did: below fp32 in batches the check is not made (`lossless` null, `lossless_not_checked` says why)
+and the turns that differ from the target alone are only counted
+(`turns_differing_from_target_alone`), never reported as a failure.
+
+Speeds: every decoder is warmed up before the timed decodes (run.py), and a speed-up is reported
+only when at least MIN_TIMED_TOKENS tokens were timed for each side of the ratio; otherwise
+`speedup` is null and `speedup_not_measured` gives the reason (a handful of tokens measures start-up
+costs and timer noise, not decoding speed).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 
 from ..decoding.engine import GenerationResult
 
+MIN_TIMED_TOKENS = 256  # tokens timed per side of a speed-up (warm-up excluded) before it is reported
 TAU_CONVENTION = ("tau = 1 + accepted drafts per verify step, averaged over verify steps "
                   "(vLLM: 1 + accepted / drafts per step)")
 
@@ -68,11 +76,26 @@ def per_position_acceptance(steps: list[int], K: int) -> tuple[list[float], list
     return uncond, cond
 
 
-def _spec_summary(results: list[GenerationResult], K: int, base_tps: float) -> dict:
+def speedup_or_reason(tps: float, tokens: int, base_tps: float, base_tokens: int,
+                      what: str = "the head") -> tuple[float | None, str | None]:
+    """(tokens/s ÷ the target alone's tokens/s, None), or (None, why it is not measured): fewer than
+    MIN_TIMED_TOKENS tokens timed for `what` or for the target alone (warm-up excluded), or no time."""
+    if tokens < MIN_TIMED_TOKENS or base_tokens < MIN_TIMED_TOKENS:
+        return None, (f"too few tokens timed ({what}: {tokens}, the target alone: {base_tokens}; a speed-up needs at "
+                      f"least {MIN_TIMED_TOKENS} each, warm-up excluded). Fix: more prompts (eval.num_prompts) or a "
+                      "larger eval.max_new_tokens")
+    if not (tps > 0 and base_tps > 0):
+        return None, "no decoding time was measured"
+    return tps / base_tps, None
+
+
+def _spec_summary(results: list[GenerationResult], K: int, base_tps: float, base_tokens: int = 0) -> dict:
     steps = [a for r in results for a in r.accepted]
     sec = sum(r.seconds for r in results)
-    tps = sum(len(r.tokens) for r in results) / sec if sec else 0.0
+    tokens = sum(len(r.tokens) for r in results)
+    tps = tokens / sec if sec else 0.0
     uncond, cond = per_position_acceptance(steps, K)
+    speedup, why = speedup_or_reason(tps, tokens, base_tps, base_tokens)
     return {
         "acceptance_length": _tau(steps),
         "per_position_acceptance": uncond,
@@ -81,7 +104,9 @@ def _spec_summary(results: list[GenerationResult], K: int, base_tps: float) -> d
         "draft_forwards": sum(r.draft_forwards for r in results),
         "target_forwards": sum(r.target_forwards for r in results),
         "tokens_per_second": tps,
-        "speedup": tps / base_tps if base_tps else 0.0,
+        "timed_tokens": tokens,
+        "speedup": speedup,
+        **({"speedup_not_measured": why} if why else {}),
         # wall time of drafting per verify step (s; with batches, a row's share of the batch's)
         "draft_seconds_per_step": sum(r.draft_seconds for r in results) / len(steps) if steps else 0.0,
         "time_shares": {"drafting": sum(r.draft_seconds for r in results) / sec if sec else 0.0,
@@ -109,9 +134,15 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
     """The acceptance dict of an evaluation from its per-turn `rows` (as in per_prompt.csv) and the
     GenerationResults of each decoder ("target", "head", optional "baseline_head"), row-aligned."""
     base_sec = sum(r.seconds for r in res_all["target"])
-    base_tps = sum(len(r.tokens) for r in res_all["target"]) / base_sec if base_sec else 0.0
-    head = _spec_summary(res_all["head"], K, base_tps)
+    base_tokens = sum(len(r.tokens) for r in res_all["target"])
+    base_tps = base_tokens / base_sec if base_sec else 0.0
+    head = _spec_summary(res_all["head"], K, base_tps, base_tokens)
     greedy = temperature <= 0
+    checked = greedy and (precision == "fp32" or batch_size == 1)  # below fp32 in batches: no like-for-like reference
+    not_checked = None if checked or not greedy else (
+        f"not checked: {precision} at batch {batch_size}; the rounding of every forward depends on which rows share "
+        "the batch, and no target-alone pass can share the speculative run's batches. Run with eval.batch_size=1 "
+        "(compared with the target alone in the verifier's numerics) or precision=fp32 (exact) to check it")
     result = {
         "acceptance_length": head["acceptance_length"],
         "acceptance_length_stderr": ratio_stderr([(r["tau"] - 1) * r["verify_steps"] for r in rows],
@@ -127,34 +158,40 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
         "batch_size": batch_size,
         "shared_forwards": batch_size > 1,
         "precision": precision,
-        "lossless": all(r["lossless"] for r in rows) if greedy else None,
-        "lossless_mismatches": sum(not r["lossless"] for r in rows) if greedy else None,
+        "lossless": all(r["lossless"] for r in rows) if checked else None,
+        "lossless_mismatches": sum(not r["lossless"] for r in rows) if checked else None,
         "lossless_definition": None if not greedy else (
-            ("speculative output == the target alone, fp32, exactly" if precision == "fp32" else
-             f"speculative output == the target alone in {precision}; batch {batch_size}: the rounding depends on the "
-             "batch's composition, mismatches = turns that differ") if "reference" not in res_all else
+            "speculative output == the target alone, fp32, exactly" if precision == "fp32" else
             f"speculative output == the target alone decoded in the verifier's numerics ({precision}, every token from "
-            f"a (K+1) = {K + 1}-token forward as the verifier computes it); mismatches = turns that differ"),
+            f"a (K+1) = {K + 1}-token forward as the verifier computes it); mismatches = turns that differ"
+            if checked else not_checked),
+        **({"lossless_not_checked": not_checked,
+            "turns_differing_from_target_alone": sum(not r["equals_target_alone"] for r in rows)} if not_checked else {}),
         **({"mismatches_vs_one_token_target": sum(not r["equals_one_token_target"] for r in rows)}
            if greedy and "reference" in res_all else {}),
-        "num_lossless_prompts": sum(bool(r["lossless"]) for r in rows),
+        "num_lossless_prompts": sum(bool(r["lossless"]) for r in rows) if checked else None,
         "verify_steps": head["verify_steps"],
         "draft_forwards": head["draft_forwards"],
         "target_forwards": head["target_forwards"],
         "tokens_per_second": head["tokens_per_second"],
         "draft_seconds_per_step": head["draft_seconds_per_step"],
         "target_only_tokens_per_second": base_tps,
+        "timed_tokens": {"target": base_tokens, "head": head["timed_tokens"]},
+        "warmup_excluded": True,
         "speedup": head["speedup"],
+        **({"speedup_not_measured": head["speedup_not_measured"]} if "speedup_not_measured" in head else {}),
         "time_shares": head["time_shares"],
         "latency": {"target": _latency(res_all["target"]), "head": head["latency"]},
         "skipped": skipped,
         "per_category": {},
     }
     if baseline_algorithm is not None:
-        bl = _spec_summary(res_all["baseline_head"], K, base_tps)
+        bl = _spec_summary(res_all["baseline_head"], K, base_tps, base_tokens)
         bl["algorithm"] = baseline_algorithm
-        bl["lossless"] = all(r["baseline_lossless"] for r in rows) if greedy else None
-        bl["lossless_mismatches"] = sum(not r["baseline_lossless"] for r in rows) if greedy else None
+        bl["lossless"] = all(r["baseline_lossless"] for r in rows) if checked else None
+        bl["lossless_mismatches"] = sum(not r["baseline_lossless"] for r in rows) if checked else None
+        if not_checked:
+            bl["lossless_not_checked"] = not_checked
         result["latency"]["baseline_head"] = bl.pop("latency")
         result["baseline"] = bl
     if train_metrics and train_metrics.get("cond_acc"):
@@ -165,16 +202,17 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
                                  "k_train": len(train_metrics["cond_acc"]), "source": train_metrics.get("source", "train")}
     for cat in dict.fromkeys(r["category"] for r in rows):
         sel = [n for n, r in enumerate(rows) if r["category"] == cat]
-        cs = _spec_summary([res_all["head"][n] for n in sel], K, 0.0)
         cb = [res_all["target"][n] for n in sel]
-        cb_sec = sum(r.seconds for r in cb)
-        cb_tps = sum(len(r.tokens) for r in cb) / cb_sec if cb_sec else 0.0
+        cb_sec, cb_tokens = sum(r.seconds for r in cb), sum(len(r.tokens) for r in cb)
+        cb_tps = cb_tokens / cb_sec if cb_sec else 0.0
+        cs = _spec_summary([res_all["head"][n] for n in sel], K, cb_tps, cb_tokens)
         result["per_category"][cat] = {
             "num_prompts": len({rows[n]["id"] for n in sel}), "num_turns": len(sel),
             "acceptance_length": cs["acceptance_length"], "per_position_acceptance": cs["per_position_acceptance"],
             "per_position_acceptance_conditional": cs["per_position_acceptance_conditional"],
             "tokens_per_second": cs["tokens_per_second"], "target_only_tokens_per_second": cb_tps,
-            "speedup": cs["tokens_per_second"] / cb_tps if cb_tps else 0.0,
+            "speedup": cs["speedup"],
+            **({"speedup_not_measured": cs["speedup_not_measured"]} if "speedup_not_measured" in cs else {}),
         }
         if baseline_algorithm is not None:
             result["per_category"][cat]["baseline_acceptance_length"] = _tau(
@@ -228,14 +266,14 @@ def format_acceptance(r: dict) -> str:
     lines = [
         f"τ (acceptance length) = {r['acceptance_length']:.3f}"
         + (f" ± {r['acceptance_length_stderr']:.3f}" if r.get("acceptance_length_stderr") else "") + f" at K={r['num_speculative_tokens']} over "
-        f"{r['num_prompts']} prompts | per-position acceptance [{pos}] | lossless: {r['lossless']} "
-        f"({r['num_lossless_prompts']}/{r.get('num_turns', r['num_prompts'])}, {r.get('precision', 'fp32')}) | {r['tokens_per_second']:.1f} tok/s vs target alone "
-        f"{r['target_only_tokens_per_second']:.1f} tok/s (speedup {r['speedup']:.2f}x)"
+        f"{r['num_prompts']} prompts | per-position acceptance [{pos}] | lossless: {_lossless_text(r)} | "
+        f"{r['tokens_per_second']:.1f} tok/s vs target alone "
+        f"{r['target_only_tokens_per_second']:.1f} tok/s ({speedup_text(r)})"
     ]
     if "baseline" in r:
         b = r["baseline"]
         lines.append(f"baseline ({b['algorithm']}): τ = {b['acceptance_length']:.3f}, {b['tokens_per_second']:.1f} tok/s "
-                     f"(speedup {b['speedup']:.2f}x), lossless: {b['lossless']}")
+                     f"({speedup_text(b)}), lossless: {_lossless_text({**b, 'precision': r.get('precision')})}")
     if "draft_seconds_per_step" in r:
         per = f"drafting per verify step: head {1000 * r['draft_seconds_per_step']:.1f} ms"
         if "baseline" in r:
@@ -256,6 +294,25 @@ def format_acceptance(r: dict) -> str:
     if any(r.get("skipped", {}).values()):
         lines.append(f"skipped: {r['skipped']}")
     return "\n".join(lines)
+
+
+def speedup_text(r: dict, short: bool = False) -> str:
+    """"speedup 1.23x", or "speedup not measured: <reason>" (short: "not measured") for an
+    acceptance dict (or its baseline) whose `speedup` is null."""
+    if r.get("speedup") is not None:
+        return f"{r['speedup']:.2f}×" if short else f"speedup {r['speedup']:.2f}x"
+    if short:
+        return "not measured"
+    return f"speedup not measured: {r.get('speedup_not_measured') or 'no timing in this result'}"
+
+
+def _lossless_text(r: dict) -> str:
+    if r.get("lossless") is None:
+        return r.get("lossless_not_checked") or "not checked (sampling, temperature > 0)"
+    turns = r.get("num_turns", r.get("num_prompts"))
+    if r.get("num_lossless_prompts") is None:  # a baseline: its mismatch count
+        return f"{r['lossless']} ({r.get('lossless_mismatches')} mismatches)"
+    return f"{r['lossless']} ({r['num_lossless_prompts']}/{turns}, {r.get('precision', 'fp32')})"
 
 
 def _tau(accepted: list[int]) -> float:
@@ -279,9 +336,12 @@ def k_table(results: dict[int, dict]) -> str:
             raise KeyError(f"the K = {K} run has no baseline head: run it with baseline_head=...")
         b, turns = r["baseline"], r.get("num_turns", r["num_prompts"])
         acc = [", ".join(f"{a:.3f}" for a in x["per_position_acceptance"][:3]) for x in (r, b)]
-        lossless = [f"{turns - x['lossless_mismatches']}/{turns}" for x in (r, b)]
+        lossless = ["not checked" if x.get("lossless_mismatches") is None else
+                    f"{turns - x['lossless_mismatches']}/{turns}" for x in (r, b)]
         lines.append(f"| {K} | {r['acceptance_length']:.3f} | {b['acceptance_length']:.3f} | {acc[0]} | {acc[1]} | "
                      f"{1000 * r['draft_seconds_per_step']:.1f} / {1000 * b['draft_seconds_per_step']:.1f} ms | "
-                     f"{r['speedup']:.2f}× / {b['speedup']:.2f}× ({r['target_only_tokens_per_second']:.1f} tok/s) | "
+                     f"{speedup_text(r, True)} / {speedup_text(b, True)} ({r['target_only_tokens_per_second']:.1f} tok/s) | "
                      f"{lossless[0]} / {lossless[1]} |")
-    return "\n".join(lines)
+    reasons = dict.fromkeys(x[k] for r in results.values() for x in (r, r["baseline"])
+                            for k in ("speedup_not_measured", "lossless_not_checked") if x.get(k))
+    return "\n".join(lines + ([""] + [f"Not measured or not checked: {why}." for why in reasons] if reasons else []))

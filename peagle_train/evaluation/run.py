@@ -153,22 +153,25 @@ def _result(rec: dict) -> GenerationResult:
     return GenerationResult(**{k: rec[k] for k in GenerationResult.__dataclass_fields__})
 
 
-def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult], greedy: bool) -> dict:
+def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult], greedy: bool,
+         checked: bool = True) -> dict:
     """One per_prompt.csv row for a turn from its results per decoder. Lossless compares with the
     "reference" decoder (the target alone in the verifier's numerics) where there is one, else
-    with the target alone."""
+    with the target alone; with `checked` False (below fp32 in batches, report.py) it is None and
+    `equals_target_alone` only records whether the outputs are equal."""
     b, s = res["target"], res["head"]
     ref = res.get("reference", b)
     row = {"id": q["id"], "category": q["category"], "turn": turn, "prompt_tokens": prompt_tokens,
            "new_tokens": len(s.tokens), "verify_steps": len(s.accepted), "tau": _tau(s.accepted),
-           "lossless": (s.tokens == ref.tokens) if greedy else None,
+           "lossless": (s.tokens == ref.tokens) if greedy and checked else None,
+           **({"equals_target_alone": s.tokens == b.tokens} if greedy and not checked else {}),
            **({"equals_one_token_target": s.tokens == b.tokens} if "reference" in res and greedy else {}),
            "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
            "spec_seconds": round(s.seconds, 4), "target_only_seconds": round(b.seconds, 4)}
     if "baseline_head" in res:
         r = res["baseline_head"]
         row.update({"baseline_tau": _tau(r.accepted), "baseline_new_tokens": len(r.tokens),
-                    "baseline_lossless": (r.tokens == ref.tokens) if greedy else None,
+                    "baseline_lossless": (r.tokens == ref.tokens) if greedy and checked else None,
                     "baseline_seconds": round(r.seconds, 4)})
     for name, r in res.items():
         if name == "reference":
@@ -177,6 +180,24 @@ def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult
         row.update({f"{pre}_ttft_s": round(r.first_token_seconds, 5),
                     f"{pre}_tpot_s": round(r.time_per_output_token, 5), f"{pre}_latency_s": round(r.seconds, 4)})
     return row
+
+
+WARMUP_TOKENS = 16  # new tokens of the untimed warm-up decode each decoder runs before the timed ones
+
+
+def check_unique_ids(prompts: list[dict], benchmark: str = "prompts") -> None:
+    """Refuse prompts that share an id: results are keyed by (benchmark, id, turn, decoder), so a
+    repeated id would be decoded once and its result reported for every prompt that has it.
+
+    Raises BenchmarkError naming the id and the positions of the prompts that share it."""
+    first: dict[str, int] = {}
+    for n, q in enumerate(prompts):
+        key = str(q["id"])
+        if key in first:
+            raise BenchmarkError(f"{benchmark}: prompts {first[key] + 1} and {n + 1} share the id {q['id']!r}; results "
+                                 "are keyed by id, so one would be decoded and reported twice. Fix: give every prompt a "
+                                 "unique 'id'.")
+        first[key] = n
 
 
 EVAL_KEYS = ("num_speculative_tokens", "max_new_tokens", "batch_size", "temperature", "seed", "plot", "benchmark")
@@ -217,17 +238,24 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     at batch 1 it is compared with the target alone decoded in the verifier's numerics (decoder
     "reference": every token from a (K+1)-token forward, as the verifier computes it), and the
     turns that differ from the 1-token target alone are counted too
-    (`mismatches_vs_one_token_target`); below fp32 in larger batches, with the target alone (the
-    rounding then depends on the batch's composition; mismatches are counted).
+    (`mismatches_vs_one_token_target`); below fp32 in larger batches the check is not made
+    (`lossless` None, `lossless_not_checked` gives the reason: the rounding depends on the batch's
+    composition, which no target-alone pass shares) and the turns that differ from the target
+    alone are only counted (`turns_differing_from_target_alone`).
+    Speeds: before the first timed decode every decoder decodes the first prompt for up to
+    WARMUP_TOKENS tokens, untimed (first-call costs: allocations, kernel selection); a speed-up is
+    reported only over at least report.MIN_TIMED_TOKENS timed tokens per side (else `speedup` is
+    None and `speedup_not_measured` says why).
     Writes out_dir/results.jsonl (+ results.meta.json) as it goes, then out_dir/acceptance.json
     (report.summarize: τ and its convention, per-position acceptance unconditional and
     conditional, lossless and its mismatch count, forward counts, speeds, time shares, latency,
     per category, skipped, optional baseline and calibration), per_prompt.csv and acceptance.png.
     Returns the acceptance dict.
 
-    Raises BenchmarkError when no prompt could be decoded.
+    Raises BenchmarkError when no prompt could be decoded or two prompts share an id.
     """
     K = num_speculative_tokens
+    check_unique_ids(prompts, benchmark)
     greedy = temperature <= 0
     if precision is not None:
         resolved, (draft, baseline_draft) = prepare_for_decoding(target, [draft, baseline_draft], precision)
@@ -246,7 +274,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                                          if baseline_draft is not None else [])
     meta = {"num_speculative_tokens": K, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
             "batch_size": batch_size, "precision": prec_name, "eos": sorted(eos),
-            "heads": {name: head_fingerprint(d) for name, d, _ in heads}}
+            "heads": {name: head_fingerprint(d) for name, d, _ in heads}, "timing": "warm-up excluded"}
     results = ResultLog(out_dir, meta)
     if results.reused:
         logger.info("resuming %s: %d results already decoded", results.path, results.reused)
@@ -261,6 +289,8 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     # batches the matmul shapes follow which rows are still decoding, so no reference can match them.
     reference = greedy and prec_name != "fp32" and batch_size == 1
     decoders = [("target", None, target)] + ([("reference", None, target)] if reference else []) + heads
+    checked = prec_name == "fp32" or batch_size == 1  # report.py: below fp32 in batches no reference matches
+    warm = False
     batch_order = _by_first_turn_length(prompts, tokenizer) if batch_size > 1 else list(range(len(prompts)))
     for b0 in range(0, len(prompts), batch_size):
         idx = batch_order[b0:b0 + batch_size]
@@ -293,6 +323,11 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                 todo = [(i, ids) for i, ids in jobs if (benchmark, str(prompts[i]["id"]), turn, name) not in results.done]
                 if not todo:
                     continue
+                if not warm:  # first-call costs out of the timed decodes: every decoder, untimed, once
+                    for wname, wd, wt in decoders:
+                        generate(wt, wd, [todo[0][1]], K, min(max_new_tokens, WARMUP_TOKENS), eos,
+                                 verifier_numerics=wname == "reference")
+                    warm = True
                 out = generate(t, d, [ids for _, ids in todo], K, max_new_tokens, eos, temperature=temperature,
                                generator=gen, verifier_numerics=name == "reference")
                 for (i, ids), r in zip(todo, out):
@@ -304,7 +339,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                 if "input_ids" not in q:
                     histories[i].append({"role": "assistant",
                                          "content": tokenizer.decode(res["target"].tokens, skip_special_tokens=True)})
-                done_turns.append(((i, turn), _row(q, turn, len(ids), res, greedy), res))
+                done_turns.append(((i, turn), _row(q, turn, len(ids), res, greedy, checked), res))
             bar.update(seen)
     bar.close()
     results.close()

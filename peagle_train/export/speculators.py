@@ -317,7 +317,7 @@ def model_card(cfg: dict, card: dict) -> str:
         for name, r in acc.items():
             pos = ", ".join(f"{x:.3f}" for x in r["per_position_acceptance"])
             lines.append(f"| {name} | {r['num_prompts']} | {r['num_speculative_tokens']} | {r['acceptance_length']:.3f} | "
-                         f"{pos} | {r['lossless']} |")
+                         f"{pos} | {'not checked' if r['lossless'] is None else r['lossless']} |")
     else:
         lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
     vllm = "vLLM " + (VLLM_WINDOW if peagle else "0.22 or later")

@@ -71,10 +71,29 @@ def mask_out_of_vocab(row: PackedRow, in_draft_vocab: torch.Tensor) -> PackedRow
     return PackedRow(row.tokens, row.features, row.target_logits, row.valid & ok, row.doc_ids, row.pos_ids)
 
 
-def split_validation(n: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train indices, validation indices): `n_val` documents held out by a seeded shuffle."""
+def split_validation(n: int, n_val: int, seed: int, keys: list | None = None) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices): `n_val` documents held out by a seeded shuffle.
+
+    keys: one per document, equal for exact duplicates (`data.prepare.row_keys`). Duplicates then go
+    to the same side: walking the shuffled order, a document whose key is not placed yet takes all
+    its twins to validation when they fit in what is left of `n_val`, else to training. Without
+    duplicates (or keys None) the split is the first `n_val` of the shuffled order.
+
+    Raises ConfigError: n_val outside [0, n)."""
     if not 0 <= n_val < n:
         raise ConfigError(f"training.val_conversations={n_val} must be in [0, {n}) (there are {n} conversations)")
     order = list(range(n))
     random.Random(seed + 7919).shuffle(order)
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    if keys is None:
+        return sorted(order[n_val:]), sorted(order[:n_val])
+    twins: dict = {}
+    for i in order:
+        twins.setdefault(keys[i], []).append(i)
+    train, val, placed = [], [], set()
+    for i in order:
+        if keys[i] in placed:
+            continue
+        placed.add(keys[i])
+        group = twins[keys[i]]
+        (val if len(val) + len(group) <= n_val else train).extend(group)
+    return sorted(train), sorted(val)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from ..evaluation.report import ratio_stderr
+from ..evaluation.report import ratio_stderr, speedup_or_reason
 from ..target.offline import DocFeatures
 
 logger = logging.getLogger(__name__)
@@ -266,8 +266,11 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
         "engine_load_seconds": spec["load_seconds"], "wall_seconds": time.perf_counter() - t0,
         "export": str(export_dir), "target": str(target_dir),
     }
-    result["speedup"] = (result["tokens_per_second"] / result["target_only_tokens_per_second"]
-                         if result["target_only_tokens_per_second"] else 0.0)
+    result["speedup"], why = speedup_or_reason(result["tokens_per_second"], spec["new_tokens"],
+                                               result["target_only_tokens_per_second"], plain["new_tokens"],
+                                               "vLLM with the head")
+    if why:
+        result["speedup_not_measured"] = why
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "acceptance_vllm.json").write_text(json.dumps(result, indent=2))
     (out_dir / "vllm_outputs.jsonl").write_text("".join(

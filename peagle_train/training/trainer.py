@@ -22,6 +22,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..algorithms import make_objective
 from ..config import REMOVED_KEYS
+from ..data.prepare import row_keys
 from ..errors import ConfigError
 from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.sources import FeatureSource, OnlineFeatures
@@ -92,7 +93,15 @@ class Trainer:
         draft = self.draft
         self.save_every, self.keep_last = train_cfg.get("save_every"), train_cfg.get("keep_last", 3)
         n_val = train_cfg.get("val_conversations") or 0
-        train_idx, val_idx = split_validation(len(self.rows), n_val, train_cfg.seed)
+        keys = row_keys(self.rows) if n_val else None
+        train_idx, val_idx = split_validation(len(self.rows), n_val, train_cfg.seed, keys)
+        if n_val and len(val_idx) < n_val:
+            logger.warning("validation holds %d conversations, not training.val_conversations=%d: exact duplicates "
+                           "are kept on the side of their twins (%d rows duplicate an earlier one)", len(val_idx), n_val,
+                           len(keys) - len(set(keys)))
+        elif n_val and len(set(keys)) < len(keys):
+            logger.info("%d rows duplicate an earlier one exactly; each is on the side of its twins (none in "
+                        "validation has a twin in training)", len(keys) - len(set(keys)))
         all_lengths = [len(x) for x in self.rows["input_ids"]]
         lengths = [all_lengths[i] for i in train_idx]
         self.batches = []

@@ -10,7 +10,8 @@
 #    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
 #    schedule arms train one run per budget; the regenerated arm reads its features online;
 # 4. the heads of two arms per `peagle evaluate` run: 80 MT-Bench first turns, K = 5, 128 tokens.
-# TV=0 leaves out the total-variation loss arm.
+# TV=0 leaves out the total-variation loss arm; REGEN_EPOCHS=2 lets the regenerated arm repeat its rows
+# when fewer were regenerated than the largest budget needs.
 set -euo pipefail
 OUT=${1:?usage: ablations.sh OUTPUT_DIR}
 CONVS=${CONVS:-2400}
@@ -45,7 +46,7 @@ offline=("${orig[@]}" features.source=offline features.dir="$OUT/features")
 stamp "3/4 training the arms in two lanes, one thread each"
 lane1() {
     arm base "$LAST" "${offline[@]}"
-    arm regen "$LAST" "${regen[@]}"
+    arm regen "$LAST" "${regen[@]}" training.epochs="${REGEN_EPOCHS:-1}"
     arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
     for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
     [ "${TV:-1}" = 0 ] || arm tv "$LAST" "${offline[@]}" training.loss=tv

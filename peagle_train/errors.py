@@ -59,11 +59,12 @@ class CorruptFileError(UserError, ValueError):
 
 class WriteError(UserError, OSError):
     """Writing a file failed for a reason outside the program (full disk, read-only, permission):
-    the message names the path, the cause and the fix; `errno` is the cause's (None if unknown)."""
+    the message names the path, the cause and the fix; `err` is the cause's errno (None if unknown).
+    `then`: the entry-point wrapper appends how to continue (False: the message already says it)."""
 
-    def __init__(self, message: str, err: int | None = None):
+    def __init__(self, message: str, err: int | None = None, then: bool = True):
         super().__init__(message)
-        self.err = err
+        self.err, self.then = err, then  # then: the wrapper ends the message with how to continue
 
     def __str__(self) -> str:
         return self.args[0]
@@ -211,7 +212,7 @@ def user_error_message(e: BaseException, resume: str = RERUN) -> str | None:
     which ends with `resume` (how to continue); a YAML file that does not parse (file, line, column);
     Hydra's and OmegaConf's errors while the config is composed (before the job starts).
     """
-    if isinstance(e, WriteError):
+    if isinstance(e, WriteError) and e.then:
         return f"{e.args[0].rstrip('.')}, then {RERUN if e.err in _PLACE_ERRNOS else resume}."
     if isinstance(e, UserError):
         return str(e)

@@ -322,7 +322,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
                 raise
             cause = os.strerror(found[0]) if found[0] is not None else io_cause(None, out_dir)[0]
             raise FeatureShardError(
-                f"writing {out_dir / name} failed ({cause}); the {len({**manifest['shards'], **records})} "
+                f"writing {out_dir / name} failed ({cause}); the {len(done | {int(k) for k in records})} "
                 f"shards recorded in {mpath} are complete and verified, this one is not recorded. Fix: free disk "
                 f"space in {out_dir} and rerun the same command: it resumes at this shard.") from e
         records[str(k)] = rec

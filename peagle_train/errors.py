@@ -62,9 +62,9 @@ class WriteError(UserError, OSError):
     the message names the path, the cause and the fix; `err` is the cause's errno (None if unknown).
     `then`: the entry-point wrapper appends how to continue (False: the message already says it)."""
 
-    def __init__(self, message: str, err: int | None = None, then: bool = True):
+    def __init__(self, message: str, err: int | None = None, then: bool = True, path: str | None = None):
         super().__init__(message)
-        self.err, self.then = err, then  # then: the wrapper ends the message with how to continue
+        self.err, self.then, self.path = err, then, path  # then: the wrapper ends the message with how to continue
 
     def __str__(self) -> str:
         return self.args[0]
@@ -101,6 +101,8 @@ def io_failure(e: BaseException) -> tuple[int | None, str | None] | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, WriteError):  # named by an inner writer (one file of a directory being written)
+            return e.err, e.path
         if isinstance(e, OSError) and not isinstance(e, UserError):
             if e.errno in _IO_CAUSES:
                 return e.errno, e.filename
@@ -154,7 +156,7 @@ def writing(path: str | Path, what: str, note: str = "", fix: str = ""):
             raise
         cause, default_fix = io_cause(found[0], path)
         raise WriteError(f"{path}: cannot write the {what} ({cause}){'; ' + note if note else ''}. "
-                         f"Fix: {fix or default_fix}.", found[0]) from e
+                         f"Fix: {fix or default_fix}.", found[0], path=str(path)) from e
 
 
 def load_safetensors(path: str | Path, what: str = "weights", fix: str = "") -> dict:

@@ -53,18 +53,24 @@ def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling path of `path` to write; on success it replaces `path`.
 
     `durable`: fsync the file and its directory (a checkpoint that must survive a power loss).
-    On an exception inside the block the temporary is removed and `path` is untouched.
+    On an exception inside the block the temporary is removed and `path` is untouched; an I/O failure
+    of the mkdir or the rename is raised as `errors.WriteError` naming `path` (the writer in the
+    block names its own failures, see `atomic_write_text`).
     """
+    from .errors import writing
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path, "file", note="its previous content, if any, is left as it was"):
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)
     try:
         yield tmp
-        if durable:
-            fsync_file(tmp)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
+        with writing(path, "file", note="its previous content, if any, is left as it was"):
+            if durable:
+                fsync_file(tmp)
+            os.replace(tmp, path)
+            if durable:
+                fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -72,9 +78,13 @@ def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
 
 
 def atomic_write_text(path: str | Path, text: str, *, durable: bool = False) -> Path:
-    """Write `text` (UTF-8) to `path` atomically; returns `path`."""
+    """Write `text` (UTF-8) to `path` atomically; returns `path`. Raises `errors.WriteError` naming
+    `path` and the cause when it cannot be written (full disk, read-only, a file in the way)."""
+    from .errors import writing
+
     with atomic_path(path, durable=durable) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        with writing(path, "file", note="its previous content, if any, is left as it was"):
+            tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 

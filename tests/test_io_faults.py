@@ -448,3 +448,13 @@ def test_ctrl_c_prints_one_line_and_no_traceback_of_the_workers(tmp_path):
     assert [x for x in err.splitlines() if "peagle" in x] == [
         "peagle prepare: interrupted; rerun the same command: the tables already tokenised are reused from "
         "data.cache_dir"]
+
+
+def test_validating_a_missing_path_or_a_checkpoint_is_a_user_error(tmp_path, capsys, monkeypatch, draft):
+    ckpt = save_checkpoint(draft, tmp_path / "run" / "checkpoint")
+    assert peagle(capsys, monkeypatch, "export", f"validate={tmp_path / 'nothing'}", f"output_dir={tmp_path / 'o'}") \
+        == (f"peagle export: error: validate={tmp_path / 'nothing'}: not found. Fix: point it at an export directory "
+            "(runs/<run>/export).")
+    assert peagle(capsys, monkeypatch, "export", f"validate={ckpt}", f"output_dir={tmp_path / 'o'}") == (
+        f"peagle export: error: validate={ckpt}: a training checkpoint, not an export. Fix: export it first "
+        f"(peagle export head={ckpt} output=DIR), then validate=DIR.")

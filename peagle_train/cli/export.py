@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 @cli_main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.get("validate"):
+        where = Path(cfg.validate)
+        if not where.is_dir():
+            raise SystemExit(f"validate={where}: {'not a directory' if where.exists() else 'not found'}. "
+                             "Fix: point it at an export directory (runs/<run>/export).")
+        if not (where / "config.json").is_file() and (where / "draft_config.json").is_file():
+            raise SystemExit(f"validate={where}: a training checkpoint, not an export. Fix: export it first "
+                             f"(peagle export head={where} output=DIR), then validate=DIR.")
         try:
             validate_export(cfg.validate)
         except ExportError as e:

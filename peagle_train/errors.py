@@ -92,8 +92,8 @@ _TORCH_WRITE = ("inline_container.cc", "PytorchStreamWriter failed", "file write
 def io_failure(e: BaseException) -> tuple[int | None, str | None] | None:
     """(errno or None, path or None) when `e` is an I/O failure outside the program, else None.
 
-    Recognised along `e`, its `__cause__` and `__context__` (through OSError, RuntimeError and
-    safetensors' errors only, so that a bug raised while handling one is not taken for it): an
+    Recognised along `e` and its explicit `__cause__`s, and along `__context__` through OSError,
+    RuntimeError and safetensors' errors only (a bug raised while handling one is not taken for it): an
     OSError with one of the errnos of a full disk, a read-only or forbidden place or a file in the
     way; safetensors' "I/O error: ... (os error N)"; torch.save's "[enforce fail at
     inline_container.cc] ..." / "file write failed" (errno from its "strerror: ..." when given).
@@ -101,12 +101,13 @@ def io_failure(e: BaseException) -> tuple[int | None, str | None] | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        library = isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError"
         if isinstance(e, WriteError):  # named by an inner writer (one file of a directory being written)
             return e.err, e.path
         if isinstance(e, OSError) and not isinstance(e, UserError):
             if e.errno in _IO_CAUSES:
                 return e.errno, e.filename
-        elif type(e).__name__ == "SafetensorError" or isinstance(e, RuntimeError):
+        elif library:
             text = str(e)
             m = re.search(r"\(os error (\d+)\)", text)
             if m and (type(e).__name__ == "SafetensorError" or "I/O error" in text):
@@ -115,9 +116,9 @@ def io_failure(e: BaseException) -> tuple[int | None, str | None] | None:
             if isinstance(e, RuntimeError) and any(t in text for t in _TORCH_WRITE) and "Reader" not in text:
                 m = re.search(r"strerror: ([^\n.]+)", text)
                 return (_STRERROR.get(m.group(1).strip().lower()) if m else None), None
-        elif not isinstance(e, OSError):
-            return None
-        e = e.__cause__ or e.__context__
+        # an explicit `raise X from cause` (logging's "Unable to configure handler" for a log file that
+        # cannot be opened) is followed whatever X is; an implicit context only through library errors
+        e = e.__cause__ if e.__cause__ is not None or not library else e.__context__
     return None
 
 

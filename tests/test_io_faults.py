@@ -413,6 +413,10 @@ def test_a_read_only_output_dir(tmp_path, capsys, monkeypatch):
                       "threads=1") == (
             f"peagle features: error: {ro / 'run'}: read-only file system. Fix: choose a writable output_dir, then "
             "run the same command again.")
+        # an existing read-only output_dir: Hydra's log file is the first write
+        assert peagle(capsys, monkeypatch, "features", f"output_dir={ro}", f"features.dir={ro / 'f'}", "threads=1") == (
+            f"peagle features: error: {ro / 'features.log'}: read-only file system. Fix: choose a writable "
+            "output_dir, then run the same command again.")
 
 
 CTRL_C_APP = textwrap.dedent("""

@@ -78,7 +78,7 @@ _IO_CAUSES = {
     errno.EROFS: ("read-only file system", "choose a writable output_dir"),
     errno.EACCES: ("permission denied", "choose a directory you can write to (or fix its permissions)"),
     errno.EPERM: ("operation not permitted", "choose a directory you can write to (or fix its permissions)"),
-    errno.EEXIST: ("a file is in the way", "remove that file or choose another output_dir"),
+    errno.EEXIST: ("already exists", "remove it or choose another output_dir"),
     errno.ENOTDIR: ("a part of the path is a file, not a directory", "remove that file or choose another output_dir"),
     errno.EISDIR: ("is a directory", "point at a file, or remove that directory"),
     errno.EIO: ("input/output error (a failing disk or network file system?)", "check the disk, then retry"),
@@ -235,6 +235,7 @@ def user_error_message(e: BaseException, resume: str = RERUN) -> str | None:
         blocker = _file_in_the_way(path) if err in (errno.EEXIST, errno.ENOTDIR) and path else None
         if blocker is not None:
             cause = "is a file, not a directory" if blocker == Path(path) else f"{blocker} is a file, not a directory"
+            fix = "remove that file or choose another output_dir"
         # a place that cannot be written is chosen anew: the run starts again; a full disk is resumed
         then = RERUN if err in _PLACE_ERRNOS else resume
         return f"{path or 'writing'}: {cause}. Fix: {fix}, then {then}."

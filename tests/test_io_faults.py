@@ -113,6 +113,9 @@ def test_the_message_names_the_path_the_cause_and_how_to_continue(tmp_path):
     e = FileExistsError(errno.EEXIST, "File exists", str(a_file))
     assert user_error_message(e, RESUME_TRAIN) == (f"{a_file}: is a file, not a directory. Fix: remove that file or "
                                                    "choose another output_dir, then run the same command again.")
+    e = FileExistsError(errno.EEXIST, "File exists", str(tmp_path))
+    assert user_error_message(e) == (f"{tmp_path}: already exists. Fix: remove it or choose another output_dir, "
+                                     "then run the same command again.")
     e = NotADirectoryError(errno.ENOTDIR, "Not a directory", str(a_file / "run"))
     assert user_error_message(e) == (f"{a_file / 'run'}: {a_file} is a file, not a directory. Fix: remove that file "
                                      "or choose another output_dir, then run the same command again.")

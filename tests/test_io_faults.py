@@ -189,6 +189,26 @@ def test_full_disk_while_saving_a_resumable_checkpoint(tmp_path, draft, leave):
         load_checkpoint(root / "step_000002")
 
 
+def test_ctrl_c_during_a_resumable_save_leaves_the_previous_checkpoint(tmp_path, draft, monkeypatch):
+    import peagle_train.training.checkpoint as ckpt_mod
+
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    gen = torch.Generator().manual_seed(0)
+    root = tmp_path / "checkpoints"
+    save_training_checkpoint(acc, root, 2, draft, opt, sched, {"step": 2}, gen, {}, keep_last=None)
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod, "save_file", ctrl_c)  # Ctrl-C while the weights are written
+    with pytest.raises(KeyboardInterrupt):
+        save_training_checkpoint(acc, root, 4, draft, opt, sched, {"step": 4}, gen, {}, keep_last=None)
+    assert [p.name for p in root.iterdir()] == ["step_000002"]  # no .tmp-step_000004 left
+    assert [p.name for p in list_checkpoints(root)] == ["step_000002"]
+
+
 def test_full_disk_while_writing_feature_shards(tmp_path, target_model, chatml_tokenizer):
     t = FeatureTarget(target_model, [1, 3, 5])
     g = torch.Generator().manual_seed(0)

@@ -149,15 +149,15 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
             tmp.rename(final)
             fsync_dir(root)
     except BaseException as e:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
         found = io_failure(e) if isinstance(e, Exception) else None
+        cause = None if found is None else os.strerror(found[0]) if found[0] is not None else io_cause(None, root)[0]
+        if main:  # the free space above is read before the temporary is removed
+            shutil.rmtree(tmp, ignore_errors=True)
         if found is None:  # a bug, or Ctrl-C: the temporary is gone, the earlier checkpoints are intact
             raise
         prev = list_checkpoints(root)
-        cause = os.strerror(found[0]) if found[0] is not None else io_cause(None, root)[0]
-        raise WriteError(f"saving checkpoint {final} failed ({cause}); the previous checkpoint "
-                         f"{prev[-1] if prev else '(none)'} is intact. Fix: free disk space in {root} (or lower "
+        kept = f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint exists"
+        raise WriteError(f"saving checkpoint {final} failed ({cause}); {kept}. Fix: free disk space in {root} (or lower "
                          "training.keep_last) and resume with training.resume=true.", found[0], then=False) from e
     if main:
         best = _update_best(root, final, step, val_eal)

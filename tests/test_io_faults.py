@@ -310,7 +310,7 @@ def prepared(tmp_path, chatml_tokenizer):
 FIX = "Fix: prepare it again: peagle prepare output_dir={d} with the target.* and data.* settings (or the recipe) it was made with."
 
 
-def test_a_cut_arrow_file_vocabulary_or_manifest_is_named(prepared, chatml_tokenizer):
+def test_a_cut_arrow_file_is_named(prepared, chatml_tokenizer):
     d, _ = prepared
     n = len(chatml_tokenizer)
     assert sorted(json.loads((d / "manifest.json").read_text())["files"]) == [

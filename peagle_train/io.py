@@ -16,9 +16,11 @@ removed and the previous content of the final path, if any, is left as it was.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -51,18 +53,24 @@ def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling path of `path` to write; on success it replaces `path`.
 
     `durable`: fsync the file and its directory (a checkpoint that must survive a power loss).
-    On an exception inside the block the temporary is removed and `path` is untouched.
+    On an exception inside the block the temporary is removed and `path` is untouched; an I/O failure
+    of the mkdir or the rename is raised as `errors.WriteError` naming `path` (the writer in the
+    block names its own failures, see `atomic_write_text`).
     """
+    from .errors import writing
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path, "file", note="its previous content, if any, is left as it was"):
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)
     try:
         yield tmp
-        if durable:
-            fsync_file(tmp)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
+        with writing(path, "file", note="its previous content, if any, is left as it was"):
+            if durable:
+                fsync_file(tmp)
+            os.replace(tmp, path)
+            if durable:
+                fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -70,9 +78,13 @@ def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
 
 
 def atomic_write_text(path: str | Path, text: str, *, durable: bool = False) -> Path:
-    """Write `text` (UTF-8) to `path` atomically; returns `path`."""
+    """Write `text` (UTF-8) to `path` atomically; returns `path`. Raises `errors.WriteError` naming
+    `path` and the cause when it cannot be written (full disk, read-only, a file in the way)."""
+    from .errors import writing
+
     with atomic_path(path, durable=durable) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        with writing(path, "file", note="its previous content, if any, is left as it was"):
+            tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 
@@ -81,22 +93,102 @@ def atomic_write_json(path: str | Path, obj, *, indent: int | None = 2, durable:
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=str), durable=durable)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h: swap two paths atomically (renameat2, Linux >= 3.15)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directory entries `a` and `b` in one atomic step (Linux renameat2 RENAME_EXCHANGE).
+    False where the platform or file system does not offer it (the caller falls back)."""
+    if sys.platform != "linux":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old-{os.getpid()}")
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Make directory `new` the directory `path`, replacing an existing one, such that a reader finds
+    a complete `path` (old or new) at every moment: the two are swapped atomically (renameat2
+    RENAME_EXCHANGE) and the old one, now under `new`'s name, is removed. Where the swap is not
+    offered, the old directory is renamed aside (`.<name>.old-<pid>`), `new` renamed in, and the old
+    removed; a kill between the two renames leaves only the aside copy, which `recover_dir` (run by
+    every `atomic_dir` and by the readers of heads) renames back."""
+    new, path = Path(new), Path(path)
+    if path.exists() and _exchange(new, path):
+        shutil.rmtree(new)  # the old content, under the temporary name
+        return
+    if path.exists():
+        old = _aside(path)
+        path.rename(old)
+        new.rename(path)
+        shutil.rmtree(old)
+        return
+    new.rename(path)
+
+
+def recover_dir(path: str | Path) -> Path:
+    """`path`, restored from the copy a killed `replace_dir` renamed aside when `path` itself is
+    missing; temporaries and aside copies left beside a complete `path` by killed processes
+    (`.<name>.tmp-<pid>`, `.<name>.old-<pid>` of a pid no longer running) are removed. Returns `path`."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        return path
+    asides = sorted(parent.glob(f".{path.name}.old-*"))
+    if not path.exists() and asides:
+        asides.pop().rename(path)
+    for stale in [*asides, *parent.glob(f".{path.name}.tmp-*")]:
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # a temporary of this process is never in use when a new write starts
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, *, overwrite: bool = False, durable: bool = False,
                tmp: str | Path | None = None) -> Iterator[Path]:
     """Yield an empty temporary sibling directory; on success it becomes `path`.
 
-    `overwrite`: an existing `path` is removed just before the rename (the one moment a kill leaves
-    neither version); without it an existing `path` raises FileExistsError, before anything is
-    written or, when another process created `path` meanwhile, at the end (its `path` is kept and
+    `overwrite`: an existing `path` is replaced by `replace_dir` (a reader finds the old or the new
+    directory at every moment); without it an existing `path` raises FileExistsError, before anything
+    is written or, when another process created `path` meanwhile, at the end (its `path` is kept and
     this temporary removed). `durable`: fsync every file and the directories before and after the rename.
     `tmp`: the temporary's name when a caller must recognise it later (checkpoints clean up
-    `.tmp-step_N`); default `.<name>.tmp-<pid>`. A stale temporary of that name is removed first.
+    `.tmp-step_N`); default `.<name>.tmp-<pid>`. A stale temporary of that name, and those of killed
+    processes (`recover_dir`), are removed first.
 
     Raises:
         FileExistsError: `path` exists (or appears) and overwrite is False.
     """
-    path = Path(path)
+    path = recover_dir(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists. Fix: choose another path or allow overwriting it.")
     tmp = Path(tmp) if tmp is not None else _tmp_sibling(path)
@@ -110,11 +202,9 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False, durable: bool = Fal
                 if f.is_file():
                     fsync_file(f)
             fsync_dir(tmp)
-        if path.exists():
-            if not overwrite:
-                raise FileExistsError(f"{path} appeared while it was being written (another process?); kept as it is.")
-            shutil.rmtree(path)
-        tmp.rename(path)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} appeared while it was being written (another process?); kept as it is.")
+        replace_dir(tmp, path)
         if durable:
             fsync_dir(path.parent)
     except BaseException:

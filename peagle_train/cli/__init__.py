@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean {' or '.join(near)}?" if near else ""
         sys.stderr.write(f"peagle: error: unknown command '{name}'.{hint}\n\n{usage()}\n")
         return 2
-    module = importlib.import_module(f"{__name__}.{COMMANDS[name][0]}")
     sys.argv = [f"peagle {name}", *rest]
-    return module.run(rest) or 0
+    from ..errors import guarded
+
+    # Ctrl-C while the command's modules load prints one line too
+    return guarded(lambda: importlib.import_module(f"{__name__}.{COMMANDS[name][0]}").run(rest) or 0)()
 
 
 # --- shared by the subcommands ------------------------------------------------------------------
@@ -69,13 +71,15 @@ def run_hydra(hydra_main, argv: list[str] | None, doc: str, command: str) -> int
     """Run one Hydra subcommand: `--help` prints `doc`, the recipes and the keys of the command's
     schema with their help (`config.describe`); otherwise misspelled keys, values outside a choice
     and unknown recipes are refused with the near matches before Hydra starts (`check_or_exit`);
-    then `hydra_main()` parses sys.argv as usual. Returns 0."""
+    then `hydra_main()` parses sys.argv as usual. A recipe that is not valid YAML is one error line
+    (file, line, column). Returns 0."""
     from ..config import check_or_exit, recipe_names
+    from ..errors import guarded
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in HELP_FLAGS for a in argv):
         print(doc.strip() + "\n\nRecipes (recipe=NAME): " + ", ".join(recipe_names()) + "\n")
-    check_or_exit(argv, command=command)  # --help: prints the keys and exits 0
+    guarded(check_or_exit)(argv, command=command)  # --help: prints the keys and exits 0; a recipe's YAML error: one line
     hydra_main()
     return 0
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.draft.io import load_head
 from peagle_train.config import check_config, k_beyond_k_train_problem, register
-from peagle_train.errors import ConfigError, cli_main
+from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
@@ -66,7 +66,7 @@ def load_head_and_metrics(path: str):
     return draft, None
 
 
-@cli_main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
+@cli_main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3", resume=RESUME_EVALUATE)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "evaluate")  # every setting in range (config.py), before any work
     if cfg.threads:

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config
-from peagle_train.errors import cli_main
+from peagle_train.errors import RESUME_FEATURES, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
@@ -42,7 +42,7 @@ from peagle_train.target.offline import write_features_from_config
 logger = logging.getLogger("peagle_train.features")
 
 
-@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_FEATURES)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "features")  # every setting in range (config.py), before any work
     if cfg.threads:

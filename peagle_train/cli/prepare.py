@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared
-from peagle_train.errors import cli_main
+from peagle_train.errors import RESUME_PREPARE, cli_main
 from peagle_train.paths import CONF_DIR
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def load_tokenizer_and_vocab_size(target_cfg):
     return tok, load_target_config(target_cfg.path).vocab_size
 
 
-@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_PREPARE)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "prepare")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()

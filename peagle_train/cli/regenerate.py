@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from peagle_train.data.regenerate import backend_from_config, regenerate
 from peagle_train.data.sources import check_data_path, load_source
 from peagle_train.config import check_config, register
-from peagle_train.errors import cli_main
+from peagle_train.errors import RESUME_REGENERATE, cli_main
 from peagle_train.paths import CONF_DIR, resolve_path
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     return [rows[i] for i in order], len(rows) - len(keep)
 
 
-@cli_main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3")
+@cli_main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3", resume=RESUME_REGENERATE)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()

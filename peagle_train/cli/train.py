@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.draft.io import save_checkpoint
-from peagle_train.errors import ConfigError, cli_main
+from peagle_train.errors import ConfigError, RESUME_TRAIN, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import evaluate_from_config
@@ -54,7 +54,7 @@ def run_dir(cfg) -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.output_dir)
 
 
-@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+@cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_TRAIN)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()

@@ -3,7 +3,10 @@
 manifest.json records what the rows depend on: the source files and their sha256, the tokenizer
 (sha256 of its serialised vocabulary/merges/specials), the chat template and its arguments, the
 target vocabulary size, max_length, min_supervised_tokens, the draft vocabulary (size, sha256 of the
-chosen ids, coverage), the mask token, and the counts of the summary.
+chosen ids, coverage), the mask token, and the counts of the summary. `save_prepared` adds "files":
+the size and sha256 of every file it wrote (rows/, packed/, draft_vocab.safetensors, summary.json),
+which `verify_files` checks before anything is read: a cut or altered file, or rows written by a
+later run that was killed before its manifest, is refused with the file named.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UserError
-from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
+from ..errors import CorruptFileError, UserError, read_json
+from ..provenance import chat_template_fingerprint, digest, sha256_file, tokenizer_fingerprint
 
 MANIFEST_VERSION = 1
 
@@ -78,10 +81,67 @@ def check_manifest(manifest: dict, tokenizer, target_vocab_size: int, *, templat
             "and data.* settings), or point data.prepared_dir at data prepared for it.")
 
 
+def rebuild_fix(prepared_dir) -> str:
+    """The command that rebuilds a prepared directory (the Fix: of its errors)."""
+    return (f"prepare it again: peagle prepare output_dir={prepared_dir} with the target.* and data.* settings "
+            "(or the recipe) it was made with")
+
+
 def read_manifest(prepared_dir: str | Path) -> dict:
-    """manifest.json of a prepared directory; FileNotFoundError naming the directory if absent."""
+    """manifest.json of a prepared directory.
+
+    Raises:
+        FileNotFoundError: no manifest.json (not a prepared directory, or a prepare that was stopped
+            before its last step, which writes the manifest), naming the directory and the fix.
+        CorruptFileError: manifest.json is cut off or not a manifest.
+    """
     p = Path(prepared_dir) / "manifest.json"
     if not p.is_file():
+        if (Path(prepared_dir) / "rows").exists():
+            raise FileNotFoundError(f"{p} not found: {prepared_dir} holds rows/ without a manifest (a prepare that "
+                                    f"was stopped before it finished). Fix: {rebuild_fix(prepared_dir)}.")
         raise FileNotFoundError(f"{p} not found: {prepared_dir} is not a prepared dataset directory. "
                                 "Fix: run peagle prepare output_dir=<dir> first.")
-    return json.loads(p.read_text())
+    return read_json(p, "manifest of the prepared data", required=("target_vocab_size", "mask_token_id", "draft_vocab"),
+                     fix=rebuild_fix(prepared_dir))
+
+
+def file_checksums(prepared_dir: str | Path, names: list[str]) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file under the entries `names` of prepared_dir
+    (files, or directories walked recursively), for the manifest's "files"."""
+    d = Path(prepared_dir)
+    out = {}
+    for name in names:
+        p = d / name
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                out[f.relative_to(d).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    return out
+
+
+def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
+    """Check the files recorded in the manifest's "files": present, their size, then their sha256
+    (rows/state.json names the Arrow files of the rows, so other files there, such as `datasets`'
+    cache files, are not read). A manifest without "files" (older versions) is not checked.
+
+    Raises:
+        CorruptFileError: naming the first file that is missing, cut off or altered, and the command
+            that rebuilds the directory.
+    """
+    files = manifest.get("files")
+    if not files:
+        return
+    d = Path(prepared_dir)
+    where = f"{d / 'manifest.json'}"
+    fix = rebuild_fix(d)
+    for rel, rec in files.items():
+        f = d / rel
+        if not f.is_file():
+            raise CorruptFileError(f"{f}: missing (recorded in {where}). Fix: {fix}.")
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            raise CorruptFileError(f"{f}: {size} bytes, {where} records {rec['bytes']}: the file is cut off or was "
+                                   f"rewritten by another prepare. Fix: {fix}.")
+        if sha256_file(f) != rec["sha256"]:
+            raise CorruptFileError(f"{f}: its sha256 differs from {where}: the file was altered or rewritten by "
+                                   f"another prepare. Fix: {fix}.")

@@ -9,7 +9,6 @@ with the same inputs reads Arrow files and tokenises nothing):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -21,10 +20,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..io import atomic_write_json
+from ..errors import CorruptFileError, load_safetensors, read_json, writing
+from ..io import atomic_dir, atomic_path, atomic_write_json
 from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
 from .conversations import DataFileError
-from .manifest import build_manifest, check_manifest, read_manifest
+from .manifest import build_manifest, check_manifest, file_checksums, read_manifest, rebuild_fix, verify_files
 from .sources import check_data_path, default_cache_dir, load_source, source_info_dict
 from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
                        tokenize_conversation)
@@ -408,21 +408,37 @@ def format_summary(summary: dict) -> str:
 
 def save_prepared(data: PreparedData, out_dir: str | Path, pack_length: int | None = None) -> None:
     """Write rows (Arrow), draft vocabulary (safetensors: d2t, t2d), summary.json and manifest.json
-    to out_dir; with pack_length, also packed/ (see `pack_rows`)."""
+    to out_dir; with pack_length, also packed/ (see `pack_rows`).
+
+    The manifest is removed first and written last, with the size and sha256 of every other file
+    ("files"): a prepare stopped in between leaves no manifest (refused by `load_prepared`), never
+    new rows beside an old manifest. rows/ and packed/ are each replaced as a whole directory.
+
+    Raises:
+        WriteError: an I/O failure (full disk, read-only, a file in the way) naming the file.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data.rows.save_to_disk(str(out / "rows"))
-    save_file({"d2t": data.vocab.d2t, "t2d": data.vocab.t2d}, str(out / "draft_vocab.safetensors"))
-    if pack_length:
-        packed = pack_rows(data.rows, pack_length, data.manifest.get("max_length"))
-        packed.save_to_disk(str(out / "packed"))
-        n = sum(len(x) for x in packed["input_ids"])
-        data.summary["packed_rows"] = len(packed)
-        data.summary["packing_fill"] = n / (len(packed) * pack_length)
-    atomic_write_json(out / "summary.json", data.summary)
-    atomic_write_json(out / "manifest.json", data.manifest)  # last: a directory with a manifest is complete
+    with writing(out, "prepared data", note="the directory is left without a manifest, so no run reads it"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "manifest.json").unlink(missing_ok=True)
+        with atomic_dir(out / "rows", overwrite=True) as tmp:
+            data.rows.save_to_disk(str(tmp))
+        with atomic_path(out / "draft_vocab.safetensors") as tmp:
+            save_file({"d2t": data.vocab.d2t, "t2d": data.vocab.t2d}, str(tmp))
+        names = ["rows", "draft_vocab.safetensors", "summary.json"]
+        if pack_length:
+            packed = pack_rows(data.rows, pack_length, data.manifest.get("max_length"))
+            with atomic_dir(out / "packed", overwrite=True) as tmp:
+                packed.save_to_disk(str(tmp))
+            n = sum(len(x) for x in packed["input_ids"])
+            data.summary["packed_rows"] = len(packed)
+            data.summary["packing_fill"] = n / (len(packed) * pack_length)
+            names.append("packed")
+        atomic_write_json(out / "summary.json", data.summary)
+        files = file_checksums(out, names)
+        atomic_write_json(out / "manifest.json", {**data.manifest, "files": files})  # last: complete and checked
 
 
 def load_prepared(prepared_dir: str | Path, tokenizer, target_vocab_size: int, *, template_kwargs: dict | None = None,
@@ -431,20 +447,31 @@ def load_prepared(prepared_dir: str | Path, tokenizer, target_vocab_size: int, *
     """Load a directory written by `save_prepared`, after checking its manifest against the target.
 
     Raises:
-        FileNotFoundError: not a prepared directory. ManifestMismatchError: made for another
-            tokenizer / template / vocabulary / settings (each difference named).
+        FileNotFoundError: not a prepared directory (or one whose prepare was stopped).
+        ManifestMismatchError: made for another tokenizer / template / vocabulary / settings (each
+            difference named). CorruptFileError: a file that is cut off, altered or newer than the
+            manifest (`verify_files`), named with the command that rebuilds the directory.
     """
-    from safetensors.torch import load_file
-
     d = Path(prepared_dir)
     manifest = read_manifest(d)
     if chat_template:
         set_chat_template(tokenizer, chat_template)
     check_manifest(manifest, tokenizer, target_vocab_size, template_kwargs=template_kwargs, max_length=max_length,
                    draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id, where=str(d))
-    rows = datasets.load_from_disk(str(d / "rows"))
-    v = load_file(str(d / "draft_vocab.safetensors"))
+    verify_files(d, manifest)  # cut, altered or newer than the manifest: refused with the file named
+    fix = rebuild_fix(d)
+    try:
+        rows = datasets.load_from_disk(str(d / "rows"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{d / 'rows'}: missing (the token rows). Fix: {fix}.") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise several types for a cut Arrow file
+        raise CorruptFileError(f"{d / 'rows'}: cannot read the token rows ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}): a file is cut off or corrupted. "
+                               f"Fix: {fix}.") from e
+    v = load_safetensors(d / "draft_vocab.safetensors", "draft vocabulary", fix)
+    if "t2d" not in v:
+        raise CorruptFileError(f"{d / 'draft_vocab.safetensors'}: lacks the tensor 't2d'. Fix: {fix}.")
     draft_ids = torch.nonzero(v["t2d"]).flatten()
-    vocab = DraftVocab.from_ids(draft_ids, target_vocab_size, manifest["draft_vocab"]["coverage"])
-    summary = json.loads((d / "summary.json").read_text())
+    vocab = DraftVocab.from_ids(draft_ids, target_vocab_size, manifest["draft_vocab"].get("coverage", float("nan")))
+    summary = read_json(d / "summary.json", "data summary", fix=fix)
     return PreparedData(rows, vocab, int(manifest["mask_token_id"]), summary, manifest)

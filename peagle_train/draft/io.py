@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..errors import CorruptFileError, load_safetensors, read_json
+from ..errors import CorruptFileError, load_safetensors, read_json, writing
+from ..io import atomic_dir, recover_dir
 from ..target.features import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 from .peagle import DraftConfig, make_draft_head
 
@@ -18,16 +18,24 @@ logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(draft, out_dir: Path, extra: dict | None = None) -> Path:
-    """Write model.safetensors (fp32) + draft_config.json to out_dir (via a temp dir, then rename)."""
+    """Write model.safetensors (fp32) + draft_config.json to out_dir, atomically as a whole directory.
+
+    The files are written into a temporary sibling (`.<name>.tmp-<pid>`), flushed, then swapped with
+    an existing out_dir (`io.replace_dir`): a reader finds the previous or the new checkpoint at every
+    moment, and a temporary left by a kill is removed by the next save. `extra`: more entries of
+    draft_config.json (target, verifier, training summary). Returns out_dir.
+
+    Raises:
+        WriteError: an I/O failure (full disk, read-only, a file in the way) naming out_dir; the
+            previous checkpoint, if any, is left as it was.
+    """
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
-    save_file(sd, str(tmp / "model.safetensors"))
-    (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict(), **(extra or {})}, indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    meta = json.dumps({"draft": draft.config.to_dict(), **(extra or {})}, indent=2)
+    with writing(out_dir, "checkpoint", note="the previous one, if any, is left as it was"):
+        with atomic_dir(out_dir, overwrite=True, durable=True) as tmp:
+            save_file(sd, str(tmp / "model.safetensors"))
+            (tmp / "draft_config.json").write_text(meta)
     return out_dir
 
 
@@ -72,6 +80,8 @@ def load_head(path) -> tuple:
     Raises FileNotFoundError naming the path when it is neither; ValueError / ExportError from the
     readers for a damaged one."""
     p = Path(path)
+    if not p.exists():
+        recover_dir(p)  # a save killed between its two renames (where the atomic swap is not offered)
     if (p / "draft_config.json").is_file():
         return load_checkpoint(p)
     if (p / "config.json").is_file():

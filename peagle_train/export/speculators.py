@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
-from ..errors import ConfigError, UserError, load_safetensors, read_json
+from ..errors import ConfigError, UserError, load_safetensors, read_json, writing
 from ..io import atomic_dir
 
 SPECULATORS_VERSION = "0.9.0"
@@ -170,6 +170,7 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
     Raises:
         ExportError: the head lacks what the format needs (e.g. `mask_hidden`), the written
             directory fails validation, or `out_dir` holds another export and overwrite is False.
+        WriteError: an I/O failure (full disk, read-only, a file in the way) naming `out_dir`.
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -177,7 +178,8 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
     if draft.config.algorithm == "peagle" and not hasattr(draft, "mask_hidden"):
         raise ExportError("the head has no mask_hidden: it cannot be served as a P-EAGLE head")
     check_servable(draft.config)
-    with atomic_dir(out, overwrite=True) as tmp:  # an empty directory at `out` may be replaced
+    with writing(out, "export", note="a previous export there, if any, is left as it was"), \
+            atomic_dir(out, overwrite=True) as tmp:  # an empty directory at `out` may be replaced
         cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
         save_file(export_state_dict(draft, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .. import provenance
 from ..config import FeatureStorage, Int8Scale
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, CorruptFileError, UserError, io_cause, io_failure, read_json
 from ..io import atomic_write_json
 from .features import FeatureTarget
 
@@ -249,7 +249,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         if mpath.is_file():
-            manifest = json.loads(mpath.read_text())
+            manifest = _read_manifest(mpath)
             _compare(manifest.get("fingerprint", {}), fp, mpath)
             if manifest["fingerprint"] != fp:  # a format-1 manifest of the same states: record them in format 2
                 manifest["fingerprint"] = fp
@@ -265,7 +265,7 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         for stale in out_dir.glob("*.tmp*"):  # left by a killed run
             stale.unlink()
     barrier()
-    manifest = json.loads(mpath.read_text())
+    manifest = _read_manifest(mpath)
     _compare(manifest.get("fingerprint", {}), fp, mpath)
     n = len(rows)
     num_shards = (n + docs_per_shard - 1) // docs_per_shard
@@ -315,10 +315,14 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
                 atomic_write_json(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}}, indent=1)
             else:
                 atomic_write_json(_part_path(out_dir, rank), {**records, str(k): rec}, indent=1)
-        except OSError as e:  # e.g. a full disk: the shards recorded so far stay valid, the run resumes
+        except Exception as e:  # e.g. a full disk (safetensors' own error): the shards recorded so far stay valid
             tmp.unlink(missing_ok=True)
+            found = io_failure(e)
+            if found is None:
+                raise
+            cause = os.strerror(found[0]) if found[0] is not None else io_cause(None, out_dir)[0]
             raise FeatureShardError(
-                f"writing {out_dir / name} failed ({e.strerror or e}); the {len({**manifest['shards'], **records})} "
+                f"writing {out_dir / name} failed ({cause}); the {len(done | {int(k) for k in records})} "
                 f"shards recorded in {mpath} are complete and verified, this one is not recorded. Fix: free disk "
                 f"space in {out_dir} and rerun the same command: it resumes at this shard.") from e
         records[str(k)] = rec
@@ -362,7 +366,7 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel") -> dic
     if storage not in STORAGES or int8_scale not in INT8_SCALES:
         raise ConfigError(f"storage={storage!r} / int8_scale={int8_scale!r} must be in {STORAGES} / {INT8_SCALES}")
     src, dst = Path(src), Path(dst)
-    manifest = json.loads((src / MANIFEST).read_text())
+    manifest = _read_manifest(src / MANIFEST)
     fp = dict(manifest["fingerprint"], storage=storage, int8_scale=int8_scale if storage == "int8" else None)
     dst.mkdir(parents=True, exist_ok=True)
     out = {"fingerprint": fp, "docs_per_shard": manifest["docs_per_shard"], "shards": {}}
@@ -387,6 +391,19 @@ def convert_features(src, dst, storage: str, int8_scale: str = "channel") -> dic
     tokens = sum(s["num_tokens"] for s in out["shards"].values())
     logger.info(f"converted {src} → {dst} ({storage}): {total / 2**20:.1f} MiB, {total / max(tokens, 1):.0f} bytes/token")
     return {"bytes": total, "bytes_per_token": total / max(tokens, 1)}
+
+
+def _read_manifest(mpath: Path) -> dict:
+    """A features directory's manifest.json; FeatureShardError naming it when it is missing, cut off
+    or lacks a key (its shards cannot be trusted then)."""
+    if not mpath.is_file():
+        raise FeatureShardError(f"{mpath} not found: no offline features in {mpath.parent}. Fix: run "
+                                f"peagle features features.dir={mpath.parent} (same recipe).")
+    try:
+        return read_json(mpath, "features manifest", required=("fingerprint", "docs_per_shard", "shards"),
+                         fix=f"delete {mpath.parent} and run peagle features features.dir={mpath.parent} again")
+    except CorruptFileError as e:
+        raise FeatureShardError(str(e)) from e
 
 
 def _shard_is_complete(out_dir: Path, manifest: dict, k: int) -> bool:

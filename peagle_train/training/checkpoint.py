@@ -15,6 +15,7 @@ checkpoint that loads. Pruning keeps the last `keep_last` checkpoints plus the b
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ..errors import ConfigError, CorruptFileError, load_safetensors, read_json
+from ..errors import ConfigError, CorruptFileError, WriteError, io_cause, io_failure, load_safetensors, read_json
 from ..io import fsync_dir, fsync_file
 
 CKPT_PREFIX = "step_"
@@ -109,8 +110,9 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
     state: JSON-able/tensor loop state (step, tokens, running metric counts) stored in state.pt.
     Every process writes its own RNG file into the shared temp folder; rank 0 writes the rest,
     fsyncs and renames, then prunes to the last `keep_last` (+ the best by `val_eal`, if given).
-    Raises OSError (rank 0) naming the folder when the save fails (e.g. disk full): the temp folder
-    is removed and the previous checkpoints are untouched.
+    Raises WriteError (an OSError; rank 0) naming the folder when the save fails for an I/O reason of
+    any library (a full disk makes torch.save and safetensors raise their own errors): the temp
+    folder is removed and the previous checkpoints are untouched.
     `engine` (training/engines.py, DeepSpeed or FSDP): the weights are gathered from the shards and
     the engine writes its own optimizer state into `engine/` (DeepSpeed: one shard per rank).
     """
@@ -146,13 +148,17 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
             fsync_dir(tmp)
             tmp.rename(final)
             fsync_dir(root)
-    except OSError as e:
-        if main:
+    except BaseException as e:
+        found = io_failure(e) if isinstance(e, Exception) else None
+        cause = None if found is None else os.strerror(found[0]) if found[0] is not None else io_cause(None, root)[0]
+        if main:  # the free space above is read before the temporary is removed
             shutil.rmtree(tmp, ignore_errors=True)
+        if found is None:  # a bug, or Ctrl-C: the temporary is gone, the earlier checkpoints are intact
+            raise
         prev = list_checkpoints(root)
-        raise OSError(f"saving checkpoint {final} failed ({e}); the previous checkpoint "
-                      f"{prev[-1] if prev else '(none)'} is intact. Fix: free disk space in {root} (or lower "
-                      "training.keep_last) and resume with training.resume=true.") from e
+        kept = f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier checkpoint exists"
+        raise WriteError(f"saving checkpoint {final} failed ({cause}); {kept}. Fix: free disk space in {root} (or lower "
+                         "training.keep_last) and resume with training.resume=true.", found[0], then=False) from e
     if main:
         best = _update_best(root, final, step, val_eal)
         if keep_last:
@@ -164,9 +170,12 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
     return final
 
 
+_BEST_FIX = "delete it (the next validation writes it again) and resume with training.resume=true"
+
+
 def _update_best(root: Path, final: Path, step: int, val_eal: float | None) -> dict | None:
     path = root / "best.json"
-    best = json.loads(path.read_text()) if path.is_file() else None
+    best = read_json(path, "best-checkpoint record", required=("dir", "val_eal"), fix=_BEST_FIX) if path.is_file() else None
     if best and not (root / best["dir"]).is_dir():
         best = None
     if val_eal is not None and (best is None or val_eal > best["val_eal"]):
@@ -182,7 +191,7 @@ def best_checkpoint(root: Path) -> Path | None:
     path = Path(root) / "best.json"
     if not path.is_file():
         return None
-    d = Path(root) / json.loads(path.read_text())["dir"]
+    d = Path(root) / read_json(path, "best-checkpoint record", required=("dir",), fix=_BEST_FIX)["dir"]
     return d if d.is_dir() else None
 
 

@@ -208,3 +208,17 @@ def test_exported_ids_are_the_hidden_states_vllm_collects(tmp_path, target_model
     hs = target_model(x, output_hidden_states=True).hidden_states
     assert torch.equal(aux, torch.cat([hs[k] for k in ids], -1))
     assert not torch.equal(aux, torch.cat([hs[k + 1] for k in ids], -1))  # the older numbering's states differ
+
+
+def test_the_fix_for_out_of_range_ids_is_itself_valid():
+    """The suggested ids pass the same rule: [2, N//2, N-3] where it is distinct, evenly spread ids on
+    a shallow target, where [2, N//2, N-3] repeats a layer (N = 4 gives [2, 2, 1])."""
+    from peagle_train.target.features import aux_layer_ids_problem
+
+    assert aux_layer_ids_problem([2, 5, 9], 8).endswith("Fix: target.aux_layer_ids=null for the default [2, 4, 5], "
+                                                        "or 3 ids in that range.")
+    assert aux_layer_ids_problem([2, 5, 9], 4).endswith("Fix: target.aux_layer_ids=[0, 2, 3], or 3 other distinct "
+                                                        "ids in that range.")
+    assert aux_layer_ids_problem([0, 2, 3], 4) is None
+    assert aux_layer_ids_problem([0, 1, 2], 2).endswith("Fix: a target with at least 3 decoder layers (the head "
+                                                        "reads 3 of its hidden states).")

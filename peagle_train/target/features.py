@@ -184,9 +184,16 @@ def aux_layer_ids_problem(ids: list, num_layers: int | None, setting: str = "tar
             return (f"{setting}={ids} must be 3 distinct layer ids ≥ 0, ascending (id k = the hidden state entering "
                     "decoder layer k, HF hidden_states[k], as vLLM reads it; below the target's layer count). "
                     f"Fix: {setting}=null for the default [2, N//2, N-3] of an N-layer target, or 3 such ids.")
+        default, spread = default_aux_layer_ids(num_layers), [0, num_layers // 2, num_layers - 1]
+        if len(set(default)) == 3 and min(default) >= 0:
+            fix = f"{setting}=null for the default {default}, or 3 ids in that range."
+        elif len(set(spread)) == 3:  # a shallow target, where [2, N//2, N-3] repeats a layer
+            fix = f"{setting}={spread}, or 3 other distinct ids in that range."
+        else:
+            fix = "a target with at least 3 decoder layers (the head reads 3 of its hidden states)."
         return (f"{setting}={ids} must be 3 distinct layer ids in [0, {num_layers}) for this {num_layers}-layer "
                 "target (id k = the hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
-                f"Fix: {setting}=null for the default {default_aux_layer_ids(num_layers)}, or 3 ids in that range.")
+                f"Fix: {fix}")
     if ids != sorted(ids):
         return (f"{setting}={ids} is not in ascending order; vLLM sorts the ids and would feed the features in "
                 f"another order than training. Fix: {setting}={sorted(ids)}.")

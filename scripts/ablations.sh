@@ -72,8 +72,8 @@ ck() { echo "$OUT/$1/checkpoints/step_$(printf %06d "$2")"; }
 for S in $BUDGETS; do
     pair regen "$(ck regen "$S")" base "$(ck base "$S")" "$S"
     pair layers4 "$(ck layers4 "$S")" mask_std1 "$(ck mask_std1 "$S")" "$S"
-    pair cod_r0.85 "$(ck cod_r0.85 "$S")" "$([ "${TV:-1}" = 0 ] || echo tv)" "$([ "${TV:-1}" = 0 ] || ck tv "$S")" "$S"
+    pair cod_r0.85 "$(ck cod_r0.85 "$S")" oov_mask "$(ck oov_mask "$S")" "$S"
     pair "wsd@$S" "$(ck "wsd@$S" "$S")" "cosine@$S" "$(ck "cosine@$S" "$S")" "$S"
-    pair oov_mask "$(ck oov_mask "$S")" "" "" "$S"
+    [ "${TV:-1}" = 0 ] || pair tv "$(ck tv "$S")" "" "" "$S"
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

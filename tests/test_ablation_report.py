@@ -36,3 +36,19 @@ def test_ablation_table_hand_checked(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
                           f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tau_standard_error_hand_checked_for_head_and_baseline():
+    """ratio_stderr by hand, and every decoder's summary (the baseline's too) carries it."""
+    import math
+
+    from peagle_train.decoding.engine import GenerationResult
+    from peagle_train.evaluation.report import _spec_summary, ratio_stderr
+
+    # prompts: accepted 2 of 4 steps, 0 of 2, 4 of 4 → r = 6/10; residuals 2-2.4, 0-1.2, 4-2.4
+    se = math.sqrt(3 / 2 * ((2 - 2.4) ** 2 + (0 - 1.2) ** 2 + (4 - 2.4) ** 2)) / 10
+    assert math.isclose(ratio_stderr([2, 0, 4], [4, 2, 4]), se)
+    assert ratio_stderr([3], [5]) == 0.0
+    results = [GenerationResult(tokens=[1] * (len(a) + sum(a)), accepted=a) for a in ([1, 1, 0, 0], [0, 0], [1, 1, 1, 1])]
+    summary = _spec_summary(results, 5, 0.0)
+    assert math.isclose(summary["acceptance_length"], 1.6) and math.isclose(summary["acceptance_length_stderr"], se)

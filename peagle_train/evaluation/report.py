@@ -98,6 +98,7 @@ def _spec_summary(results: list[GenerationResult], K: int, base_tps: float, base
     speedup, why = speedup_or_reason(tps, tokens, base_tps, base_tokens)
     return {
         "acceptance_length": _tau(steps),
+        "acceptance_length_stderr": ratio_stderr([sum(r.accepted) for r in results], [len(r.accepted) for r in results]),
         "per_position_acceptance": uncond,
         "per_position_acceptance_conditional": cond,
         "verify_steps": len(steps),

@@ -52,19 +52,41 @@ def tokens_at(run: Path, step: int) -> int | None:
     return int(at[-1]) if at else None
 
 
+def stderr_from_rows(csv_path: Path, prefix: str) -> float | None:
+    """τ's standard error from an evaluation's per_prompt.csv (`ratio_stderr` over turns), for the
+    head (prefix "") or the baseline head ("baseline_"); a turn's verify steps are its new tokens / τ
+    where the file does not record them. None without the file."""
+    import csv
+
+    from peagle_train.evaluation.report import ratio_stderr
+
+    if not csv_path.is_file():
+        return None
+    acc, steps = [], []
+    for row in csv.DictReader(csv_path.open()):
+        tau = float(row[f"{prefix}tau"])
+        d = float(row[f"{prefix}verify_steps"]) if row.get(f"{prefix}verify_steps") else float(row[f"{prefix}new_tokens"]) / tau
+        acc.append((tau - 1) * d)
+        steps.append(d)
+    return ratio_stderr(acc, steps)
+
+
 def collect(run: Path) -> list[dict]:
     """One record per (arm, budget) evaluated under `run`/eval. Raises UserError when none is."""
     out = []
     for path in sorted(run.glob("eval/*__*/step_*/eval/acceptance.json")):
         pair, step = path.parent.parent.parent.name, int(path.parent.parent.name.split("_")[1])
         acc = json.loads(path.read_text())
-        for arm, summary in zip(pair.split("__"), (acc, acc.get("baseline"))):
+        for arm, summary, col in zip(pair.split("__"), (acc, acc.get("baseline")), ("", "baseline_")):
             if summary is None or arm == "none":
                 continue
             p = [float(x) for x in summary["per_position_acceptance"]]
+            se = summary.get("acceptance_length_stderr")
+            if se is None:  # an evaluation written before baseline summaries carried it
+                se = stderr_from_rows(path.parent / "per_prompt.csv", col)
             out.append({"arm": arm, "family": re.sub(r"@\d+$", "", arm), "step": step,
                         "tokens": tokens_at(run / arm, step), "tau": float(summary["acceptance_length"]),
-                        "se": float(summary.get("acceptance_length_stderr") or 0.0), "p": p,
+                        "se": se, "p": p,
                         "c1": p[1] / p[0] if p[0] else 0.0})
     if not out:
         raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>/step_N/eval/acceptance.json). "
@@ -83,8 +105,8 @@ def table(records: list[dict]) -> str:
         ref = (REFERENCE.get(r["family"], "base"), r["step"])
         d = f"{r['tau'] - tau[ref]:+.3f}" if ref in tau and r["family"] != "base" else ""
         tok = f"{r['tokens'] / 1e6:.2f}M" if r["tokens"] else "?"
-        lines.append(f"| {r['family']} | {WHAT.get(r['family'], '')} | {r['step']} | {tok} | {r['tau']:.3f} ± "
-                     f"{r['se']:.3f} | {d} | {r['p'][0]:.3f} | {r['p'][1]:.3f} | {r['p'][2]:.3f} | {r['c1']:.2f} |")
+        se = f" ± {r['se']:.3f}" if r["se"] is not None else ""
+        lines.append(f"| {r['family']} | {WHAT.get(r['family'], '')} | {r['step']} | {tok} | {r['tau']:.3f}{se} | {d} | {r['p'][0]:.3f} | {r['p'][1]:.3f} | {r['p'][2]:.3f} | {r['c1']:.2f} |")
     return "\n".join(lines)
 
 

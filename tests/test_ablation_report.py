@@ -52,3 +52,21 @@ def test_tau_standard_error_hand_checked_for_head_and_baseline():
     results = [GenerationResult(tokens=[1] * (len(a) + sum(a)), accepted=a) for a in ([1, 1, 0, 0], [0, 0], [1, 1, 1, 1])]
     summary = _spec_summary(results, 5, 0.0)
     assert math.isclose(summary["acceptance_length"], 1.6) and math.isclose(summary["acceptance_length_stderr"], se)
+
+
+def test_baseline_stderr_recovered_from_per_prompt_rows(tmp_path):
+    """An evaluation whose baseline summary has no standard error: it is computed from
+    per_prompt.csv, a turn's steps being its new tokens / τ (2 turns: τ 1.5 over 4 steps, 1.0 over 6)."""
+    import math
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from ablation_report import stderr_from_rows
+
+    from peagle_train.evaluation.report import ratio_stderr
+
+    csv_path = tmp_path / "per_prompt.csv"
+    csv_path.write_text("id,tau,verify_steps,baseline_tau,baseline_new_tokens\n1,1.5,4,1.5,6\n2,1.0,6,1.0,6\n")
+    assert math.isclose(stderr_from_rows(csv_path, "baseline_"), ratio_stderr([2.0, 0.0], [4.0, 6.0]))
+    assert math.isclose(stderr_from_rows(csv_path, ""), ratio_stderr([2.0, 0.0], [4.0, 6.0]))
+    assert stderr_from_rows(tmp_path / "none.csv", "") is None

@@ -57,13 +57,15 @@ def test_tau_standard_error_hand_checked_for_head_and_baseline():
 def test_baseline_stderr_recovered_from_per_prompt_rows(tmp_path):
     """An evaluation whose baseline summary has no standard error: it is computed from
     per_prompt.csv, a turn's steps being its new tokens / τ (2 turns: τ 1.5 over 4 steps, 1.0 over 6)."""
+    import importlib.util
     import math
-    import sys
-
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from ablation_report import stderr_from_rows
 
     from peagle_train.evaluation.report import ratio_stderr
+
+    spec = importlib.util.spec_from_file_location("ablation_report", REPO_ROOT / "scripts" / "ablation_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stderr_from_rows = module.stderr_from_rows
 
     csv_path = tmp_path / "per_prompt.csv"
     csv_path.write_text("id,tau,verify_steps,baseline_tau,baseline_new_tokens\n1,1.5,4,1.5,6\n2,1.0,6,1.0,6\n")

@@ -123,18 +123,18 @@ def test_vllm_regenerates_what_the_target_writes(tmp_path):
     assert proc.returncode == again.returncode == 0
 
 
+def _stat(pid) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]; None if gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _group_members(pgid: int) -> list[int]:
-    """Pids of the live processes of process group `pgid` (/proc/<pid>/stat field 5)."""
-    out = []
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(stat))
-    return out
+    """Pids of the live processes of process group `pgid`."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (f := _stat(p)) and int(f[2]) == pgid
+            and f[0] != "Z"]
 
 
 def test_a_killed_command_leaves_no_vllm_engine(tmp_path):
@@ -179,7 +179,5 @@ def _engine_up(pgid: int) -> bool:
 
 
 def _ppid(pid: int) -> int | None:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
+    f = _stat(pid)
+    return int(f[1]) if f else None

@@ -43,8 +43,6 @@ def check_training_config(train_cfg) -> None:
         problems.append(f"training.max_anchors={train_cfg.max_anchors} must be ≥ 1 or null")
     if train_cfg.schedule not in ("cosine", "linear", "constant", "wsd"):
         problems.append(f"training.schedule={train_cfg.schedule!r} must be cosine, linear, constant or wsd")
-    if not 0 < (train_cfg.get("decay_fraction") or 0.2) <= 1:
-        problems.append(f"training.decay_fraction={train_cfg.decay_fraction} must be in (0, 1]")
     if train_cfg.attention not in ATTENTION_SETTINGS:
         problems.append(f"training.attention={train_cfg.attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
     if problems:

@@ -55,6 +55,7 @@ class Choice(str, enum.Enum):
 class Algorithm(Choice):
     peagle = "peagle"
     eagle3 = "eagle3"
+    dflash = "dflash"
 
 
 class Precision(Choice):
@@ -272,6 +273,7 @@ class DraftSchema:
     norm_before_residual: bool = opt(False, "the first layer's residual is its normed input (else the raw one)")
     gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
     mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden", gt=0)
+    block_causal: bool = opt(False, "dflash: the block attends to itself causally (else all of it, DFlash's default)")
     init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
                                          ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 
@@ -350,7 +352,8 @@ class Config:
 
     output_dir: str = opt("runs/${now:%Y-%m-%d_%H-%M-%S}", "everything a run writes goes under here")
     algorithm: Algorithm = opt(Algorithm.peagle, "peagle (parallel drafting) | eagle3 (the sequential baseline, "
-                                                 "trained with TTT)")
+                                                 "trained with TTT) | dflash (a block of mask tokens over the "
+                                                 "target features as keys and values; vLLM ≥ 0.32 serves it)")
     seed: int = opt(0, "seed of data shuffling, initialisation and COD sampling", ge=0, le=SEED_MAX)
     threads: Optional[int] = opt(None, "torch CPU threads; null = cores / processes on this node "
                                        "(also under accelerate launch, which sets 1)", ge=1)

@@ -37,13 +37,14 @@ def build_target(target_cfg, device):
 
 
 def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> PEagleDraft:
-    """A P-EAGLE (or EAGLE-3) head sized from the target, initialised from its embeddings and
+    """A P-EAGLE (EAGLE-3, DFlash) head sized from the target, initialised from its embeddings and
     lm_head rows. Raises ValueError naming the setting when sizes disagree with the target."""
     cfg = DraftConfig.from_target(
         target.config, num_layers=dcfg.num_layers, draft_vocab_size=len(vocab.draft_ids),
         mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
         norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
         gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
+        block_causal=bool(getattr(dcfg, "block_causal", False)),
     )
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)

@@ -62,7 +62,8 @@ class DraftConfig:
     model_type: str = "llama"       # the target family of layers 1..L-1: llama | qwen3
     qk_norm: bool = False           # Qwen3-style per-head RMSNorm of q and k before RoPE
     gradient_checkpointing: bool = False
-    algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline)
+    algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline) | dflash
+    block_causal: bool = False      # dflash: the block attends to itself causally (vLLM: dflash_config.causal)
 
     def __post_init__(self):
         problems = []
@@ -74,8 +75,10 @@ class DraftConfig:
                             f"or {OLD_AUX_LAYER_NUMBERING!r}")
         if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
-        if self.algorithm not in ("peagle", "eagle3"):
-            problems.append(f"algorithm={self.algorithm!r} must be peagle or eagle3")
+        if self.algorithm not in ("peagle", "eagle3", "dflash"):
+            problems.append(f"algorithm={self.algorithm!r} must be peagle, eagle3 or dflash")
+        if self.algorithm == "dflash":  # vLLM's DFlash layers always norm q and k per head (Qwen3's)
+            self.qk_norm = True
         if self.num_depths < 1:
             problems.append(f"draft.num_depths={self.num_depths} must be ≥ 1")
         if self.num_hidden_layers < 1:
@@ -438,6 +441,10 @@ class Proposal:
     forwards: int
 
 
-def make_draft_head(cfg: DraftConfig) -> PEagleDraft:
-    """PEagleDraft or Eagle3Draft, by cfg.algorithm."""
+def make_draft_head(cfg: DraftConfig) -> nn.Module:
+    """PEagleDraft, Eagle3Draft or DFlashDraft (draft/dflash.py), by cfg.algorithm."""
+    if cfg.algorithm == "dflash":
+        from .dflash import DFlashDraft  # dflash.py builds on this module's config and layers
+
+        return DFlashDraft(cfg)
     return Eagle3Draft(cfg) if cfg.algorithm == "eagle3" else PEagleDraft(cfg)

@@ -1,0 +1,141 @@
+"""DFlash training (draft/dflash.py): blocks anchored at sampled row positions, all run in one
+forward over the row's shared context, the loss over every slot's target distribution.
+
+A block anchored at row position a (draft/dflash.py module docstring): the anchor token tokens[a]
+at position pos_ids[a] + 1 and K mask tokens after it; its queries see the context of row
+positions ≤ a of the same document and the block's own K + 1 entries (all of them, or those up to
+themselves with `block_causal`), never another block. Slot j = 1..K is scored against the target
+distribution of row position a + j - 1 (the token x_{a+j+1} of the document), so slot 1 learns what
+P-EAGLE's depth 0 learns and slot j what its depth j - 1 learns; metrics use depth = j - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..features.rows import PackedRow
+from ..training.loss import LOSSES, depth_counts
+from .base import Objective
+from .peagle import global_loss_norm
+
+
+@dataclass
+class DFlashBlocks:
+    """The blocks of one row: anchors [N] int64 (row positions, ascending), labels [N, K] int64
+    (row position a + j - 1 of slot j, clamped into the row) and valid [N, K] bool (that label lies
+    in the anchor's document and is loss-valid)."""
+
+    anchors: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def dflash_blocks(valid: torch.Tensor, doc_ids: torch.Tensor, K: int, max_anchors: int | None,
+                  generator: torch.Generator | None = None) -> DFlashBlocks:
+    """Anchors a with at least one valid slot (a row position a + j - 1, j = 1..K, in a's
+    document and loss-valid), a random `max_anchors`-subset when there are more (drawn with
+    `generator`), sorted. valid, doc_ids: [n] of the row (on any device; computed on the CPU)."""
+    valid, doc_ids = valid.cpu().bool(), doc_ids.cpu()
+    n = valid.numel()
+    lab = torch.arange(n)[:, None] + torch.arange(K)[None]                    # [n, K]: a + j - 1
+    inside = lab < n
+    lab = lab.clamp(max=n - 1)
+    ok = inside & (doc_ids[lab] == doc_ids[:, None]) & valid[lab]
+    a = ok.any(1).nonzero().flatten()
+    if max_anchors is not None and a.numel() > max_anchors:
+        a = a[torch.randperm(a.numel(), generator=generator)[:max_anchors]].sort().values
+    return DFlashBlocks(a, lab[a], ok[a])
+
+
+def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bool = False) -> torch.Tensor:
+    """[N(K+1), n + N(K+1)] bool (True = attend): the queries of the blocks at `anchors` [N] over
+    the keys [the row's n context entries, then every block's K + 1 entries, block-major].
+
+    Query (block b, slot s) sees context c iff doc_ids[c] == doc_ids[anchors[b]] and c ≤ anchors[b];
+    and block entry (b', s') iff b' == b (and s' ≤ s when `causal`). doc_ids: [n]."""
+    dev = doc_ids.device
+    a = anchors.to(dev)
+    N, n, B = a.numel(), doc_ids.numel(), K + 1
+    qa = a.repeat_interleave(B)
+    ctx = (doc_ids[None, :] == doc_ids[qa][:, None]) & (torch.arange(n, device=dev)[None, :] <= qa[:, None])
+    blk = torch.arange(N, device=dev).repeat_interleave(B)
+    inner = blk[:, None] == blk[None, :]
+    if causal:
+        slot = torch.arange(B, device=dev).repeat(N)
+        inner &= slot[None, :] <= slot[:, None]
+    return torch.cat([ctx, inner], 1)
+
+
+def head_config(model):
+    """The DraftConfig of a head, through the wrappers of distributed engines (DDP's `.module`)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
+def dflash_forward(draft, row: PackedRow, blocks: DFlashBlocks, K: int) -> torch.Tensor:
+    """Logits [N, K, V_draft] of the K slots of every block of `blocks` over `row`, one forward
+    (`draft` is called only through its forward, so sharded engines gather its parameters)."""
+    dev = row.tokens.device
+    cfg = head_config(draft)
+    a = blocks.anchors.to(dev)
+    N = a.numel()
+    tokens = torch.full((N, K + 1), cfg.mask_token_id, dtype=row.tokens.dtype, device=dev)
+    tokens[:, 0] = row.tokens[a]
+    pos = row.pos_ids[a][:, None] + 1 + torch.arange(K + 1, device=dev)
+    mask = dflash_mask(a, row.doc_ids, K, cfg.block_causal)
+    logits = draft(row.features[None], row.pos_ids[None], tokens.reshape(1, -1), pos.reshape(1, -1), mask[None])
+    return logits[0].view(N, K + 1, -1)[:, 1:]
+
+
+def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: int, count: float):
+    """(Σ loss over valid slots / count, counts [4, K]) of `dflash_forward`; counts by depth j - 1."""
+    dev = row.tokens.device
+    logits = dflash_forward(draft, row, blocks, K)
+    N = logits.shape[0]
+    lab, lmask = blocks.labels.to(dev).reshape(-1), blocks.valid.to(dev).reshape(-1)
+    flat, tl = logits.reshape(N * K, -1), row.target_logits[lab]
+    with torch.no_grad():
+        a = torch.arange(N, device=dev).repeat_interleave(K)      # block index as the chain's anchor
+        d = torch.arange(K, device=dev).repeat(N)
+        counts = depth_counts(flat, tl, a, d, lmask, K).cpu()
+    return LOSSES[loss_name](flat, tl, lmask) / count, counts
+
+
+class DFlashObjective(Objective):
+    """DFlash: blocks of K = draft.num_depths mask slots at up to `max_anchors` anchors per row
+    (`dflash_blocks`), one forward per row (`dflash_forward`), the loss normalised by the valid
+    slots of all micro-rows of all processes (`global_loss_norm`, as P-EAGLE)."""
+
+    name = "dflash"
+
+    def sample(self, row: PackedRow, generator: torch.Generator) -> DFlashBlocks:
+        t = self.train_cfg
+        return dflash_blocks(row.valid, row.doc_ids, t.num_depths, t.max_anchors, generator)
+
+    def step(self, model, micro, *, accelerator, amp, backward=None):
+        t = self.train_cfg
+        backward = backward or (lambda x: x.backward())
+        norm = global_loss_norm(accelerator, sum(int(b.valid.sum()) for _, b in micro))
+        loss_value, counts = 0.0, 0
+        for row, blocks in micro:
+            if blocks.anchors.numel() == 0:
+                continue
+            with amp:
+                loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, norm)
+            backward(loss)
+            loss_value, counts = loss_value + loss.item(), counts + c
+        if isinstance(counts, int):
+            counts = torch.zeros(4, t.num_depths, dtype=torch.float64)
+        return loss_value, counts
+
+    @torch.no_grad()
+    def validate_row(self, model, row: PackedRow, generator: torch.Generator):
+        t = self.train_cfg
+        blocks = self.sample(row, generator)
+        if blocks.anchors.numel() == 0:
+            return 0.0, 0.0, torch.zeros(4, t.num_depths, dtype=torch.float64)
+        loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, 1.0)
+        return float(loss), float(blocks.valid.sum()), c

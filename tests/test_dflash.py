@@ -1,0 +1,261 @@
+"""The DFlash head and objective: the block mask and labels by hand, the batched training forward
+against a per-block reference written from the layer equations, gradients against that reference,
+training equals decoding, the decoding engine is lossless, the head learns."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peagle_train.algorithms.dflash import DFlashObjective, dflash_blocks, dflash_forward, dflash_loss, dflash_mask
+from peagle_train.decoding.engine import generate
+from peagle_train.decoding.kv_cache import SlotCache
+from peagle_train.draft.dflash import DFlashDraft
+from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.features.rows import PackedRow
+from peagle_train.target.features import FeatureTarget
+from peagle_train.training.loss import LOSSES
+
+from .reference_decoder import target_generate
+from .test_training import random_row
+
+
+def make_dflash(target_model, K=4, layers=2, seed=0, causal=False):
+    torch.manual_seed(seed)
+    t = FeatureTarget(target_model)
+    ids = torch.arange(0, 128, 2)
+    cfg = DraftConfig.from_target(target_model.config, num_layers=layers, draft_vocab_size=64, mask_token_id=127,
+                                  num_depths=K, aux_layer_ids=t.aux_layer_ids, algorithm="dflash", block_causal=causal)
+    d = make_draft_head(cfg).eval()
+    assert isinstance(d, DFlashDraft)
+    d.init_from_target(target_model, ids, ids - torch.arange(64), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
+    with torch.no_grad():  # a head that is not the identity of its init: norms and embeddings perturbed
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    return t, d
+
+
+# ---- by hand ------------------------------------------------------------------------------------
+
+def test_mask_by_hand():
+    """Row of 5 positions in documents [0, 0, 0, 1, 1]; blocks at anchors 1 and 3, K = 1 (2 entries
+    each). Keys: context 0..4, then block 0 (entries 5, 6), block 1 (entries 7, 8)."""
+    doc = torch.tensor([0, 0, 0, 1, 1])
+    m = dflash_mask(torch.tensor([1, 3]), doc, 1)
+    want = torch.tensor([
+        # c0 c1 c2 c3 c4 | b0 b0 | b1 b1
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],   # block 0 (anchor 1), anchor entry
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],   # block 0, mask slot: non-causal, sees its whole block
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],   # block 1 (anchor 3): its document starts at 3
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(m, want)
+    causal = dflash_mask(torch.tensor([1, 3]), doc, 1, causal=True)
+    want[0, 6] = want[2, 8] = False     # the anchor entry no longer sees the slot after it
+    assert torch.equal(causal, want)
+
+
+def test_blocks_by_hand():
+    """valid [1, 0, 1, 1, 0, 1] over documents [0, 0, 0, 0, 1, 1], K = 2: slot j of anchor a is
+    scored at row position a + j - 1 when that lies in a's document and is valid."""
+    valid = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    doc = torch.tensor([0, 0, 0, 0, 1, 1])
+    b = dflash_blocks(valid, doc, 2, None)
+    # a=0: labels 0 (valid), 1 (invalid); a=1: 1 (no), 2 (yes); a=2: 2, 3; a=3: 3, 4 (other doc);
+    # a=4: 4 (invalid), 5 (valid); a=5: 5, 6 (outside the row)
+    assert b.anchors.tolist() == [0, 1, 2, 3, 4, 5]
+    assert b.labels.tolist() == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 5]]
+    assert b.valid.tolist() == [[True, False], [False, True], [True, True], [True, False], [False, True],
+                                [True, False]]
+    none = dflash_blocks(torch.tensor([0, 0, 1], dtype=torch.bool), torch.tensor([0, 0, 1]), 1, None)
+    assert none.anchors.tolist() == [2]
+    capped = dflash_blocks(valid, doc, 2, 3, torch.Generator().manual_seed(0))
+    assert capped.anchors.numel() == 3 and capped.anchors.tolist() == sorted(capped.anchors.tolist())
+
+
+# ---- a per-block reference written from the layer equations --------------------------------------
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta, d):
+    """Rotate-half RoPE (neox style, vLLM's `is_neox_style` default) of x [n, heads, d] at pos [n]."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_block_logits(d: DFlashDraft, context: torch.Tensor, context_pos: torch.Tensor, block: torch.Tensor,
+                           block_pos: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """One block, no mask tensor: the context entries [S, 3H] at context_pos [S] and the block
+    tokens [N] at block_pos [N], every layer's attention a plain softmax over exactly the keys the
+    block may see. Returns logits [N, V_draft]."""
+    c = d.config
+    eps, theta, hd, nh, kvh = c.rms_norm_eps, c.rope_parameters["rope_theta"], c.head_dim, c.num_attention_heads, \
+        c.num_key_value_heads
+    ctx = _rms(context @ d.fc.weight.T, d.hidden_norm.weight, eps)
+    h = d.embed_tokens.weight[block]
+    N, S = block.numel(), context.shape[0]
+    for layer in d.layers:
+        a = layer.self_attn
+        x = _rms(h, layer.input_layernorm.weight, eps)
+        q = _rope(_rms((x @ a.q_proj.weight.T).view(N, nh, hd), a.q_norm.weight, eps), block_pos, theta, hd)
+        kb = _rope(_rms((x @ a.k_proj.weight.T).view(N, kvh, hd), a.k_norm.weight, eps), block_pos, theta, hd)
+        kc = _rope(_rms((ctx @ a.k_proj.weight.T).view(S, kvh, hd), a.k_norm.weight, eps), context_pos, theta, hd)
+        vb, vc = (x @ a.v_proj.weight.T).view(N, kvh, hd), (ctx @ a.v_proj.weight.T).view(S, kvh, hd)
+        k, v = torch.cat([kc, kb]), torch.cat([vc, vb])
+        out = torch.empty(N, nh, hd)
+        for i in range(N):
+            keys = S + (i + 1 if causal else N)
+            for head in range(nh):
+                g = head // (nh // kvh)
+                w = torch.softmax(k[:keys, g] @ q[i, head] / math.sqrt(hd), 0)
+                out[i, head] = w @ v[:keys, g]
+        h = h + out.reshape(N, nh * hd) @ a.o_proj.weight.T
+        m = layer.mlp
+        y = _rms(h, layer.post_attention_layernorm.weight, eps)
+        h = h + (F.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return _rms(h, d.norm.weight, eps) @ d.lm_head.weight.T
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_forward_equals_per_block_reference(target_model, causal):
+    """Every block of the batched, masked training forward over a packed row of 3 documents gives
+    the logits of the reference run on that block alone (its document's context ≤ anchor), 1e-5."""
+    K = 3
+    _, d = make_dflash(target_model, K=K, causal=causal)
+    row = random_row(target_model, seed=2)
+    blocks = dflash_blocks(row.valid, row.doc_ids, K, 12, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = dflash_forward(d, row, blocks, K)
+    assert logits.shape == (12, K, 64)
+    seen_docs = set()
+    for b, a in enumerate(blocks.anchors.tolist()):
+        doc = row.doc_ids == row.doc_ids[a]
+        ctx = doc & (torch.arange(row.tokens.numel()) <= a)
+        tokens = torch.tensor([int(row.tokens[a])] + [127] * K)
+        pos = int(row.pos_ids[a]) + 1 + torch.arange(K + 1)
+        with torch.no_grad():
+            ref = reference_block_logits(d, row.features[ctx], row.pos_ids[ctx], tokens, pos, causal)
+        torch.testing.assert_close(logits[b], ref[1:], rtol=1e-5, atol=1e-5)
+        seen_docs.add(int(row.doc_ids[a]))
+    assert len(seen_docs) >= 2   # blocks of more than one document were checked
+
+
+def test_gradients_equal_the_per_block_reference(target_model):
+    """∂(Σ KL over valid slots / count) of the batched step equals that of the per-block reference,
+    parameter by parameter (fp32, 1e-5 relative to the largest entry)."""
+    K = 2
+    _, d = make_dflash(target_model, K=K, layers=1)
+    row = random_row(target_model, seed=6, lengths=(14, 12))
+    blocks = dflash_blocks(row.valid, row.doc_ids, K, 6, torch.Generator().manual_seed(1))
+    count = float(blocks.valid.sum())
+    d.zero_grad()
+    loss, counts = dflash_loss(d, row, blocks, "kl", K, count)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    d.zero_grad()
+    ref_loss = 0.0
+    for b, a in enumerate(blocks.anchors.tolist()):
+        doc = row.doc_ids == row.doc_ids[a]
+        ctx = doc & (torch.arange(row.tokens.numel()) <= a)
+        tokens = torch.tensor([int(row.tokens[a])] + [127] * K)
+        pos = int(row.pos_ids[a]) + 1 + torch.arange(K + 1)
+        lg = reference_block_logits(d, row.features[ctx], row.pos_ids[ctx], tokens, pos)[1:]
+        ref_loss = ref_loss + LOSSES["kl"](lg, row.target_logits[blocks.labels[b]], blocks.valid[b]) / count
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    assert set(got) == {k for k, p in d.named_parameters() if p.grad is not None}
+    for k, p in d.named_parameters():
+        if p.grad is None:
+            continue
+        scale = max(float(p.grad.abs().max()), 1e-8)
+        assert float((got[k] - p.grad).abs().max()) <= 1e-5 * scale + 1e-9, k
+    assert int(counts[0].sum()) == int(blocks.valid.sum())
+
+
+# ---- training equals decoding ---------------------------------------------------------------------
+
+def test_propose_equals_training_forward(target_model):
+    """The decoder's `propose` over pairs 0..a (cached in two chunks through a SlotCache, and in one
+    call without a cache) drafts from the logits the training forward gives the block at anchor a."""
+    K = 3
+    t, d = make_dflash(target_model, K=K)
+    ids = torch.randint(0, 128, (1, 22), generator=torch.Generator().manual_seed(5))
+    out = t(ids)
+    n = 21
+    row = PackedRow(ids[0, 1:], out.aux[0, :-1], out.logits[0, 1:], torch.ones(n, dtype=torch.bool),
+                    torch.zeros(n, dtype=torch.long), torch.arange(n))
+    a = 12
+    blocks = dflash_blocks(row.valid, row.doc_ids, K, None)
+    with torch.no_grad():
+        train = dflash_forward(d, row, blocks, K)[a]
+    tri = lambda m, s: torch.cat([torch.ones(m, s, dtype=torch.bool), torch.ones(m, m, dtype=torch.bool).tril()], 1)
+    with torch.no_grad():
+        one = d.propose(row.tokens[None, : a + 1], row.features[None, : a + 1], torch.arange(a + 1)[None],
+                        tri(a + 1, 0)[None], None, K)
+        cache = SlotCache()
+        first = d.propose(row.tokens[None, :5], row.features[None, :5], torch.arange(5)[None], tri(5, 0)[None], cache, K)
+        two = d.propose(row.tokens[None, 5: a + 1], row.features[None, 5: a + 1], torch.arange(5, a + 1)[None],
+                        tri(a + 1 - 5, 5)[None], cache, K)
+    for prop in (one, two):
+        torch.testing.assert_close(prop.logits[0], train, rtol=1e-5, atol=1e-5)
+        assert prop.tokens[0].tolist() == d.draft_to_target(train.argmax(-1)).tolist()
+        assert prop.forwards == 1
+    assert cache.get_seq_length() == a + 1        # the context only: the block's entries are not kept
+    assert first.tokens.shape == (1, K)
+
+
+def test_engine_decoding_is_lossless_batched(target_model):
+    """Greedy decoding with a DFlash head through the one decoding engine gives the target's own
+    tokens, batch of 3 prompts of different lengths, one draft forward per step."""
+    t, d = make_dflash(target_model, K=4)
+    prompts = [[7, 1, 88, 42, 3, 3], [5, 9], [100, 2, 17, 17, 64, 1, 3, 8, 8]]
+    res = generate(t, d, prompts, 4, 30, set())
+    for p, r in zip(prompts, res):
+        assert r.tokens == target_generate(t, p, 30, set()).tokens
+        assert r.draft_forwards == len(r.accepted)
+
+
+def test_dflash_learns_and_validation_equals_the_step(target_model):
+    """A few steps of the objective on one row lower its loss by 3×; validation (no backward)
+    reports the training step's counts for the same blocks and leaves the weights untouched."""
+    from types import SimpleNamespace
+
+    K = 3
+    _, d = make_dflash(target_model, K=K, layers=1)
+    d.train()
+    row = random_row(target_model, seed=4)
+    obj = DFlashObjective(SimpleNamespace(num_depths=K, max_anchors=None, loss="kl"))
+
+    class One:
+        device = torch.device("cpu")
+        num_processes = 1
+
+        def reduce(self, x, op):
+            return x
+
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        opt.zero_grad()
+        loss, counts = obj.step(d, [(row, obj.sample(row, torch.Generator().manual_seed(0)))], accelerator=One(),
+                                amp=torch.autocast("cpu", enabled=False))
+        opt.step()
+        losses.append(loss)
+    assert losses[-1] < losses[0] / 3
+    assert counts[0, K - 1] > 0        # the last slot was trained
+    d.eval()
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    vloss, vcount, vcounts = obj.validate_row(d, row, torch.Generator().manual_seed(0))
+    blocks = obj.sample(row, torch.Generator().manual_seed(0))
+    ref, ref_counts = dflash_loss(d, row, blocks, "kl", K, 1.0)
+    assert abs(vloss - float(ref)) < 1e-4 * max(1.0, abs(float(ref)))
+    assert vcount == float(blocks.valid.sum())
+    torch.testing.assert_close(vcounts, ref_counts)
+    assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())

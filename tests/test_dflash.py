@@ -2,6 +2,7 @@
 against a per-block reference written from the layer equations, gradients against that reference,
 training equals decoding, the decoding engine is lossless, the head learns."""
 
+import json
 import math
 
 import pytest
@@ -255,7 +256,69 @@ def test_dflash_learns_and_validation_equals_the_step(target_model):
     vloss, vcount, vcounts = obj.validate_row(d, row, torch.Generator().manual_seed(0))
     blocks = obj.sample(row, torch.Generator().manual_seed(0))
     ref, ref_counts = dflash_loss(d, row, blocks, "kl", K, 1.0)
-    assert abs(vloss - float(ref)) < 1e-4 * max(1.0, abs(float(ref)))
+    assert abs(vloss - ref.item()) < 1e-4 * max(1.0, abs(ref.item()))
     assert vcount == float(blocks.valid.sum())
     torch.testing.assert_close(vcounts, ref_counts)
     assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())
+
+
+# ---- export ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_export_is_what_vllm_dflash_reads(tmp_path, target_model, causal):
+    """config.json holds the keys vLLM's `update_dflash` reads (0.22–0.34 wheels), the tensors carry
+    the names its DFlash loader maps (fc, hidden_norm, q_norm/k_norm, no mask_hidden), and the
+    export reads back as the same head: the same proposals from a checkpoint-equal bf16 reload."""
+    from safetensors.torch import load_file
+
+    from peagle_train.draft.io import load_checkpoint, save_checkpoint
+    from peagle_train.export.speculators import load_export, validate_export, write_export
+
+    t, d = make_dflash(target_model, K=4, causal=causal)
+    ckpt, _ = load_checkpoint(save_checkpoint(d, tmp_path / "ckpt"))
+    assert isinstance(ckpt, DFlashDraft) and ckpt.config.block_causal is causal
+    out = write_export(ckpt, tmp_path / "exp", verifier_name_or_path="org/target", verifier_architectures=["L"],
+                       card={"acceptance": {}})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 4, 5] and "eagle_aux_hidden_state_layer_ids" not in cfg
+    assert cfg["mask_token_id"] == 127 and cfg["draft_vocab_size"] == 64 and cfg["target_hidden_size"] == 64
+    assert cfg["block_size"] == 5 and cfg["sliding_window_non_causal"] is (not causal)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    sd = load_file(str(out / "model.safetensors"))
+    assert "mask_hidden" not in sd and sd["fc.weight"].shape == (64, 192) and sd["hidden_norm.weight"].shape == (64,)
+    assert sd["layers.1.self_attn.q_norm.weight"].shape == (16,) and sd["layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    validate_export(out, reference=ckpt)
+    card = (out / "README.md").read_text()
+    assert "# DFlash draft head for org/target" in card
+    assert ('vllm serve org/target --speculative-config \'{"method": "dflash", "model": "<this directory>", '
+            '"num_speculative_tokens": 4}\'') in card
+    assert ("pip install 'vllm>=0.28'" if causal else "pip install 'vllm>=0.22'") in card
+    back = load_export(out)
+    assert isinstance(back, DFlashDraft) and back.config.block_causal is causal
+    for prompt in ([1, 2, 3, 4, 5], [90, 80, 70]):
+        a, b = generate(t, ckpt, [prompt], 4, 24, set())[0], generate(t, back, [prompt], 4, 24, set())[0]
+        assert a.tokens == b.tokens == target_generate(t, prompt, 24, set()).tokens
+        assert a.accepted == b.accepted
+
+
+def test_validator_names_a_broken_dflash_export(tmp_path, target_model):
+    from safetensors.torch import load_file, save_file
+
+    from peagle_train.export.speculators import ExportError, validate_export, write_export
+
+    _, d = make_dflash(target_model, K=3, layers=1)
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="x", verifier_architectures=["L"])
+    sd = load_file(str(out / "model.safetensors"))
+    del sd["hidden_norm.weight"]
+    sd["mask_hidden"] = torch.zeros(1, 1, 192)
+    save_file(sd, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["aux_hidden_state_layer_ids"] = [5, 2, 4]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError) as e:
+        validate_export(out)
+    msg = str(e.value)
+    assert "missing tensor hidden_norm.weight" in msg and "unexpected tensor mask_hidden" in msg
+    assert "aux_hidden_state_layer_ids [5, 2, 4] are not ascending" in msg

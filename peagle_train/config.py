@@ -394,6 +394,8 @@ class EvaluateCommand(Config):
     head: Optional[str] = opt(None, "the head to evaluate: runs/<run>/checkpoint or an export directory")
     baseline_head: Optional[str] = opt(None, "optional second head decoded in the same run (e.g. an EAGLE-3 "
                                              "checkpoint)")
+    more_heads: Optional[list[str]] = opt(None, "further heads decoded in the same run, each like baseline_head "
+                                                "(e.g. [runs/d/checkpoint], a DFlash head beside P-EAGLE and EAGLE-3)")
     eval: EvaluateEvalConfig = group(EvaluateEvalConfig, "the benchmark, sampling and decoding")
 
 
@@ -748,6 +750,19 @@ def k_beyond_k_train_problem(K: int, k_train: int, head: str) -> str | None:
     return (f"eval.num_speculative_tokens={K} > K_train={k_train} of {head}: the head never trained draft depths "
             f"beyond {k_train}, so τ would measure untrained slots. Fix: eval.num_speculative_tokens={k_train} or "
             f"less, or train a head with draft.num_depths={K} or more.")
+
+
+def dflash_block_note(K: int, head_cfg, head: str) -> str | None:
+    """A warning when a non-causal DFlash head (draft config `head_cfg`) drafts a block of K + 1
+    other than the K_train + 1 it was trained on: every slot attends to the whole block, so its
+    inputs differ from training (a causal block sees the same prefix of slots either way). None
+    otherwise."""
+    if getattr(head_cfg, "algorithm", None) != "dflash" or head_cfg.block_causal or K == head_cfg.num_depths:
+        return None
+    return (f"{head} is a DFlash head trained on blocks of {head_cfg.num_depths + 1} with non-causal attention; "
+            f"K={K} drafts blocks of {K + 1}, which every slot sees whole, unlike in training. vLLM serves it at "
+            f"num_speculative_tokens={K} the same way. Fix: eval.num_speculative_tokens={head_cfg.num_depths}, or "
+            f"train with draft.num_depths={K} (or draft.block_causal=true).")
 
 
 def range_problems(cfg, schema: type) -> list[str]:

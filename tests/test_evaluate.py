@@ -332,3 +332,31 @@ def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
     s = summarize([_row({"id": 1, "category": "c"}, 1, 5, differ, True)], {k: [v] for k, v in differ.items()}, K=3,
                   max_new_tokens=3, temperature=0.0, batch_size=8, precision="fp32", skipped={})
     assert s["lossless"] is False and s["lossless_mismatches"] == 1  # in fp32 the check is exact: a real failure
+
+
+def test_three_drafters_in_one_run(tmp_path, chatml_tokenizer):
+    """P-EAGLE as `head`, EAGLE-3 as `baseline_draft` and a DFlash head in `more_heads`: every head
+    is lossless against the same target-alone pass, the DFlash head drafts in one forward per step,
+    and its summary equals that of an evaluation with it as the only head (same τ, same tokens)."""
+    tok = chatml_tokenizer
+    t, d = small_pair(vocab=len(tok), K=3, mask=len(tok) - 1)
+    _, e3 = small_pair(vocab=len(tok), algorithm="eagle3", K=3, seed=1)
+    _, dfl = small_pair(vocab=len(tok), algorithm="dflash", K=3, seed=2, mask=len(tok) - 1)
+    prompts = [{"id": 1, "category": "writing", "turns": ["hello there, how are you?"]},
+               {"id": 2, "category": "math", "turns": ["What is two plus two?"]}]
+    kw = dict(num_speculative_tokens=3, max_new_tokens=16, precision="fp32")
+    r = evaluate_acceptance(t, d, tok, prompts, out_dir=tmp_path / "three", baseline_draft=e3,
+                            more_heads=[("heads/dflash", dfl, None)], **kw)
+    (m,) = r["more_heads"]
+    assert m["name"] == "heads/dflash" and m["algorithm"] == "dflash"
+    assert r["lossless"] is True and r["baseline"]["lossless"] is True and m["lossless"] is True
+    assert m["lossless_mismatches"] == 0
+    assert m["draft_forwards"] == m["verify_steps"] > 0
+    assert set(r["latency"]) == {"target", "head", "baseline_head", "more_head_1"}
+    rows = list(csv.DictReader(open(tmp_path / "three" / "per_prompt.csv")))
+    assert {"more1_tau", "more1_lossless", "more1_ttft_s", "baseline_tau"} <= set(rows[0])
+    assert "more_head_1_acceptance_length" in r["per_category"]["math"]
+    alone = evaluate_acceptance(t, dfl, tok, prompts, out_dir=tmp_path / "alone", **kw)
+    assert m["acceptance_length"] == alone["acceptance_length"]
+    assert m["per_position_acceptance"] == alone["per_position_acceptance"]
+    assert m["acceptance_length_stderr"] == pytest.approx(alone["acceptance_length_stderr"])

@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.draft.io import load_head
-from peagle_train.config import check_config, k_beyond_k_train_problem, register
+from peagle_train.config import check_config, dflash_block_note, k_beyond_k_train_problem, register
 from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
@@ -79,6 +79,8 @@ def main(cfg: DictConfig) -> dict:
     K = int(cfg.eval.num_speculative_tokens)
     if (problem := k_beyond_k_train_problem(K, draft.config.num_depths, f"head={head}")):
         raise ConfigError(problem)  # before the target is loaded
+    if (note := dflash_block_note(K, draft.config, f"head={head}")):
+        logger.warning(note)
     ids = list(draft.config.aux_layer_ids)
     with open_dict(cfg.target):
         if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
@@ -96,17 +98,22 @@ def main(cfg: DictConfig) -> dict:
     n_layers = target.config.num_hidden_layers
     check_head_target(draft, target, tok, f"head={head}")
     draft.to(device=target.model.device)
-    baseline, btarget = None, None
-    if cfg.get("baseline_head"):
-        baseline = load_head(cfg.baseline_head)[0].eval()
-        if (problem := k_beyond_k_train_problem(K, baseline.config.num_depths, f"baseline_head={cfg.baseline_head}")):
+    def other_head(path: str, setting: str):
+        """(head, the target giving its aux layers) for a head decoded beside `head`."""
+        other = load_head(path)[0].eval()
+        if (problem := k_beyond_k_train_problem(K, other.config.num_depths, f"{setting}={path}")):
             raise ConfigError(problem)
-        bids = list(baseline.config.aux_layer_ids)
-        if not all(0 <= i < n_layers for i in bids):
-            raise SystemExit(f"baseline_head={cfg.baseline_head}: aux layers {bids} outside the target's {n_layers} layers.")
-        btarget = target if bids == ids else FeatureTarget(target.model, bids)
-        check_head_target(baseline, btarget, tok, f"baseline_head={cfg.baseline_head}")
-        baseline.to(device=target.model.device)
+        if (note := dflash_block_note(K, other.config, f"{setting}={path}")):
+            logger.warning(note)
+        oids = list(other.config.aux_layer_ids)
+        if not all(0 <= i < n_layers for i in oids):
+            raise SystemExit(f"{setting}={path}: aux layers {oids} outside the target's {n_layers} layers.")
+        otarget = target if oids == ids else FeatureTarget(target.model, oids)
+        check_head_target(other, otarget, tok, f"{setting}={path}")
+        return other.to(device=target.model.device), otarget
+
+    baseline, btarget = other_head(cfg.baseline_head, "baseline_head") if cfg.get("baseline_head") else (None, None)
+    more = [(str(p), *other_head(str(p), "more_heads")) for p in (cfg.get("more_heads") or [])]
     if engine != "reference" and float(cfg.eval.temperature) > 0:
         raise SystemExit(f"eval.engine={engine} measures greedy decoding only. Fix: eval.temperature=0, or "
                          "eval.engine=reference for sampling.")
@@ -117,7 +124,8 @@ def main(cfg: DictConfig) -> dict:
                               cpu=device == "cpu")
     result = evaluate_from_config(cfg.eval, target, draft, tok, prompts,
                                   out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
-                                  baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics)
+                                  baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
+                                  more_heads=more)
     acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
     acc.end_training()
     if engine == "both":

@@ -131,9 +131,11 @@ def ratio_stderr(accepted: list[float], drafts: list[float]) -> float:
 
 def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K: int, max_new_tokens: int,
               temperature: float, batch_size: int, precision: str, skipped: dict, baseline_algorithm: str | None = None,
-              train_metrics: dict | None = None) -> dict:
+              train_metrics: dict | None = None, more_heads: list[tuple[str, str]] | None = None) -> dict:
     """The acceptance dict of an evaluation from its per-turn `rows` (as in per_prompt.csv) and the
-    GenerationResults of each decoder ("target", "head", optional "baseline_head"), row-aligned."""
+    GenerationResults of each decoder ("target", "head", optional "baseline_head" and "more_head_i"
+    for the i-th of `more_heads` [(name, algorithm)]), row-aligned. The baseline's summary is under
+    "baseline", the further heads' under "more_heads" (a list, each with its "name")."""
     base_sec = sum(r.seconds for r in res_all["target"])
     base_tokens = sum(len(r.tokens) for r in res_all["target"])
     base_tps = base_tokens / base_sec if base_sec else 0.0
@@ -195,6 +197,16 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
             bl["lossless_not_checked"] = not_checked
         result["latency"]["baseline_head"] = bl.pop("latency")
         result["baseline"] = bl
+    for i, (name, algorithm) in enumerate(more_heads or [], 1):
+        key, pre = f"more_head_{i}", f"more{i}"
+        s = _spec_summary(res_all[key], K, base_tps, base_tokens)
+        s.update({"name": name, "algorithm": algorithm,
+                  "lossless": all(r[f"{pre}_lossless"] for r in rows) if checked else None,
+                  "lossless_mismatches": sum(not r[f"{pre}_lossless"] for r in rows) if checked else None})
+        if not_checked:
+            s["lossless_not_checked"] = not_checked
+        result["latency"][key] = s.pop("latency")
+        result.setdefault("more_heads", []).append(s)
     if train_metrics and train_metrics.get("cond_acc"):
         eal = training_eal(train_metrics["cond_acc"], K)
         tau = result["acceptance_length"]
@@ -218,6 +230,9 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
         if baseline_algorithm is not None:
             result["per_category"][cat]["baseline_acceptance_length"] = _tau(
                 [a for n in sel for a in res_all["baseline_head"][n].accepted])
+        for i, _ in enumerate(more_heads or [], 1):
+            result["per_category"][cat][f"more_head_{i}_acceptance_length"] = _tau(
+                [a for n in sel for a in res_all[f"more_head_{i}"][n].accepted])
     return result
 
 
@@ -234,7 +249,7 @@ def write_report(result: dict, rows: list[dict], out_dir: Path, plot: bool = Tru
 
 
 def plot_acceptance(result: dict, path: str | Path) -> Path:
-    """Bar chart of per-position acceptance (head, and baseline when present) to a PNG (Agg)."""
+    """Bar chart of per-position acceptance (head, baseline and further heads when present) to a PNG (Agg)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -244,6 +259,8 @@ def plot_acceptance(result: dict, path: str | Path) -> Path:
     if "baseline" in result:
         b = result["baseline"]
         series.append((f"baseline ({b['algorithm']})", b["per_position_acceptance"], b["acceptance_length"]))
+    for m in result.get("more_heads", []):
+        series.append((m["algorithm"], m["per_position_acceptance"], m["acceptance_length"]))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     w = 0.8 / len(series)
     for n, (name, acc, tau) in enumerate(series):
@@ -275,10 +292,16 @@ def format_acceptance(r: dict) -> str:
         b = r["baseline"]
         lines.append(f"baseline ({b['algorithm']}): τ = {b['acceptance_length']:.3f}, {b['tokens_per_second']:.1f} tok/s "
                      f"({speedup_text(b)}), lossless: {_lossless_text({**b, 'precision': r.get('precision')})}")
+    for m in r.get("more_heads", []):
+        lines.append(f"{m['name']} ({m['algorithm']}): τ = {m['acceptance_length']:.3f} ± "
+                     f"{m['acceptance_length_stderr']:.3f}, {m['tokens_per_second']:.1f} tok/s ({speedup_text(m)}), "
+                     f"lossless: {_lossless_text({**m, 'precision': r.get('precision')})}")
     if "draft_seconds_per_step" in r:
         per = f"drafting per verify step: head {1000 * r['draft_seconds_per_step']:.1f} ms"
         if "baseline" in r:
             per += f", baseline {1000 * r['baseline']['draft_seconds_per_step']:.1f} ms"
+        for m in r.get("more_heads", []):
+            per += f", {m['algorithm']} {1000 * m['draft_seconds_per_step']:.1f} ms"
         lines.append(per + (" (shares of shared batch forwards)" if r.get("shared_forwards") else ""))
     for name, s in lat.items():
         lines.append(f"latency {name:13s}: TTFT {1000 * s['ttft_median_s']:.1f} ms (p90 {1000 * s['ttft_p90_s']:.1f}) | "

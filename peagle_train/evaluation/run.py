@@ -153,6 +153,16 @@ def _result(rec: dict) -> GenerationResult:
     return GenerationResult(**{k: rec[k] for k in GenerationResult.__dataclass_fields__})
 
 
+MORE_HEAD = "more_head_"  # decoder names of the further heads: more_head_1, more_head_2, ...
+
+
+def _prefix(name: str) -> str:
+    """The per_prompt.csv column prefix of a decoder: target, head, baseline, more1, more2, ..."""
+    if name.startswith(MORE_HEAD):
+        return "more" + name[len(MORE_HEAD):]
+    return {"target": "target", "head": "head", "baseline_head": "baseline"}[name]
+
+
 def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult], greedy: bool,
          checked: bool = True) -> dict:
     """One per_prompt.csv row for a turn from its results per decoder. Lossless compares with the
@@ -168,15 +178,16 @@ def _row(q: dict, turn: int, prompt_tokens: int, res: dict[str, GenerationResult
            **({"equals_one_token_target": s.tokens == b.tokens} if "reference" in res and greedy else {}),
            "draft_forwards": s.draft_forwards, "target_forwards": s.target_forwards,
            "spec_seconds": round(s.seconds, 4), "target_only_seconds": round(b.seconds, 4)}
-    if "baseline_head" in res:
-        r = res["baseline_head"]
-        row.update({"baseline_tau": _tau(r.accepted), "baseline_new_tokens": len(r.tokens),
-                    "baseline_lossless": (r.tokens == ref.tokens) if greedy and checked else None,
-                    "baseline_seconds": round(r.seconds, 4)})
+    for name, r in res.items():
+        if name == "baseline_head" or name.startswith(MORE_HEAD):
+            pre = _prefix(name)
+            row.update({f"{pre}_tau": _tau(r.accepted), f"{pre}_new_tokens": len(r.tokens),
+                        f"{pre}_lossless": (r.tokens == ref.tokens) if greedy and checked else None,
+                        f"{pre}_seconds": round(r.seconds, 4)})
     for name, r in res.items():
         if name == "reference":
             continue
-        pre = {"target": "target", "head": "head", "baseline_head": "baseline"}[name]
+        pre = _prefix(name)
         row.update({f"{pre}_ttft_s": round(r.first_token_seconds, 5),
                     f"{pre}_tpot_s": round(r.time_per_output_token, 5), f"{pre}_latency_s": round(r.seconds, 4)})
     return row
@@ -218,9 +229,11 @@ def evaluate_from_config(ecfg, target, draft, tokenizer, prompts: list[dict], *,
 def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
                         max_new_tokens: int, out_dir: str | Path, temperature: float = 0.0, seed: int = 0,
                         batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,
-                        plot: bool = True, benchmark: str = "prompts", precision: str | None = None) -> dict:
-    """Decode every prompt (every turn) with the target alone, with `draft`, and with `baseline_draft`
-    (optional, e.g. an EAGLE-3 head) and measure; resumable (module docstring).
+                        plot: bool = True, benchmark: str = "prompts", precision: str | None = None,
+                        more_heads: list[tuple] | None = None) -> dict:
+    """Decode every prompt (every turn) with the target alone, with `draft`, with `baseline_draft`
+    (optional, e.g. an EAGLE-3 head) and with each of `more_heads` (optional [(name, head, target
+    or None)], e.g. a DFlash head beside P-EAGLE and EAGLE-3) and measure; resumable (module docstring).
 
     prompts: dicts {id, category, turns: [str]} or {id, category, messages: [{role, content}]}
     (a bare {prompt} is one turn), or {id, category, input_ids: [int]} (one turn, already
@@ -257,8 +270,11 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     K = num_speculative_tokens
     check_unique_ids(prompts, benchmark)
     greedy = temperature <= 0
+    more_heads = list(more_heads or [])
     if precision is not None:
-        resolved, (draft, baseline_draft) = prepare_for_decoding(target, [draft, baseline_draft], precision)
+        resolved, (draft, baseline_draft, *more) = prepare_for_decoding(
+            target, [draft, baseline_draft, *(d for _, d, _ in more_heads)], precision)
+        more_heads = [(n, d, t) for (n, _, t), d in zip(more_heads, more)]
         prec_name = resolved.name
     else:
         prec_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(target.model.dtype,
@@ -272,6 +288,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     gen = torch.Generator(device=target.model.device).manual_seed(seed) if not greedy else None
     heads = [("head", draft, target)] + ([("baseline_head", baseline_draft, baseline_target or target)]
                                          if baseline_draft is not None else [])
+    heads += [(f"{MORE_HEAD}{i}", d, t or target) for i, (_, d, t) in enumerate(more_heads, 1)]
     meta = {"num_speculative_tokens": K, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
             "batch_size": batch_size, "precision": prec_name, "eos": sorted(eos),
             "heads": {name: head_fingerprint(d) for name, d, _ in heads}, "timing": "warm-up excluded"}
@@ -353,7 +370,8 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     result = summarize(rows, res_all, K=K, max_new_tokens=max_new_tokens, temperature=temperature,
                        batch_size=batch_size, precision=prec_name, skipped=skipped,
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
-                       train_metrics=train_metrics)
+                       train_metrics=train_metrics,
+                       more_heads=[(n, d.config.algorithm) for n, d, _ in more_heads])
     write_report(result, rows, out_dir, plot)
     logger.info(format_acceptance(result))
     return result

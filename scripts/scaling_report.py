@@ -30,7 +30,8 @@ class Args:
 def main(argv):
     a = parse_pairs(argv, Args, __doc__)
     points = scaling.collect(a.run_dir, list(a.budgets))
-    fits = {alg: scaling.fit([p for p in points if p.algorithm == alg]) for alg in scaling.ALGORITHMS}
+    fits = {alg: scaling.fit([p for p in points if p.algorithm == alg]) for alg in scaling.ALGORITHMS
+            if any(p.algorithm == alg for p in points)}
     out = Path(a.out)
     png = scaling.plot(points, fits, out.with_name("scaling.png"))
     text = "\n\n".join([

@@ -18,7 +18,7 @@ STEPS = [64, 128, 256, 512, 1024]
 def _run_dir(tmp_path, c=0.01, alpha=0.3, baseline=True):
     """A scaling run whose τ − 1 = c·T^alpha exactly (EAGLE-3 at 0.9× P-EAGLE's accepted drafts),
     with T = 1750 tokens per step and held-out EAL 0.05 above τ (P-EAGLE) / none (EAGLE-3 at 64)."""
-    for a in scaling.ALGORITHMS:
+    for a in ("peagle", "eagle3"):
         (tmp_path / a).mkdir(parents=True)
         lines = []
         for s in range(1, STEPS[-1] + 1):
@@ -98,3 +98,32 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={tmp_path / 'none'}"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "train_log.jsonl" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_dflash_run_is_read_from_more_heads(tmp_path):
+    """A run directory with a dflash/ run: its points come from the evaluation's more_heads entry of
+    algorithm dflash, the table grows a DFlash block, and an evaluation without it is named."""
+    run = _run_dir(tmp_path / "run")
+    (run / "dflash").mkdir()
+    (run / "dflash" / "train_log.jsonl").write_text("".join(
+        json.dumps({"step": s, "tokens": 1500 * s, "tokens_per_second": 800.0}) + "\n" for s in range(1, 1025)))
+    for s in STEPS:
+        path = run / "eval" / f"step_{s:06d}" / "eval" / "acceptance.json"
+        acc = json.loads(path.read_text())
+        acc["more_heads"] = [{"name": "x", "algorithm": "dflash", "acceptance_length": 1.25,
+                              "per_position_acceptance": [0.2, 0.05, 0.0, 0.0, 0.0]}]
+        path.write_text(json.dumps(acc))
+    points = scaling.collect(run, STEPS)
+    d = [p for p in points if p.algorithm == "dflash"]
+    assert [p.step for p in d] == STEPS and d[0].tokens == 1500 * 64 and d[0].tau == 1.25
+    assert d[0].at_least[:2] == [0.2, 0.05] and d[0].tokens_per_second == 800.0
+    table = scaling.table(points).splitlines()
+    assert table[0].startswith("| steps | token-passes P-EAGLE / EAGLE-3 / DFlash | P-EAGLE τ |")
+    row = table[2].split(" | ")
+    assert len(row) == 17 and row[-5] == "1.250" and row[-1] == "— |"
+    path = run / "eval" / "step_000128" / "eval" / "acceptance.json"
+    acc = json.loads(path.read_text())
+    del acc["more_heads"]
+    path.write_text(json.dumps(acc))
+    with pytest.raises(scaling.ScalingRunError, match=r"more_heads=\[.*dflash/checkpoints/step_000128\]"):
+        scaling.collect(run, STEPS)

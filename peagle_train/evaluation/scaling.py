@@ -1,11 +1,11 @@
 """τ against training tokens: the points of a scaling run (scripts/scaling_curve.sh), a power-law
 fit per algorithm and its predictions, and the markdown table and plot of docs/SCALING.md.
 
-A run directory holds `peagle/` and `eagle3/` training runs (train_log.jsonl with cumulative
-`tokens` per step and `val_eal` at each checkpoint) and `eval/step_N/eval/acceptance.json` (`peagle evaluate
-output_dir=OUT/eval/step_N`), one
-evaluation per budget with the P-EAGLE checkpoint of step N as `head` and the EAGLE-3 checkpoint
-of the same step as `baseline_head`.
+A run directory holds `peagle/` and `eagle3/` training runs, and optionally `dflash/` (train_log.jsonl
+with cumulative `tokens` per step and `val_eal` at each checkpoint) and `eval/step_N/eval/acceptance.json`
+(`peagle evaluate output_dir=OUT/eval/step_N`), one evaluation per budget with the P-EAGLE checkpoint
+of step N as `head`, the EAGLE-3 checkpoint of the same step as `baseline_head` and the DFlash one
+in `more_heads`.
 
 Fit: accepted drafts per verify step, τ − 1, as a power of the token-passes T,
 τ − 1 = c · T^α, least squares on log(τ − 1) against log T. It is the simplest curve that stays
@@ -22,8 +22,9 @@ from pathlib import Path
 
 from ..errors import UserError
 
-ALGORITHMS = ("peagle", "eagle3")
-NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+ALGORITHMS = ("peagle", "eagle3", "dflash")
+NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+OPTIONAL = ("dflash",)  # read when the run directory holds its training run
 
 
 class ScalingRunError(UserError, ValueError):
@@ -72,24 +73,43 @@ def _train_log(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _summary(acc: dict, algorithm: str, path: Path, run_dir: Path, step: int) -> dict:
+    """The summary of `algorithm`'s head in an acceptance dict: the head (P-EAGLE), the baseline
+    (EAGLE-3) or the entry of more_heads with that algorithm. Raises ScalingRunError naming the fix."""
+    ckpt = run_dir / algorithm / "checkpoints" / f"step_{step:06d}"
+    if algorithm == "peagle":
+        return acc
+    if algorithm == "eagle3":
+        if acc.get("baseline") is None:
+            raise ScalingRunError(f"{path}: no baseline_head (the EAGLE-3 head) in this evaluation. Fix: evaluate "
+                                  f"with baseline_head={ckpt}.")
+        return acc["baseline"]
+    found = [m for m in acc.get("more_heads", []) if m.get("algorithm") == algorithm]
+    if not found:
+        raise ScalingRunError(f"{path}: no {NAMES[algorithm]} head in this evaluation's more_heads. Fix: evaluate with "
+                              f"more_heads=[{ckpt}].")
+    return found[0]
+
+
 def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
-    """The points of a scaling run directory (module docstring), per algorithm and budget in order.
+    """The points of a scaling run directory (module docstring), per algorithm and budget in order;
+    DFlash's when the directory holds a `dflash/` run.
 
     Raises FileNotFoundError naming a missing training log or acceptance.json, and ScalingRunError
-    when a training log has no step of a budget or an evaluation has no baseline (EAGLE-3) head."""
+    when a training log has no step of a budget or an evaluation lacks the baseline (EAGLE-3) head
+    or a DFlash head of a run that has one."""
     run_dir = Path(run_dir)
     points = []
-    logs = {a: _train_log(run_dir / a) for a in ALGORITHMS}
+    algorithms = [a for a in ALGORITHMS if a not in OPTIONAL or (run_dir / a).is_dir()]
+    logs = {a: _train_log(run_dir / a) for a in algorithms}
     for step in budgets:
         path = run_dir / "eval" / f"step_{step:06d}" / "eval" / "acceptance.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun scripts/scaling_curve.sh "
                                     f"{run_dir} (it resumes).")
         acc = json.loads(path.read_text())
-        for algorithm, summary in (("peagle", acc), ("eagle3", acc.get("baseline"))):
-            if summary is None:
-                raise ScalingRunError(f"{path}: no baseline_head (the EAGLE-3 head) in this evaluation. Fix: evaluate "
-                                 f"with baseline_head={run_dir / 'eagle3' / 'checkpoints' / f'step_{step:06d}'}.")
+        for algorithm in algorithms:
+            summary = _summary(acc, algorithm, path, run_dir, step)
             rows = logs[algorithm]
             at = [r for r in rows if r.get("step") == step and "tokens" in r]
             if not at:
@@ -130,16 +150,18 @@ def _tokens(n: float) -> str:
 
 
 def table(points: list[Point]) -> str:
-    """Markdown: one row per budget, P-EAGLE and EAGLE-3 side by side."""
+    """Markdown: one row per budget, the algorithms side by side (P-EAGLE, EAGLE-3, then DFlash)."""
     by = {(p.algorithm, p.step): p for p in points}
     steps = sorted({p.step for p in points})
-    head = ("| steps | token-passes P-EAGLE / EAGLE-3 | P-EAGLE τ | P(≥1) | P(≥2) | P(≥3) | held-out EAL "
-            "| EAGLE-3 τ | P(≥1) | P(≥2) | P(≥3) | held-out EAL |\n|" + "---|" * 12)
+    algos = [a for a in ALGORITHMS if any(p.algorithm == a for p in points)]
+    head = (f"| steps | token-passes {' / '.join(NAMES[a] for a in algos)} | "
+            + " | ".join(f"{NAMES[a]} τ | P(≥1) | P(≥2) | P(≥3) | held-out EAL" for a in algos)
+            + " |\n|" + "---|" * (2 + 5 * len(algos)))
     lines = [head]
     for s in steps:
-        p, e = by[("peagle", s)], by[("eagle3", s)]
-        cells = [str(s), f"{_tokens(p.tokens)} / {_tokens(e.tokens)}"]
-        for q in (p, e):
+        qs = [by[(a, s)] for a in algos]
+        cells = [str(s), " / ".join(_tokens(q.tokens) for q in qs)]
+        for q in qs:
             cells += [f"{q.tau:.3f}"] + [f"{x:.3f}" for x in q.at_least[:3]]
             cells.append("—" if q.val_eal is None else f"{q.val_eal:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -169,7 +191,7 @@ def plot(points: list[Point], fits: dict[str, Fit], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"peagle": "tab:blue", "eagle3": "tab:orange"}
+    colors = {"peagle": "tab:blue", "eagle3": "tab:orange", "dflash": "tab:green"}
     for a in ALGORITHMS:
         ps = sorted((p for p in points if p.algorithm == a), key=lambda p: p.tokens)
         if not ps:

@@ -1,4 +1,4 @@
-"""The DFlash draft head (z-lab's DFlash block drafter as vLLM serves it: `DFlashDraftModel`,
+"""The DFlash draft head (DFlash, arXiv 2602.06036, as vLLM serves it: `DFlashDraftModel`,
 vllm/model_executor/models/qwen3_dflash.py).
 
 A block drafter conditioned on the target's aux hidden states through attention, not through its

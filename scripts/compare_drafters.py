@@ -1,0 +1,271 @@
+"""P-EAGLE, DFlash and EAGLE-3 side by side on the same target, data and budget (docs/RESULTS.md).
+
+    python scripts/compare_drafters.py command=bench out=runs/cmp/bench.json     # costs, machine idle
+    python scripts/compare_drafters.py command=report run_dir=runs/cmp bench=runs/cmp/bench.json
+        [budgets=[48,96,192]] [speed_eval=runs/cmp/speed/eval/acceptance.json] [out=docs/RESULTS.md]
+
+`bench` times, side by side in one process on this machine (SmolLM2-135M sizes: H 576, 9 heads,
+3 KV heads, vocabulary 49,152, draft vocabulary 8,192; random weights and features, since speed
+does not depend on values; 2 layers as the smollm2-135m recipe; `precision: auto`):
+  - drafting K = 1..8 tokens at batch 1 with 512 pairs of context in the draft's cache (median of
+    20 after 2 warm-ups): P-EAGLE one forward over 1 pair + K-1 slots, DFlash one forward over a
+    block of K + 1, EAGLE-3 K sequential forwards;
+  - one training step of each objective on a packed row of 2,048 tokens, max_anchors 256, K_train
+    as trained (P-EAGLE 8, EAGLE-3 8, DFlash 5), median of 3 after 1 warm-up: tokens/s.
+`report` reads a scaling-style run directory (evaluation/scaling.py: peagle/, eagle3/, dflash/
+training runs and eval/step_N evaluations with the three heads) and writes the section
+"## P-EAGLE, DFlash and EAGLE-3 at equal budgets" with its plot (drafters.png): τ and P(≥ i) per
+budget, τ at equal wall-clock (each head's power-law fit at the token-passes its measured training
+throughput reaches in the same time), drafting time against K and, from a batch-1 evaluation,
+the speed-up over the target alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from omegaconf import MISSING
+
+from peagle_train.benchmarks import cpu_model, write_section
+from peagle_train.cli import parse_pairs
+from peagle_train.errors import cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = "## P-EAGLE, DFlash and EAGLE-3 at equal budgets"
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
+               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, target_hidden_size=576,
+               draft_vocab_size=8192, mask_token_id=49151, aux_layer_ids=[2, 15, 27])
+K_TRAIN = {"peagle": 8, "eagle3": 8, "dflash": 5}
+ORDER = ("peagle", "dflash", "eagle3")
+
+
+@dataclass
+class Args:
+    command: str = MISSING  # bench | report
+    out: str = ""           # bench: the JSON written; report: the markdown file (default docs/RESULTS.md)
+    run_dir: str = ""       # report: the comparison's run directory
+    bench: str = ""         # report: the JSON of `bench`
+    budgets: list[int] = field(default_factory=lambda: [48, 96, 192])
+    speed_eval: str = ""    # report: acceptance.json of a batch-1 evaluation of the three heads (optional)
+    threads: int = 0        # bench: torch threads (0 = all cores)
+
+
+def _head(algorithm: str, layers: int = 2):
+    from peagle_train.draft.peagle import DraftConfig, make_draft_head
+
+    torch.manual_seed(0)
+    return make_draft_head(DraftConfig(num_hidden_layers=layers, num_depths=K_TRAIN[algorithm], algorithm=algorithm,
+                                       **SMOLLM2))
+
+
+@torch.no_grad()
+def bench_drafting(amp, context: int = 512, repeats: int = 20) -> list[dict]:
+    """ms to draft K = 1..8 tokens from a warm cache of `context` pairs, batch 1, per algorithm."""
+    out = []
+    for algorithm in ORDER:
+        d = _head(algorithm).eval()
+        g = torch.Generator().manual_seed(0)
+        feats, toks = torch.randn(1, context, 1728, generator=g), torch.randint(0, 49152, (1, context), generator=g)
+        n = context - 1
+        with amp:
+            cache = d.propose(toks[:, :n], feats[:, :n], torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None],
+                              None, 1).cache
+            for K in range(1, 9):
+                times = []
+                for i in range(repeats + 2):
+                    t0 = time.perf_counter()
+                    d.propose(toks[:, n:], feats[:, n:], torch.tensor([[n]]), torch.ones(1, 1, context, dtype=torch.bool),
+                              cache, K)
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+                out.append({"algorithm": algorithm, "K": K, "ms": 1000 * statistics.median(times)})
+    return out
+
+
+def bench_training(amp, n: int = 2048, repeats: int = 3) -> list[dict]:
+    """Tokens/s of one training step per objective on a random packed row of n tokens."""
+    from peagle_train.algorithms import make_objective
+    from peagle_train.features.rows import PackedRow
+
+    class One:
+        device, num_processes = torch.device("cpu"), 1
+
+        def reduce(self, x, op):
+            return x
+
+    out = []
+    for algorithm in ORDER:
+        d = _head(algorithm).train()
+        g = torch.Generator().manual_seed(0)
+        row = PackedRow(torch.randint(0, 49152, (n,), generator=g), torch.randn(n, 1728, generator=g),
+                        torch.randn(n, 8192, generator=g), torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
+                        torch.arange(n))
+        cfg = SimpleNamespace(algorithm=algorithm, num_depths=K_TRAIN[algorithm], max_anchors=256, loss="kl",
+                              down_sample_ratio=0.7, down_sample_ratio_min=0.2, partitions=1, attention="auto",
+                              ttt_decay=0.8)
+        obj = make_objective(cfg)
+        sample = obj.sample(row, g)
+        times = []
+        for i in range(repeats + 1):
+            d.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            obj.step(d, [(row, sample)], accelerator=One(), amp=amp)
+            if i >= 1:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({"algorithm": algorithm, "step_s": t, "tokens_per_second": n / t})
+    return out
+
+
+def bench(a: Args) -> dict:
+    from peagle_train.precision import autocast_context, cpu_bf16_units, resolve_precision
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    prec = resolve_precision("auto", "cpu")
+    amp = autocast_context(prec, torch.device("cpu"))
+    load0 = os.getloadavg()[0]
+    result = {"cpu": cpu_model(), "bf16_units": cpu_bf16_units(), "threads": torch.get_num_threads(),
+              "precision": prec.name, "load_average_before": load0,
+              "drafting": bench_drafting(amp), "training": bench_training(amp),
+              "load_average_after": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+    out = Path(a.out or "drafters_bench.json")
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _tau_at(fit, tokens: float, lo: float, hi: float) -> str:
+    tau = fit.tau(tokens)
+    return f"{tau:.3f}" + ("" if lo <= tokens <= hi else " (extrapolated)")
+
+
+def plot(points, fits, drafting, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from peagle_train.evaluation.scaling import NAMES
+
+    colors = {"peagle": "tab:blue", "eagle3": "tab:orange", "dflash": "tab:green"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for a in ORDER:
+        ps = sorted((p for p in points if p.algorithm == a), key=lambda p: p.tokens)
+        if not ps:
+            continue
+        xs = [p.tokens for p in ps]
+        ax1.plot(xs, [p.tau for p in ps], "o-", color=colors[a], label=f"{NAMES[a]} τ")
+        ds = [r for r in drafting if r["algorithm"] == a]
+        ax2.plot([r["K"] for r in ds], [r["ms"] for r in ds], "o-", color=colors[a], label=NAMES[a])
+    ax1.set_xscale("log")
+    ax1.set_xlabel("token-passes")
+    ax1.set_title("τ at K = 5 (80 MT-Bench first turns)", fontsize=10)
+    ax2.set_xlabel("K (draft tokens per step)")
+    ax2.set_ylabel("ms per drafting step, batch 1")
+    ax2.set_title("drafting time against K", fontsize=10)
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(a: Args) -> str:
+    from peagle_train.evaluation import scaling
+    from peagle_train.evaluation.scaling import NAMES
+
+    points = scaling.collect(a.run_dir, list(a.budgets))
+    b = json.loads(Path(a.bench).read_text())
+    algos = [x for x in ORDER if any(p.algorithm == x for p in points)]
+    fits = {x: scaling.fit([p for p in points if p.algorithm == x]) for x in algos}
+    tps = {r["algorithm"]: r["tokens_per_second"] for r in b["training"]}
+    machine = (f"{b['cpu']}, bf16 unit {', '.join(b['bf16_units']) or 'none'}, {b['threads']} threads, "
+               f"precision {b['precision']}, load average {b['load_average_before']:.2f} → {b['load_average_after']:.2f}")
+    lines = [HEADING, "",
+             f"SmolLM2-135M-Instruct, the same offline features of ShareGPT's own answers, the smollm2-135m recipe "
+             f"(2 draft layers, constant learning rate after 30 warm-up steps, 2,048-token rows), K_train P-EAGLE 8, "
+             f"EAGLE-3 8, DFlash 5 (a block of 6, non-causal); τ at K = 5, greedy, 80 MT-Bench first turns, one "
+             f"evaluation per budget with the three heads (`peagle evaluate head=… baseline_head=… more_heads=[…]`). "
+             f"Run directory `{a.run_dir}`; written by `python scripts/compare_drafters.py command=report run_dir={a.run_dir} "
+             f"bench={a.bench}`.", "", "### At equal token budgets", "", scaling.table(points), ""]
+    lines += ["τ ± standard error over prompts:", "", "| steps | " + " | ".join(NAMES[x] for x in algos) + " |",
+              "|---|" + "---|" * len(algos)]
+    for s in a.budgets:
+        acc = json.loads((Path(a.run_dir) / "eval" / f"step_{s:06d}" / "eval" / "acceptance.json").read_text())
+        cells = []
+        for x in algos:
+            m = scaling._summary(acc, x, Path(a.run_dir), Path(a.run_dir), s)
+            cells.append(f"{m['acceptance_length']:.3f} ± {m.get('acceptance_length_stderr', float('nan')):.3f}")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", "### At equal wall-clock", "",
+              f"Training throughput of one step of each objective, side by side in one run ({machine}; "
+              f"`python scripts/compare_drafters.py command=bench`), and τ from each head's fit τ − 1 = c·T^α at the "
+              "token-passes that throughput reaches in the time P-EAGLE takes for each budget:", "",
+              "| P-EAGLE budget (steps) | wall-clock (min) | " + " | ".join(f"{NAMES[x]} token-passes, τ" for x in algos)
+              + " |", "|---|---|" + "---|" * len(algos)]
+    pe = {p.step: p for p in points if p.algorithm == "peagle"}
+    for s in a.budgets:
+        secs = pe[s].tokens / tps["peagle"]
+        cells = []
+        for x in algos:
+            xs = [p.tokens for p in points if p.algorithm == x]
+            T = tps[x] * secs
+            cells.append(f"{T / 1e6:.2f}M, {_tau_at(fits[x], T, min(xs), max(xs))}")
+        lines.append(f"| {s} | {secs / 60:.1f} | " + " | ".join(cells) + " |")
+    lines += ["", "| head | training tokens/s | fit c, α (R²) |", "|---|---|---|"]
+    for x in algos:
+        f = fits[x]
+        lines.append(f"| {NAMES[x]} | {tps[x]:.0f} | {f.c:.3g}, {f.alpha:.3f} ({f.r2:.3f}) |")
+    lines += ["", "### Drafting time against K", "",
+              f"ms to draft K tokens at batch 1 with 512 pairs of context cached ({machine}):", "",
+              "| K | " + " | ".join(NAMES[x] for x in ORDER) + " |", "|---|" + "---|" * len(ORDER)]
+    by = {(r["algorithm"], r["K"]): r["ms"] for r in b["drafting"]}
+    for K in range(1, 9):
+        lines.append(f"| {K} | " + " | ".join(f"{by[(x, K)]:.2f}" for x in ORDER) + " |")
+    if a.speed_eval:
+        acc = json.loads(Path(a.speed_eval).read_text())
+        heads = [("head", acc)] + ([("baseline", acc["baseline"])] if "baseline" in acc else []) + \
+            [("more", m) for m in acc.get("more_heads", [])]
+        lines += ["", "### Speed-up at batch 1", "",
+                  f"`{a.speed_eval}`: {acc['num_prompts']} prompts, K = {acc['num_speculative_tokens']}, "
+                  f"{acc['max_new_tokens']} new tokens, batch {acc['batch_size']}, {acc['precision']}, target alone "
+                  f"{acc['target_only_tokens_per_second']:.1f} tokens/s:", "",
+                  "| head | τ | tokens/s | speed-up | drafting ms per step |", "|---|---|---|---|---|"]
+        for kind, m in heads:
+            name = NAMES.get(m.get("algorithm", "peagle"), kind)
+            sp = "—" if m.get("speedup") is None else f"{m['speedup']:.2f}×"
+            lines.append(f"| {name} | {m['acceptance_length']:.3f} | {m['tokens_per_second']:.1f} | {sp} | "
+                         f"{1000 * m['draft_seconds_per_step']:.1f} |")
+    out = Path(a.out or ROOT / "docs" / "RESULTS.md")
+    png = plot(points, fits, b["drafting"], out.with_name("drafters.png"))
+    lines += ["", f"![τ against token-passes, and drafting time against K]({png.name})"]
+    text = "\n".join(lines)
+    print(text)
+    write_section(HEADING, text, out)
+    return text
+
+
+def main(argv):
+    a = parse_pairs(argv, Args, __doc__)
+    if a.command == "bench":
+        return bench(a)
+    if a.command == "report":
+        return report(a)
+    raise SystemExit(f"command={a.command!r}: must be bench or report")
+
+
+if __name__ == "__main__":
+    cli_main(main)(sys.argv[1:])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft.peagle import DraftConfig
 from ..features.rows import PackedRow
 from ..training.loss import LOSSES, depth_counts
 from .base import Objective
@@ -68,9 +69,10 @@ def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bo
     return torch.cat([ctx, inner], 1)
 
 
-def head_config(model):
-    """The DraftConfig of a head, through the wrappers of distributed engines (DDP's `.module`)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
+def head_config(model) -> DraftConfig:
+    """The DraftConfig of a head, through the wrappers of distributed engines (DDP's and DeepSpeed's
+    `.module`; DeepSpeed's engine has a `config` of its own)."""
+    while not isinstance(getattr(model, "config", None), DraftConfig) and hasattr(model, "module"):
         model = model.module
     return model.config
 

@@ -119,10 +119,14 @@ def file_checksums(prepared_dir: str | Path, names: list[str]) -> dict:
     return out
 
 
-def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
+def verify_files(prepared_dir: str | Path, manifest: dict, *, where: str | Path | None = None,
+                 writer: str = "prepare", fix: str | None = None) -> None:
     """Check the files recorded in the manifest's "files": present, their size, then their sha256
     (rows/state.json names the Arrow files of the rows, so other files there, such as `datasets`'
     cache files, are not read). A manifest without "files" (older versions) is not checked.
+    `where`: the file holding the manifest (default prepared_dir/manifest.json); `writer`: the
+    command that writes the files, and `fix` the one that rebuilds them (default: a prepared
+    directory's, `rebuild_fix`), for the messages.
 
     Raises:
         CorruptFileError: naming the first file that is missing, cut off or altered, and the command
@@ -132,8 +136,8 @@ def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
     if not files:
         return
     d = Path(prepared_dir)
-    where = f"{d / 'manifest.json'}"
-    fix = rebuild_fix(d)
+    where = f"{where or d / 'manifest.json'}"
+    fix = fix or rebuild_fix(d)
     for rel, rec in files.items():
         f = d / rel
         if not f.is_file():
@@ -141,7 +145,7 @@ def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
         size = f.stat().st_size
         if size != rec["bytes"]:
             raise CorruptFileError(f"{f}: {size} bytes, {where} records {rec['bytes']}: the file is cut off or was "
-                                   f"rewritten by another prepare. Fix: {fix}.")
+                                   f"rewritten by another {writer}. Fix: {fix}.")
         if sha256_file(f) != rec["sha256"]:
             raise CorruptFileError(f"{f}: its sha256 differs from {where}: the file was altered or rewritten by "
-                                   f"another prepare. Fix: {fix}.")
+                                   f"another {writer}. Fix: {fix}.")

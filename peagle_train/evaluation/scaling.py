@@ -77,6 +77,8 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
 
     Raises FileNotFoundError naming a missing training log or acceptance.json, and ScalingRunError
     when a training log has no step of a budget or an evaluation has no baseline (EAGLE-3) head."""
+    from .report import read_acceptance
+
     run_dir = Path(run_dir)
     points = []
     logs = {a: _train_log(run_dir / a) for a in ALGORITHMS}
@@ -85,7 +87,7 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun scripts/scaling_curve.sh "
                                     f"{run_dir} (it resumes).")
-        acc = json.loads(path.read_text())
+        acc = read_acceptance(path)  # a cut file is named, with the command that rebuilds it
         for algorithm, summary in (("peagle", acc), ("eagle3", acc.get("baseline"))):
             if summary is None:
                 raise ScalingRunError(f"{path}: no baseline_head (the EAGLE-3 head) in this evaluation. Fix: evaluate "

@@ -238,8 +238,13 @@ def test_a_cut_or_altered_output_is_refused_and_a_cut_one_resumed(tmp_path, serv
                                                rf"after peagle regenerate finished it\. Fix: remove it and "
                                                rf"regen\.jsonl\.manifest, then rerun"):
         _records(out, tmp_path)
-    with pytest.raises(CorruptFileError, match=rf"^{out}: altered after peagle regenerate finished it"):
+    size = out.stat().st_size
+    with pytest.raises(CorruptFileError) as e:  # and a rerun does not adopt it
         regenerate(convs(4), EndpointBackend(url, "m"), out, batch_size=2)
+    assert str(e.value) == (f"{out}: altered after peagle regenerate finished it ({out}.manifest records {size} bytes "
+                            f"and their sha256, the file holds another sha256). Fix: remove {out} and "
+                            f"regen.jsonl.manifest, then rerun peagle regenerate regenerate.output={out} with the settings "
+                            f"it was made with: it keeps the complete conversations of {out} and regenerates the rest.")
 
 
 def test_resuming_with_other_settings_or_a_damaged_line_is_refused(tmp_path, server):

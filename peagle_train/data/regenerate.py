@@ -235,8 +235,8 @@ def done_ids(out_path: Path, stats: RegenerateStats | None = None, fix: str = ""
             ids.add(str(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptFileError(f"{out_path}, line {n}: not a regenerated conversation ({type(e).__name__}: "
-                                   f"{str(e)[:120]}): the file is damaged. Fix: {fix or 'remove the line or the file'}, "
-                                   "then rerun.") from e
+                                   f"{str(e)[:120]}): the file is damaged. Fix: {fix or 'remove that line (or the file), then rerun'}."
+                                   ) from e
     return ids
 
 
@@ -261,8 +261,10 @@ def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | Non
     size = out_path.stat().st_size
     if manifest["complete"] and size > manifest["bytes"] or (
             size == manifest["bytes"] and manifest.get("sha256") and sha256_file(out_path) != manifest["sha256"]):
-        raise CorruptFileError(f"{out_path}: altered after peagle regenerate finished it ({size} bytes, its sha256 "
-                               f"differs from {where}). Fix: remove {out_path} and {where.name}, then {fix}.")
+        other = "another sha256" if size == manifest["bytes"] else f"{size} bytes"
+        raise CorruptFileError(f"{out_path}: altered after peagle regenerate finished it ({where} records "
+                               f"{manifest['bytes']} bytes and their sha256, the file holds {other}). Fix: remove "
+                               f"{out_path} and {where.name}, then {fix}.")
     if manifest["complete"] and size < manifest["bytes"]:
         logger.warning(f"{out_path}: {size} bytes, {where} records {manifest['bytes']} (cut off): continuing from its "
                        "complete lines; the conversations lost are regenerated")

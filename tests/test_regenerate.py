@@ -116,8 +116,13 @@ def test_empty_answer_ends_the_conversation(tmp_path, server):
 
 
 def test_endpoint_unreachable_names_the_url():
-    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1/chat/completions"):
+    from peagle_train.errors import user_error_message
+
+    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1/chat/completions") as e:
         EndpointBackend("http://127.0.0.1:9/v1", "m", timeout_s=2).generate([[{"role": "user", "content": "q"}]])
+    assert user_error_message(e.value).startswith("Endpoint http://127.0.0.1:9/v1/chat/completions failed: ")  # one line
+    assert user_error_message(e.value).endswith(". Fix: check regenerate.endpoint_url and that the server is up "
+                                                "(vllm serve / sglang).")
 
 
 def test_hf_backend_batched_equals_one_by_one(chatml_tokenizer):

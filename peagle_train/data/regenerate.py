@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import UserError
 from ..io import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -150,11 +151,16 @@ class VllmBackend:
             self._session = None
 
 
+class EndpointError(UserError, RuntimeError):
+    """The regeneration endpoint cannot be reached or gives no answer (names the URL and the fix)."""
+
+
 class EndpointBackend:
     """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
 
     Raises:
-        RuntimeError: the server cannot be reached or answers without a choice (names the URL).
+        EndpointError (a RuntimeError and a user error: one line at the command line): the server
+            cannot be reached or answers without a choice (names the URL).
     """
 
     def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
@@ -179,13 +185,14 @@ class EndpointBackend:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 ans = json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise RuntimeError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
+            raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
                                "the server is up (vllm serve / sglang).") from e
         try:
             choice = ans["choices"][0]
             return Generation((choice["message"].get("content") or "").strip(), choice.get("finish_reason") == "length")
         except (KeyError, IndexError, TypeError) as e:
-            raise RuntimeError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}") from e
+            raise EndpointError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}. Fix: "
+                                "point regenerate.endpoint_url at an OpenAI-compatible server (vllm serve / sglang).") from e
 
     def generate(self, conversations: list[list[dict]]) -> list[Generation]:
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:

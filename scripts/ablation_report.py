@@ -19,6 +19,7 @@ from omegaconf import MISSING
 from peagle_train.benchmarks import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import UserError, cli_main
+from peagle_train.evaluation.report import read_acceptance
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## Quality ablations at equal token budget"
@@ -55,15 +56,21 @@ def tokens_at(run: Path, step: int) -> int | None:
 def stderr_from_rows(csv_path: Path, prefix: str) -> float | None:
     """τ's standard error from an evaluation's per_prompt.csv (`ratio_stderr` over turns), for the
     head (prefix "") or the baseline head ("baseline_"); a turn's verify steps are its new tokens / τ
-    where the file does not record them. None without the file."""
+    where the file does not record them. None without the file. Beside an acceptance.json, the file
+    is checked against the size and sha256 it records (`read_per_prompt`: a cut or stale file is refused)."""
     import csv
 
-    from peagle_train.evaluation.report import ratio_stderr
+    from peagle_train.evaluation.report import ratio_stderr, read_per_prompt
 
     if not csv_path.is_file():
         return None
+    if (csv_path.parent / "acceptance.json").is_file():
+        rows = read_per_prompt(csv_path.parent)
+    else:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
     acc, steps = [], []
-    for row in csv.DictReader(csv_path.open()):
+    for row in rows:
         tau = float(row[f"{prefix}tau"])
         d = float(row[f"{prefix}verify_steps"]) if row.get(f"{prefix}verify_steps") else float(row[f"{prefix}new_tokens"]) / tau
         acc.append((tau - 1) * d)
@@ -76,7 +83,7 @@ def collect(run: Path) -> list[dict]:
     out = []
     for path in sorted(run.glob("eval/*__*/step_*/eval/acceptance.json")):
         pair, step = path.parent.parent.parent.name, int(path.parent.parent.name.split("_")[1])
-        acc = json.loads(path.read_text())
+        acc = read_acceptance(path)
         for arm, summary, col in zip(pair.split("__"), (acc, acc.get("baseline")), ("", "baseline_")):
             if summary is None or arm == "none":
                 continue

@@ -185,6 +185,7 @@ def plot(points, fits, drafting, path: Path) -> Path:
 
 def report(a: Args) -> str:
     from peagle_train.evaluation import scaling
+    from peagle_train.evaluation.report import read_acceptance
     from peagle_train.evaluation.scaling import NAMES
 
     points = scaling.collect(a.run_dir, list(a.budgets))
@@ -204,10 +205,11 @@ def report(a: Args) -> str:
     lines += ["τ ± standard error over prompts:", "", "| steps | " + " | ".join(NAMES[x] for x in algos) + " |",
               "|---|" + "---|" * len(algos)]
     for s in a.budgets:
-        acc = json.loads((Path(a.run_dir) / "eval" / f"step_{s:06d}" / "eval" / "acceptance.json").read_text())
+        path = Path(a.run_dir) / "eval" / f"step_{s:06d}" / "eval" / "acceptance.json"
+        acc = read_acceptance(path)
         cells = []
         for x in algos:
-            m = scaling._summary(acc, x, Path(a.run_dir), Path(a.run_dir), s)
+            m = scaling.head_summary(acc, x, path, Path(a.run_dir), s)
             cells.append(f"{m['acceptance_length']:.3f} ± {m.get('acceptance_length_stderr', float('nan')):.3f}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += ["", "### At equal wall-clock", "",
@@ -236,7 +238,7 @@ def report(a: Args) -> str:
     for K in range(1, 9):
         lines.append(f"| {K} | " + " | ".join(f"{by[(x, K)]:.2f}" for x in ORDER) + " |")
     if a.speed_eval:
-        acc = json.loads(Path(a.speed_eval).read_text())
+        acc = read_acceptance(Path(a.speed_eval))
         heads = [("head", acc)] + ([("baseline", acc["baseline"])] if "baseline" in acc else []) + \
             [("more", m) for m in acc.get("more_heads", [])]
         lines += ["", "### Speed-up at batch 1", "",

@@ -5,7 +5,6 @@ benchmark with a row per K, from RUN/eval-<benchmark>-k<K>/eval/acceptance.json
     python scripts/results_tables.py run_dir=runs/smollm2
 """
 
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from omegaconf import MISSING
 
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import UserError, cli_main
-from peagle_train.evaluation.report import k_table
+from peagle_train.evaluation.report import k_table, read_acceptance
 
 
 @dataclass
@@ -29,7 +28,7 @@ def main(argv):
     for path in sorted(run.glob("eval-*-k*/eval/acceptance.json")):
         m = re.fullmatch(r"eval-(.+)-k(\d+)", path.parent.parent.name)
         if m:
-            found.setdefault(m.group(1), {})[int(m.group(2))] = json.loads(path.read_text())
+            found.setdefault(m.group(1), {})[int(m.group(2))] = read_acceptance(path)
     if not found:
         raise UserError(f"{run}: no eval-<benchmark>-k<K>/eval/acceptance.json. Fix: bash scripts/recipe_results.sh {run}")
     for bench, results in found.items():

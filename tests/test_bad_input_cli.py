@@ -70,6 +70,21 @@ def test_prepare_with_an_empty_data_path(tmp_path, tiny_target):
                   "shell variable?). Fix: set data.path=FILE")
 
 
+def test_prepare_of_an_unfinished_regeneration(tmp_path, tiny_target):
+    """A `peagle regenerate` output whose run was stopped (its sidecar manifest says so): one line
+    naming the file and the command that completes it, before anything is read."""
+    f = write_jsonl(tmp_path / "regenerated.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"},
+                                                                               {"role": "assistant", "content": ANSWER}]}])
+    (tmp_path / "regenerated.jsonl.manifest").write_text(json.dumps(
+        {"complete": False, "conversations": 1, "bytes": f.stat().st_size, "command": "peagle regenerate seed=3"}))
+    p = run("scripts/prepare_data.py", f"target.path={tiny_target}", f"data.path={f}", f"output_dir={tmp_path / 'o'}",
+            "data.num_proc=1", tmp=tmp_path)
+    user_error(p, f"prepare_data.py: error: {f}: an unfinished peagle regenerate output ({f}.manifest records the run as "
+                  "not finished: stopped after 1 conversations). Fix: rerun peagle regenerate seed=3: it keeps the "
+                  f"complete conversations of {f} and regenerates the rest.")
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
 def test_train_with_bad_data_and_bad_config(tmp_path, tiny_target):
     short = write_jsonl(tmp_path / "short.jsonl", [{"conversations": [{"from": "human", "value": "q"},
                                                                       {"from": "gpt", "value": "4"}]}] * 3)

@@ -298,6 +298,28 @@ def test_concatenated_json_arrays_are_all_read(tmp_path, chatml_tokenizer):
     assert s["records_in_file"] == 3 and s["malformed_by_reason"] == {"data after the JSON array": 1}
 
 
+def test_json_lines_after_a_json_array_are_all_read(tmp_path, chatml_tokenizer):
+    f = tmp_path / "cat.json"  # cat a.json b.jsonl: an array, then JSON Lines (one of them malformed)
+    array = json.dumps([sg(0), sg(1)], indent=2)
+    f.write_text(array + "\n" + jsonl([sg(2)]) + '{"id": "cut", "conv\n' + jsonl([sg(3), sg(4)]))
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1", "2", "3", "4"]
+    first = array.count("\n") + 2  # the line of the first JSON Lines record
+    assert rep.notes == [f"1 JSON array then, from line {first}, 3 JSON Lines records or JSON objects (concatenated "
+                         "files), all read"]
+    assert rep.bad_records == [f"line {first + 1}: Unterminated string starting at"]
+    s = prep(f, chatml_tokenizer).summary
+    assert s["records_in_file"] == 6 and s["conversations_kept"] == 5 and s["malformed_records_skipped"] == 1
+    f.write_text(json.dumps([sg(0)]) + json.dumps(sg(1)) + "\n")  # no newline between the two
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0", "1"] and not rep.bad_records
+    f.write_text(json.dumps([sg(0)]) + '\n{"not": "a record"}\n')  # one object that is no record: counted as before
+    got, rep = read_records(f)
+    assert [r["id"] for r in got] == ["0"]
+    assert rep.bad_records == [f"after the closing bracket of JSON array 1, at byte {len(json.dumps([sg(0)])) + 1}: "
+                               "data after the JSON array (20 bytes, not read)"]
+
+
 def test_concatenated_pretty_printed_objects_are_all_read(tmp_path):
     f = tmp_path / "jq.json"  # jq '.[]' output, or cat of single-record files
     f.write_text(json.dumps(sg(0), indent=2) + "\n" + json.dumps(sg(1), indent=2) + "\n"

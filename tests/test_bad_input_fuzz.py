@@ -218,3 +218,47 @@ def test_fuzzed_directory_counts_concatenation_encodings_hidden_links_and_duplic
     assert s["duplicate_conversations"] == len(keys) - len(set(keys)) > 0
     print(f"\nfuzz (directory): {n_records} records: {len(good)} good kept ({s['duplicate_conversations']} duplicates), "
           f"{malformed} malformed {s['malformed_by_reason']} + {dropped} dropped {s['dropped']}")
+
+
+def test_fuzzed_json_array_followed_by_json_lines_counts_every_record(tmp_path, chatml_tokenizer):
+    """`cat a.json b.jsonl`: a JSON array of good and bad records, then JSON Lines of good records, bad
+    records and lines that are no JSON record at all. Every record of both parts is counted once."""
+    rng = random.Random(44)
+    good_ids, n_bad, array, lines = set(), 0, [], []
+    for i in range(160):
+        if rng.random() < 0.35:
+            array.append(good_record(rng, i))
+            good_ids.add(array[-1]["id"])
+        else:
+            array.append(bad_record(rng, i))
+            n_bad += 1
+    for i in range(160, 320):
+        r = rng.random()
+        if r < 0.35:
+            rec = good_record(rng, i)
+            good_ids.add(rec["id"])
+            lines.append(json.dumps(rec).encode())
+        elif r < 0.7:
+            lines.append(json.dumps(bad_record(rng, i)).encode())
+            n_bad += 1
+        else:
+            line = bad_line(rng, i)
+            lines.append(line if line.strip() else b"x")
+            n_bad += 1
+    if lines[0][:1] != b"{":  # the tail starts as a JSON Lines file of records does
+        good = good_record(rng, 999)
+        good_ids.add(good["id"])
+        lines.insert(0, json.dumps(good).encode())
+    f = tmp_path / "array-then-lines.json"
+    f.write_bytes(json.dumps(array, indent=rng.choice([None, 2])).encode() + b"\n" + b"\n".join(lines) + b"\n")
+    d = prepare_data(f, chatml_tokenizer, 400, num_conversations=None, max_length=128, min_supervised_tokens=1,
+                     draft_vocab_size=20)
+    s = d.summary
+    assert set(d.rows["source"]) == good_ids                 # the good records of both parts, no bad one
+    assert s["records_in_file"] == len(array) + len(lines)
+    dropped, malformed = sum(s["dropped"].values()), s["malformed_records_skipped"]
+    assert s["conversations_kept"] + dropped + malformed == len(array) + len(lines)
+    assert dropped + malformed == n_bad and sum(s["malformed_by_reason"].values()) == malformed
+    assert "data after the JSON array" not in s["malformed_by_reason"]
+    print(f"\nfuzz (array then JSON Lines): {len(array)} + {len(lines)} records: {len(good_ids)} good kept, "
+          f"{malformed} malformed {s['malformed_by_reason']} + {dropped} dropped {s['dropped']}")

@@ -360,3 +360,117 @@ def test_three_drafters_in_one_run(tmp_path, chatml_tokenizer):
     assert m["acceptance_length"] == alone["acceptance_length"]
     assert m["per_position_acceptance"] == alone["per_position_acceptance"]
     assert m["acceptance_length_stderr"] == pytest.approx(alone["acceptance_length_stderr"])
+
+
+# --- damaged or half-written evaluation files are named, with the command that rebuilds them ----------
+
+
+def _quick_eval(t, d, out, **over):
+    prompts = [{"id": i, "category": "c", "input_ids": [5, 17, 33 + i]} for i in range(2)]
+    kw = {**dict(num_speculative_tokens=3, max_new_tokens=6, plot=False, precision="fp32"), **over}
+    return evaluate_acceptance(t, d, None, prompts, out_dir=out, **kw)
+
+
+def test_cut_report_files_are_refused_with_the_file_named(tmp_path):
+    from peagle_train.errors import CorruptFileError
+    from peagle_train.evaluation.report import read_acceptance, read_per_prompt
+
+    t, d = small_pair(K=3)
+    out = tmp_path / "run" / "eval"
+    r = _quick_eval(t, d, out)
+    fix = (f"Fix: rerun peagle evaluate output_dir={tmp_path / 'run'} with the head and eval.* settings it was run with "
+           f"(it reuses the results {out / 'results.jsonl'} holds and rewrites the report).")
+    saved = json.loads((out / "acceptance.json").read_text())
+    csv_bytes = (out / "per_prompt.csv").read_bytes()
+    assert list(saved["files"]) == ["per_prompt.csv"] and saved["files"]["per_prompt.csv"]["bytes"] == len(csv_bytes)
+    assert read_acceptance(out / "acceptance.json") == json.loads(json.dumps(r))  # "files" is the report's own
+    assert [(x["id"], x["turn"]) for x in read_per_prompt(out)] == [("0", "1"), ("1", "1")]
+    (out / "per_prompt.csv").write_bytes(csv_bytes[: len(csv_bytes) // 2])
+    with pytest.raises(CorruptFileError) as e:
+        read_per_prompt(out)
+    assert str(e.value) == (f"{out / 'per_prompt.csv'}: {len(csv_bytes) // 2} bytes, {out / 'acceptance.json'} records "
+                            f"{len(csv_bytes)}: the file is cut off or was rewritten by another evaluate. {fix}")
+    (out / "per_prompt.csv").write_bytes(csv_bytes.replace(b"\n0,", b"\n9,", 1))  # same size, other content
+    with pytest.raises(CorruptFileError, match=r"per_prompt\.csv: its sha256 differs from .*acceptance\.json: the file "
+                                               r"was altered or rewritten by another evaluate\. Fix: rerun peagle evaluate"):
+        read_per_prompt(out)
+    text = (out / "acceptance.json").read_text()
+    (out / "acceptance.json").write_text(text[: len(text) // 2])
+    with pytest.raises(CorruptFileError) as e:
+        read_acceptance(out / "acceptance.json")
+    assert str(e.value).startswith(f"{out / 'acceptance.json'}: the acceptance results (peagle evaluate) is not valid "
+                                   "JSON (") and str(e.value).endswith(f"): the file is cut off or corrupted. {fix}")
+    _quick_eval(t, d, out)  # the fix: the same command rewrites the report from results.jsonl
+    assert read_acceptance(out / "acceptance.json") == json.loads(json.dumps(r))
+    assert (out / "per_prompt.csv").read_bytes() == csv_bytes
+
+
+def test_a_kill_between_the_report_files_leaves_no_acceptance_json(tmp_path, monkeypatch):
+    import peagle_train.evaluation.report as report
+    from peagle_train.evaluation.report import read_acceptance, read_per_prompt
+
+    t, d = small_pair(K=3)
+    out = tmp_path / "eval"
+    _quick_eval(t, d, out)
+    first = (out / "acceptance.json").read_text()
+
+    def killed(*a, **k):  # the process dies after per_prompt.csv, before acceptance.json
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "atomic_write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _quick_eval(t, d, out, max_new_tokens=4)  # other settings: the old report is moved aside first
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.stale.json", "per_prompt.csv", "per_prompt.stale.csv",
+                                                     "results.jsonl", "results.meta.json", "results.stale.jsonl"]
+    assert (out / "acceptance.stale.json").read_text() == first
+    with pytest.raises(FileNotFoundError, match=rf"^{out / 'acceptance.json'}: missing \(acceptance results \(peagle "
+                                                rf"evaluate\)\)\. Fix: rerun peagle evaluate output_dir={tmp_path} "):
+        read_acceptance(out / "acceptance.json")
+    with pytest.raises(FileNotFoundError) as e:
+        read_per_prompt(out)
+    assert str(e.value).startswith(f"{out / 'per_prompt.csv'}: no acceptance.json beside it (the run that wrote it was "
+                                   f"stopped before its end, so it is not known to be complete). Fix: rerun peagle evaluate")
+    monkeypatch.undo()
+    r = _quick_eval(t, d, out, max_new_tokens=4)  # the rerun completes it without decoding again
+    assert read_acceptance(out / "acceptance.json") == json.loads(json.dumps(r)) and r["max_new_tokens"] == 4
+    assert len(read_per_prompt(out)) == 2
+
+
+def test_damaged_results_log_is_refused_and_a_torn_line_counted(tmp_path, caplog):
+    import logging
+
+    from peagle_train.errors import CorruptFileError
+
+    t, d = small_pair(K=3)
+    out = tmp_path / "eval"
+    _quick_eval(t, d, out)
+    log = out / "results.jsonl"
+    lines = log.read_bytes().split(b"\n")
+    assert len(lines) == 5 and lines[-1] == b""  # 2 prompts × (target, head)
+    log.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][:20])  # a kill while writing the 4th
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        _quick_eval(t, d, out)
+    assert (f"{log}: its last line was cut off (20 bytes without a newline: a run stopped while writing it); dropped, "
+            "1 result to decode again") in caplog.text
+    assert "decoded 1 results, reused 3" in caplog.text and log.read_bytes().count(b"\n") == 4
+    fix = (f"Fix: move {log} and {out / 'results.meta.json'} aside (or choose another output_dir), then run the same "
+           "command again: it decodes every result again.")
+    good = log.read_bytes()
+    log.write_bytes(good.replace(b"\n", b"\n{cut", 1))  # a damaged line before the last
+    with pytest.raises(CorruptFileError) as e:
+        _quick_eval(t, d, out)
+    assert str(e.value).startswith(f"{log}, line 2: not a complete result (JSONDecodeError: ") and \
+        str(e.value).endswith(f"): the file is damaged. {fix}")
+    log.write_bytes(good)
+    meta = (out / "results.meta.json").read_text()
+    (out / "results.meta.json").write_text(meta[:40])
+    with pytest.raises(CorruptFileError) as e:
+        _quick_eval(t, d, out)
+    assert str(e.value).startswith(f"{out / 'results.meta.json'}: the settings of the results in results.jsonl is not "
+                                   "valid JSON (") and str(e.value).endswith(f"): the file is cut off or corrupted. {fix}")
+    (out / "results.meta.json").unlink()  # results without their settings: moved aside, never mixed in
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
+        _quick_eval(t, d, out)
+    assert "no results.meta.json (old, new): moved to" in caplog.text and "decoded 4 results, reused 0" in caplog.text
+    assert (out / "results.stale.jsonl").read_bytes() == good

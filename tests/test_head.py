@@ -83,7 +83,9 @@ def test_bad_training_config_is_named():
     base = default_config().training
     good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0, "algorithm": "peagle"})
     check_training_config(good)
-    with pytest.raises(ValueError, match=r"down_sample_ratio=1.5 must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"^Invalid training config: training\.down_sample_ratio=1\.5 is out of range: it "
+                                         r"must be a number in \(0, 1\]\. Fix: training\.down_sample_ratio=0\.7 \(the "
+                                         r"default\) or another number in \(0, 1\]\.$"):
         check_training_config(OmegaConf.merge(good, {"down_sample_ratio": 1.5}))
     with pytest.raises(ValueError, match="num_depths=0"):
         check_training_config(OmegaConf.merge(good, {"num_depths": 0}))
@@ -91,3 +93,19 @@ def test_bad_training_config_is_named():
         check_training_config(OmegaConf.merge(good, {"algorithm": "medusa"}))
     with pytest.raises(ValueError, match="training.attention='fast'"):
         check_training_config(OmegaConf.merge(good, {"attention": "fast"}))
+    # every rule is the schema's (config.py), checked here through the trainer's flat config
+    for key, value, allowed in (("ttt_decay", 0, r"a number in \(0, 1\]"), ("down_sample_ratio_min", 1.5, r"a number in \(0, 1\]"),
+                                ("partitions", 0, "an integer ≥ 1"), ("tokens_per_step", 0, "an integer ≥ 1"),
+                                ("epochs", 0, "an integer ≥ 1"), ("grad_accum", 0, "an integer ≥ 1"),
+                                ("save_every", 0, r"an integer ≥ 1, or null \(none\)"),
+                                ("keep_last", 0, r"an integer ≥ 1, or null \(all\)"),
+                                ("max_anchors", 0, r"an integer ≥ 1, or null \(all\)"), ("lr", -1, "a number > 0")):
+        with pytest.raises(ValueError, match=rf"^Invalid training config: training\.{key}={value} is out of range: it "
+                                             rf"must be {allowed}[.;]"):
+            check_training_config(OmegaConf.merge(good, {key: value}))
+    for key, value in (("loss", "l2"), ("schedule", "step"), ("tracker", "mlflow"), ("precision", "fp8")):
+        with pytest.raises(ValueError, match=rf"^Invalid training config: (training\.)?{key}='{value}' must be "):
+            check_training_config(OmegaConf.merge(good, {key: value}))
+    with pytest.raises(ValueError) as e:  # all named at once, one per line
+        check_training_config(OmegaConf.merge(good, {"epochs": 0, "attention": "fast"}))
+    assert str(e.value).count("\n  ") == 1

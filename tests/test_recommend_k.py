@@ -157,3 +157,18 @@ def test_timing_counts_forwards_and_skips_batches_over_the_memory_limit(target_m
     assert sorted(costs) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert list(skipped) == [4] and "GiB available" in skipped[4]
     check_costs(costs, [1, 2], [1, 2])
+
+
+def test_a_cut_acceptance_file_is_named_with_the_command_that_rebuilds_it(tmp_path):
+    from peagle_train.evaluation.recommend import load_acceptance
+
+    d = tmp_path / "run" / "eval"
+    d.mkdir(parents=True)
+    (d / "acceptance.json").write_text('{"acceptance_length": 2.1, "per_position_acceptance": [0.8, 0.')
+    with pytest.raises(CostModelError) as e:
+        load_acceptance(str(d / "acceptance.json"))
+    assert str(e.value).startswith(f"{d / 'acceptance.json'}: not JSON (")
+    assert str(e.value).endswith(f"): the file is cut off or corrupted. Fix: rerun peagle evaluate output_dir="
+                                 f"{tmp_path / 'run'} with the head and eval.* settings it was run with (it reuses the "
+                                 f"results {d / 'results.jsonl'} holds and rewrites the report), or pass another "
+                                 "acceptance.json of `peagle evaluate`.")

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
 from peagle_train.errors import ConfigError, cli_main
+from peagle_train.evaluation.report import read_acceptance
 from peagle_train.paths import CONF_DIR
 from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,
                                              serve_commands,
@@ -94,7 +95,7 @@ def main(cfg: DictConfig) -> None:
     run = ckpt.parent  # the run directory: its last evaluation and data summary go into the model card
     card = {"acceptance": {}}
     if (run / "eval" / "acceptance.json").is_file():
-        card["acceptance"]["mt_bench"] = json.loads((run / "eval" / "acceptance.json").read_text())
+        card["acceptance"]["mt_bench"] = read_acceptance(run / "eval" / "acceptance.json")
     if (run / "data" / "summary.json").is_file():
         card["data"] = json.loads((run / "data" / "summary.json").read_text())
     name = cfg.target.name_or_path or meta.get("verifier_name_or_path")  # the command line, else what training recorded

@@ -8,7 +8,9 @@
 Reads data.path (any format of `peagle prepare`), keeps the normalisable conversations,
 shuffles them with `seed`, takes data.num_conversations, and rewrites every assistant turn with the
 target, turn by turn with the target's own history (peagle_train/data/regenerate.py). The output
-(regenerate.output, a `messages` JSONL) is resumable after a kill and is a valid data.path:
+(regenerate.output, a `messages` JSONL) is resumable after a kill and is a valid data.path once the
+run has finished (its sidecar regenerate.output + ".manifest" says so and records its sha256; the
+data readers refuse an unfinished, cut or altered file, naming the command that completes it):
 
     peagle prepare data.path=/tmp/regen/regenerated.jsonl output_dir=/tmp/prepared
 """
@@ -19,7 +21,7 @@ import logging
 import time
 from dataclasses import asdict
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import backend_from_config, regenerate
 from peagle_train.data.sources import check_data_path, load_source
@@ -55,6 +57,21 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     return [rows[i] for i in order], len(rows) - len(keep)
 
 
+def _command_line(output: str) -> str | None:
+    """`peagle regenerate <the overrides of this run>` (what continues it; regenerate.output added
+    where output_dir was left to its timestamped default), None outside Hydra."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    task = list(HydraConfig.get().overrides.task)
+    if not any(o.split("=", 1)[0].lstrip("+~") in ("output_dir", "regenerate.output") for o in task):
+        task.append(f"regenerate.output={output}")
+    return " ".join(["peagle regenerate", *map(shlex.quote, task)])
+
+
 @cli_main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3", resume=RESUME_REGENERATE)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
@@ -64,8 +81,11 @@ def main(cfg: DictConfig) -> dict:
     try:
         convs, too_long = conversations(cfg, tok)
         by = (cfg.target.name_or_path or cfg.target.path) if r.backend in ("hf", "vllm") else r.model
+        settings = {"regenerated_by": str(by), "backend": str(r.backend), "temperature": float(r.temperature),
+                    "max_new_tokens": int(r.max_new_tokens), "max_turns": r.max_turns,
+                    "template_kwargs": OmegaConf.to_container(cfg.data.template_kwargs, resolve=True) or {}}
         stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
-                           extra={"regenerated_by": str(by)})
+                           extra={"regenerated_by": str(by)}, settings=settings, command=_command_line(str(r.output)))
     finally:
         vllm_summary = backend.summary() if hasattr(backend, "summary") else None
         if hasattr(backend, "close"):

@@ -117,8 +117,8 @@ def read_records(path: str | Path) -> tuple[list[dict], ReadReport]:
     record in the middle (bad JSON, not an object, bytes that are not UTF-8, a lone surrogate
     escape, nested too deeply) is skipped, counted by reason and named (line, or record index and
     byte offset, and its id), and reading resumes at the next record. JSON arrays or records one
-    after another (concatenated files) are all read (noted); other data after an array is counted as
-    one malformed record naming its size. gzip, bzip2 and xz files are decompressed; a UTF-8 (or
+    after another (concatenated files) are all read (noted), and so are JSON Lines (or JSON objects)
+    after an array; other data after an array is counted as one malformed record naming its size. gzip, bzip2 and xz files are decompressed; a UTF-8 (or
     UTF-16) byte-order mark is read; UTF-16/UTF-32 without one is recognised by its NUL bytes (noted).
     A JSON object whose records sit in one list under a key ({"data": [...]}) is read from that list
     (noted); with several such lists the error names them.
@@ -341,8 +341,9 @@ def _read_jsonl(text: str, report: ReadReport) -> list[dict]:
 
 def _read_json_arrays(text: str, report: ReadReport) -> list[dict]:
     """Records of the JSON array the text starts with and of any arrays that follow it (`cat a.json
-    b.json`: all read, noted). Anything else after the last array is counted as one malformed record
-    naming its offset and size (never dropped silently)."""
+    b.json`: all read, noted), and of JSON Lines or JSON objects after them (`cat a.json b.jsonl`:
+    read as a JSONL file is, its malformed lines counted; noted). Anything else after the last array
+    is counted as one malformed record naming its offset and size (never dropped silently)."""
     records: list[dict] = []
     pos, arrays, n = text.index("[") + 1, 1, len(text)
     while True:
@@ -353,6 +354,12 @@ def _read_json_arrays(text: str, report: ReadReport) -> list[dict]:
             pos += 1
         if pos >= n:
             break
+        if text[pos] == "{" and (tail := _read_tail_of_objects(text, pos, report)) is not None:
+            records += tail
+            report.notes.append(f"{arrays} JSON array{'s' if arrays > 1 else ''} then, from line "
+                                f"{text.count(chr(10), 0, pos) + 1}, {len(tail)} JSON Lines records or JSON objects "
+                                "(concatenated files), all read")
+            return records
         if text[pos] != "[":
             size = len(text[pos:].encode("utf-8", errors="surrogateescape"))
             report.bad(f"after the closing bracket of JSON array {arrays}, at byte {pos}",
@@ -362,6 +369,28 @@ def _read_json_arrays(text: str, report: ReadReport) -> list[dict]:
     if arrays > 1:
         report.notes.append(f"{arrays} JSON arrays one after another (concatenated files), all read")
     return records
+
+
+def _read_tail_of_objects(text: str, pos: int, report: ReadReport) -> list[dict] | None:
+    """The records of what follows a JSON array from offset `pos` (a "{"): JSON Lines, or JSON
+    objects one after another, read as a file of its own starting there would be
+    (`_read_json_object_or_lines`; its malformed lines are counted in `report` under their line
+    numbers in the whole file). None when it is no such text (one object that is no record, or
+    nothing readable): the caller counts it as data after the array."""
+    sub = ReadReport(path=report.path, invalid_utf8=report.invalid_utf8, surrogate_escapes=report.surrogate_escapes)
+    head = re.sub(r"[^\n]", " ", text[:pos])  # the arrays, blanked: line numbers and offsets stay the file's
+    try:
+        tail = _read_json_object_or_lines(Path(report.path), head + text[pos:], sub)
+    except DataFileError:
+        return None
+    if not tail:
+        return None
+    report.bad_records += sub.bad_records
+    report.bad_reasons.update(sub.bad_reasons)
+    report.notes += sub.notes
+    report.truncated |= sub.truncated
+    report.lost_bytes += sub.lost_bytes
+    return tail
 
 
 def _read_json_values(text: str, report: ReadReport) -> list[dict] | None:

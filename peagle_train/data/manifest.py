@@ -119,10 +119,14 @@ def file_checksums(prepared_dir: str | Path, names: list[str]) -> dict:
     return out
 
 
-def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
+def verify_files(prepared_dir: str | Path, manifest: dict, *, where: str | Path | None = None,
+                 writer: str = "prepare", fix: str | None = None) -> None:
     """Check the files recorded in the manifest's "files": present, their size, then their sha256
     (rows/state.json names the Arrow files of the rows, so other files there, such as `datasets`'
     cache files, are not read). A manifest without "files" (older versions) is not checked.
+    `where`: the file holding the manifest (default prepared_dir/manifest.json); `writer`: the
+    command that writes the files, and `fix` the one that rebuilds them (default: a prepared
+    directory's, `rebuild_fix`), for the messages.
 
     Raises:
         CorruptFileError: naming the first file that is missing, cut off or altered, and the command
@@ -132,8 +136,8 @@ def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
     if not files:
         return
     d = Path(prepared_dir)
-    where = f"{d / 'manifest.json'}"
-    fix = rebuild_fix(d)
+    where = f"{where or d / 'manifest.json'}"
+    fix = fix or rebuild_fix(d)
     for rel, rec in files.items():
         f = d / rel
         if not f.is_file():
@@ -141,7 +145,65 @@ def verify_files(prepared_dir: str | Path, manifest: dict) -> None:
         size = f.stat().st_size
         if size != rec["bytes"]:
             raise CorruptFileError(f"{f}: {size} bytes, {where} records {rec['bytes']}: the file is cut off or was "
-                                   f"rewritten by another prepare. Fix: {fix}.")
+                                   f"rewritten by another {writer}. Fix: {fix}.")
         if sha256_file(f) != rec["sha256"]:
             raise CorruptFileError(f"{f}: its sha256 differs from {where}: the file was altered or rewritten by "
-                                   f"another prepare. Fix: {fix}.")
+                                   f"another {writer}. Fix: {fix}.")
+
+
+# --- the output of `peagle regenerate` -----------------------------------------------------------------
+# regenerated.jsonl is appended to batch by batch (resumable), so it cannot be written as a whole;
+# its sidecar <file>.manifest (JSON, written atomically) says whether the run finished and, when it
+# did, the file's size and sha256. The readers of data (`sources.load_source`) check it.
+
+
+def regenerated_manifest_path(path: str | Path) -> Path:
+    """The sidecar manifest of a `peagle regenerate` output file: <file>.manifest beside it."""
+    path = Path(path)
+    return path.with_name(path.name + ".manifest")
+
+
+def regenerate_fix(path: str | Path, command: str | None = None) -> str:
+    """The command that finishes or rebuilds a regenerated file (the Fix: of its errors)."""
+    how = command or f"peagle regenerate regenerate.output={path} with the settings it was made with"
+    return f"rerun {how}: it keeps the complete conversations of {path} and regenerates the rest"
+
+
+def read_regenerated_manifest(path: str | Path) -> dict | None:
+    """The sidecar manifest of regenerated file `path`, or None when there is none (a file written by
+    hand, or by a version that wrote none: not checked).
+
+    Raises:
+        CorruptFileError: the manifest is cut off or not one, naming it and the fix.
+    """
+    m = regenerated_manifest_path(path)
+    if not m.is_file():
+        return None
+    return read_json(m, "manifest of a peagle regenerate output", required=("complete", "conversations", "bytes"),
+                     fix=f"remove it and {regenerate_fix(path)}")
+
+
+def check_regenerated(path: str | Path, sha256: str | None = None) -> None:
+    """Refuse a `peagle regenerate` output that its sidecar manifest does not vouch for: a run that
+    has not finished (stopped between two batches, or before its last write), or a file whose size or
+    sha256 (`sha256`: the file's, when the caller has it) differs from what the finished run recorded
+    (cut off, or altered since). A file without a sidecar is not checked.
+
+    Raises:
+        CorruptFileError: naming the file, what is wrong and the command that finishes or rebuilds it.
+    """
+    path = Path(path)
+    m = read_regenerated_manifest(path)
+    if m is None:
+        return
+    where, fix = regenerated_manifest_path(path), regenerate_fix(path, m.get("command"))
+    if not m["complete"]:
+        raise CorruptFileError(f"{path}: an unfinished peagle regenerate output ({where} records the run as not "
+                               f"finished: stopped after {m['conversations']} conversations). Fix: {fix}.")
+    size = path.stat().st_size
+    if size != m["bytes"]:
+        raise CorruptFileError(f"{path}: {size} bytes, {where} records {m['bytes']}: the file is cut off or was "
+                               f"changed after peagle regenerate finished it. Fix: {fix}.")
+    if m.get("sha256") and (sha256 or sha256_file(path)) != m["sha256"]:
+        raise CorruptFileError(f"{path}: its sha256 differs from {where}: the file was altered after peagle "
+                               f"regenerate finished it. Fix: remove it and {where.name}, then {fix}.")

@@ -7,7 +7,10 @@ batch, turn t of every conversation that has one is generated in one backend cal
 
 Resumable: finished conversations are appended to an OpenAI-style `messages` JSONL (one line per
 conversation, keyed by `id`, flushed and fsynced per batch). A rerun reads the ids already written
-(dropping a torn last line left by a kill) and skips them. The output is a valid `data.path`.
+(dropping and counting a torn last line left by a kill) and skips them. The output is a valid
+`data.path`. Its sidecar <output>.manifest (data/manifest.py, written atomically) records the
+settings, whether the run finished and then the file's size and sha256: the data readers refuse an
+unfinished, cut or altered output, and a rerun with other settings is refused rather than mixed in.
 
 Backends: `HFBackend` (an in-process transformers model; CPU works), `VllmBackend` (vLLM's offline
 engine in its own environment, token ids in and out, one engine for the whole run) and
@@ -27,6 +30,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from ..errors import UserError
+from ..io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +151,16 @@ class VllmBackend:
             self._session = None
 
 
+class EndpointError(UserError, RuntimeError):
+    """The regeneration endpoint cannot be reached or gives no answer (names the URL and the fix)."""
+
+
 class EndpointBackend:
     """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
 
     Raises:
-        RuntimeError: the server cannot be reached or answers without a choice (names the URL).
+        EndpointError (a RuntimeError and a user error: one line at the command line): the server
+            cannot be reached or answers without a choice (names the URL).
     """
 
     def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
@@ -174,13 +185,14 @@ class EndpointBackend:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 ans = json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise RuntimeError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
+            raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
                                "the server is up (vllm serve / sglang).") from e
         try:
             choice = ans["choices"][0]
             return Generation((choice["message"].get("content") or "").strip(), choice.get("finish_reason") == "length")
         except (KeyError, IndexError, TypeError) as e:
-            raise RuntimeError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}") from e
+            raise EndpointError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}. Fix: "
+                                "point regenerate.endpoint_url at an OpenAI-compatible server (vllm serve / sglang).") from e
 
     def generate(self, conversations: list[list[dict]]) -> list[Generation]:
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:
@@ -197,11 +209,20 @@ class RegenerateStats:
     cut_at_max_new_tokens: int = 0
     stopped_at_empty_answer: int = 0
     turns_cut_by_max_turns: int = 0
+    torn_lines_dropped: int = 0
     dropped: dict = field(default_factory=dict)
 
 
-def done_ids(out_path: Path) -> set[str]:
-    """Ids already in the output JSONL. A torn last line (a kill mid-write) is cut off the file."""
+def done_ids(out_path: Path, stats: RegenerateStats | None = None, fix: str = "") -> set[str]:
+    """Ids already in the output JSONL. A torn last line (a kill mid-write) is cut off the file,
+    logged and counted in `stats.torn_lines_dropped`.
+
+    Raises:
+        CorruptFileError: a complete line that is not a conversation with an id (a damaged file),
+            naming the file, the line and `fix`.
+    """
+    from ..errors import CorruptFileError
+
     if not out_path.is_file():
         return set()
     data = out_path.read_bytes()
@@ -209,11 +230,51 @@ def done_ids(out_path: Path) -> set[str]:
     if end < len(data):
         with open(out_path, "r+b") as f:
             f.truncate(end)
+        logger.warning(f"{out_path}: its last line was cut off ({len(data) - end} bytes without a newline: a run "
+                       "stopped while writing it); dropped, its conversation is regenerated")
+        if stats is not None:
+            stats.torn_lines_dropped += 1
     ids = set()
-    for line in data[:end].decode("utf-8").splitlines():
-        if line.strip():
+    for n, line in enumerate(data[:end].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
             ids.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"{out_path}, line {n}: not a regenerated conversation ({type(e).__name__}: "
+                                   f"{str(e)[:120]}): the file is damaged. Fix: {fix or 'remove that line (or the file), then rerun'}."
+                                   ) from e
     return ids
+
+
+def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | None, fix: str) -> None:
+    """Refuse to continue an output made with other settings (answers of two kinds in one file), or
+    one altered after its run finished. A cut one is continued (its missing conversations are
+    regenerated)."""
+    from ..errors import CorruptFileError
+    from ..provenance import sha256_file
+    from .manifest import regenerated_manifest_path
+
+    if manifest is None or not out_path.is_file():
+        return
+    where = regenerated_manifest_path(out_path)
+    old = manifest.get("settings")
+    if settings is not None and old is not None and old != settings:
+        diff = ", ".join(f"{k}: {old.get(k)!r} then, {settings.get(k)!r} now" for k in sorted(set(old) | set(settings))
+                         if old.get(k) != settings.get(k))
+        raise CorruptFileError(f"{out_path}: written by peagle regenerate with other settings ({diff}; {where}); "
+                               "continuing it would mix two kinds of answers in one file. Fix: choose another "
+                               f"regenerate.output, or remove {out_path} and {where.name} to start over.")
+    size = out_path.stat().st_size
+    if manifest["complete"] and size > manifest["bytes"] or (
+            size == manifest["bytes"] and manifest.get("sha256") and sha256_file(out_path) != manifest["sha256"]):
+        other = "another sha256" if size == manifest["bytes"] else f"{size} bytes"
+        raise CorruptFileError(f"{out_path}: altered after peagle regenerate finished it ({where} records "
+                               f"{manifest['bytes']} bytes and their sha256, the file holds {other}). Fix: remove "
+                               f"{out_path} and {where.name}, then {fix}.")
+    if manifest["complete"] and size < manifest["bytes"]:
+        logger.warning(f"{out_path}: {size} bytes, {where} records {manifest['bytes']} (cut off): continuing from its "
+                       "complete lines; the conversations lost are regenerated")
 
 
 def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
@@ -263,7 +324,8 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
 
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,
-               extra: dict | None = None, max_turns: int | None = None) -> RegenerateStats:
+               extra: dict | None = None, max_turns: int | None = None, settings: dict | None = None,
+               command: str | None = None) -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
 
     conversations: iterable of (id, messages) with normalised messages (user/assistant alternating,
@@ -273,11 +335,28 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
     "turns cut by max_turns"); None = all.
     An empty answer ends its conversation there (counted); a conversation left without an answer
     is not written (counted).
+    settings: what the answers depend on (backend, model, sampling); a rerun with other settings is
+    refused. command: the command line that continues the run, named in the errors of its readers.
+    The sidecar <out_path>.manifest says "not finished" from before the first line is appended until
+    the last batch is written, then records the file's size and sha256 (module docstring).
+
+    Raises:
+        CorruptFileError: out_path or its manifest is damaged, altered, or was written with other
+            settings (naming the file and the fix).
     """
+    from ..provenance import sha256_file
+    from .manifest import read_regenerated_manifest, regenerate_fix, regenerated_manifest_path
+
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     stats = RegenerateStats()
-    done = done_ids(out_path)
+    fix = regenerate_fix(out_path, command)
+    _check_resumable(out_path, read_regenerated_manifest(out_path), settings, fix)
+    done = done_ids(out_path, stats, fix=f"remove that line (or the file) and {fix}")
+    manifest = {"what": "peagle regenerate output", "file": out_path.name, "settings": settings, "command": command,
+                "complete": False, "conversations": len(done), "bytes": out_path.stat().st_size if out_path.is_file() else 0,
+                "sha256": None}
+    atomic_write_json(regenerated_manifest_path(out_path), manifest)
     todo = []
     for cid, msgs in conversations:
         if str(cid) in done:
@@ -295,6 +374,9 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
             os.fsync(f.fileno())
             stats.written += len(lines)
             bar.update(len(batch))
+    atomic_write_json(regenerated_manifest_path(out_path), {
+        **manifest, "complete": True, "conversations": len(done) + stats.written,
+        "bytes": out_path.stat().st_size, "sha256": sha256_file(out_path)}, durable=True)
     return stats
 
 

@@ -27,6 +27,7 @@ import datasets
 from ..io import atomic_write_json
 from ..provenance import digest, sha256_file
 from .conversations import DataFileError, normalize_record, read_records, read_summary
+from .manifest import check_regenerated, regenerated_manifest_path
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None) -> tuple[
     Raises:
         DataFileError: the path is empty, does not exist, cannot be read, or holds no record (names
             the path and the fix).
+        CorruptFileError: an output of `peagle regenerate` (a file with a sidecar <file>.manifest)
+            that is unfinished, cut off or altered (data/manifest.py `check_regenerated`).
     """
     check_data_path(path)
     path = Path(path).expanduser()
@@ -91,6 +94,7 @@ def load_source(path: str | Path, cache_dir: str | Path | None = None) -> tuple[
         raise DataFileError(f"Data file not found: {path}. Fix: set data.path (or a data.mix entry's path) to an "
                             "existing JSON/JSONL file or a local Hugging Face dataset directory.")
     sha = sha256_file(path, memo_dir=cache)
+    check_regenerated(path, sha)  # a `peagle regenerate` output: finished, and as its run left it
     if _is_parquet(path):
         return _load_with_datasets(path, [path], sha, path.stat().st_size, cache)
     return _load_json_files(path, [path], sha, path.stat().st_size, cache)
@@ -195,6 +199,11 @@ def _load_dataset_dir(path: Path, cache: Path) -> tuple[datasets.Dataset, Source
     `datasets`) or of JSON/JSONL files (each through `read_records`, as a single file is). Files are
     listed by `list_data_files` (hidden ones skipped, symlinks followed; both noted)."""
     files, walk_notes = list_data_files(path)
+    sidecars = {regenerated_manifest_path(f) for f in files}
+    files = [f for f in files if f not in sidecars]  # read with the file they describe
+    for f in files:
+        if regenerated_manifest_path(f).is_file():
+            check_regenerated(f, sha256_file(f, memo_dir=cache))
     listing = digest("".join(f"{f.relative_to(path)}:{sha256_file(f, memo_dir=cache)}\n" for f in files),
                      *walk_notes)
     size = sum(f.stat().st_size for f in files)

@@ -36,9 +36,12 @@ def load_acceptance(path: str) -> dict:
         raise CostModelError(f"acceptance file not found: {p}. Fix: run `peagle evaluate head=...` and pass its "
                              "output_dir/eval/acceptance.json, or leave recommend.acceptance unset to measure it.")
     try:
-        r = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise CostModelError(f"{p}: not JSON ({e}). Fix: pass the acceptance.json `peagle evaluate` writes.") from e
+        r = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        from .report import rebuild_fix
+
+        raise CostModelError(f"{p}: not JSON ({e}): the file is cut off or corrupted. Fix: {rebuild_fix(p.parent)}, "
+                             "or pass another acceptance.json of `peagle evaluate`.") from e
     if not isinstance(r, dict) or not isinstance(r.get("per_position_acceptance"), list):
         raise CostModelError(f"{p}: no per_position_acceptance list. Fix: pass the acceptance.json "
                              "`peagle evaluate` writes.")

@@ -20,18 +20,26 @@ Speeds: every decoder is warmed up before the timed decodes (run.py), and a spee
 only when at least MIN_TIMED_TOKENS tokens were timed for each side of the ratio; otherwise
 `speedup` is null and `speedup_not_measured` gives the reason (a handful of tokens measures start-up
 costs and timer noise, not decoding speed).
+
+Files: `write_report` writes per_prompt.csv (and acceptance.png) first, each atomically, then
+acceptance.json, atomically, recording their size and sha256 under "files". A reader finds a complete
+acceptance.json or none; `read_acceptance` names one that is cut off, and `read_per_prompt` refuses a
+per_prompt.csv that is cut off, altered or left by a run stopped before its acceptance.json, naming
+the file and the command that rebuilds it (`rebuild_fix`).
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from ..data.manifest import file_checksums, verify_files
 from ..decoding.engine import GenerationResult
+from ..errors import read_json
+from ..io import atomic_path, atomic_write_json
 
 MIN_TIMED_TOKENS = 256  # tokens timed per side of a speed-up (warm-up excluded) before it is reported
 TAU_CONVENTION = ("tau = 1 + accepted drafts per verify step, averaged over verify steps "
@@ -237,15 +245,71 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
 
 
 def write_report(result: dict, rows: list[dict], out_dir: Path, plot: bool = True) -> None:
-    """out_dir/acceptance.json, per_prompt.csv (one row per turn) and, with plot, acceptance.png."""
-    (out_dir / "acceptance.json").write_text(json.dumps(result, indent=2))
+    """out_dir/per_prompt.csv (one row per turn), with plot acceptance.png, then acceptance.json
+    (`result` plus "files": the size and sha256 of the other two), each written atomically
+    (peagle_train/io.py), acceptance.json last: a run stopped before it leaves none."""
+    out_dir = Path(out_dir)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out_dir / "per_prompt.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    with atomic_path(out_dir / "per_prompt.csv") as tmp:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
+    written = ["per_prompt.csv"]
     if plot:
-        plot_acceptance(result, out_dir / "acceptance.png")
+        with atomic_path(out_dir / "acceptance.png") as tmp:
+            plot_acceptance(result, tmp)
+        written.append("acceptance.png")
+    atomic_write_json(out_dir / "acceptance.json", {**result, "files": file_checksums(out_dir, written)})
+
+
+def rebuild_fix(eval_dir: str | Path) -> str:
+    """The command that rebuilds the report files of an evaluation directory (the Fix: of their errors)."""
+    eval_dir = Path(eval_dir)
+    return (f"rerun peagle evaluate output_dir={eval_dir.parent} with the head and eval.* settings it was run with "
+            f"(it reuses the results {eval_dir / 'results.jsonl'} holds and rewrites the report)")
+
+
+def read_acceptance(path: str | Path) -> dict:
+    """The acceptance dict of an acceptance.json written by `write_report` (without its "files").
+
+    Raises:
+        FileNotFoundError: no such file (an evaluation not run, or stopped before its end).
+        CorruptFileError: not JSON (cut off), not an object, or without acceptance_length and
+            per_position_acceptance; both name the file and the command that rebuilds it.
+    """
+    path = Path(path)
+    r = read_json(path, "acceptance results (peagle evaluate)", required=("acceptance_length", "per_position_acceptance"),
+                  fix=rebuild_fix(path.parent))
+    r.pop("files", None)
+    return r
+
+
+def read_per_prompt(eval_dir: str | Path) -> list[dict]:
+    """The rows (str values) of eval_dir/per_prompt.csv, after checking its size and sha256 against
+    what eval_dir/acceptance.json records ("files"; an acceptance.json written before it recorded
+    them is not checked).
+
+    Raises:
+        FileNotFoundError: per_prompt.csv missing, or no acceptance.json beside it (a run stopped
+            between writing the two).
+        CorruptFileError: either is cut off, or per_prompt.csv differs from what acceptance.json
+            records; each names the file and the command that rebuilds it.
+    """
+    eval_dir = Path(eval_dir)
+    path, acc = eval_dir / "per_prompt.csv", eval_dir / "acceptance.json"
+    fix = rebuild_fix(eval_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (per-turn results of peagle evaluate). Fix: {fix}.")
+    if not acc.is_file():
+        raise FileNotFoundError(f"{path}: no {acc.name} beside it (the run that wrote it was stopped before its end, "
+                                f"so it is not known to be complete). Fix: {fix}.")
+    manifest = read_json(acc, "acceptance results (peagle evaluate)", fix=fix)
+    files = {k: v for k, v in (manifest.get("files") or {}).items() if k == path.name}
+    if files:
+        verify_files(eval_dir, {"files": files}, where=acc, writer="evaluate", fix=fix)
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def plot_acceptance(result: dict, path: str | Path) -> Path:
@@ -272,7 +336,7 @@ def plot_acceptance(result: dict, path: str | Path) -> Path:
     ax.set_title(f"Per-position acceptance, K = {K}, T = {result.get('temperature', 0.0)}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # also under a temporary name
     plt.close(fig)
     return Path(path)
 

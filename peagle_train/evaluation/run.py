@@ -7,8 +7,11 @@ accepted counts, forward counts and wall times of that decoding; results.meta.js
 settings and head fingerprints they were decoded with. A rerun into the same out_dir reads them,
 decodes only the missing (benchmark, id, turn, decoder) keys, and writes acceptance.json from the
 stored results, so it equals the uninterrupted run's. A partial last line (a kill during a write)
-is dropped. Results of other settings or heads are never mixed in: they are moved aside to
-results.stale.jsonl (a warning names what differs) and the run starts over.
+is dropped and counted; a damaged line before it is refused, naming the line. Results of other
+settings or heads are never mixed in: they are moved aside to results.stale.jsonl (a warning names
+what differs), the report files of that run to *.stale.*, and the run starts over. The report
+(report.py `write_report`) is written file by file, acceptance.json last, recording the others'
+sha256.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from tqdm.auto import tqdm
 
 from ..decoding.engine import GenerationResult, generate
 from ..decoding.packed_linear import fuse_ops, pack_linears, unfuse_ops, unpack_linears
-from ..errors import UserError
+from ..errors import CorruptFileError, UserError, read_json
+from ..io import atomic_write_text
 from ..precision import log_precision, resolve_precision
 from .benchmarks import BenchmarkError, chat_ids
 from .report import _tau, format_acceptance, summarize, write_report
@@ -105,34 +109,62 @@ def _key(rec: dict) -> tuple:
     return (str(rec["benchmark"]), str(rec["id"]), int(rec["turn"]), rec["decoder"])
 
 
+REPORT_FILES = (("acceptance.json", "acceptance.stale.json"), ("per_prompt.csv", "per_prompt.stale.csv"),
+                ("acceptance.png", "acceptance.stale.png"))  # report.write_report's files, and where a new start moves them
+
+
 class ResultLog:
     """out_dir/results.jsonl: the per-(benchmark, id, turn, decoder) results, appended and flushed
-    as they finish; read back on resume (module docstring)."""
+    as they finish; read back on resume (module docstring). results.meta.json (the settings) is
+    written atomically before the first result. A partial last line (a kill while writing it) is cut
+    off and counted (`torn`, logged); a damaged line before it, or a damaged results.meta.json, is
+    refused (CorruptFileError naming the file, the line and the fix). Results of other settings, or
+    without their settings file, are moved to results.stale.jsonl, and the report files of that
+    run to *.stale.* (`REPORT_FILES`), before the run starts over."""
 
     def __init__(self, out_dir: Path, meta: dict):
         self.path, meta_path = out_dir / "results.jsonl", out_dir / "results.meta.json"
         self.done: dict[tuple, dict] = {}
-        old = json.loads(meta_path.read_text()) if self.path.is_file() and meta_path.is_file() else None
-        if old is not None and old != meta:
-            diff = {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
+        self.torn = 0
+        fix = (f"move {self.path} and {meta_path} aside (or choose another output_dir), then run the same command "
+               "again: it decodes every result again")
+        has_results = self.path.is_file() and self.path.stat().st_size > 0
+        old = read_json(meta_path, "settings of the results in results.jsonl", fix=fix) \
+            if has_results and meta_path.is_file() else None
+        if has_results and old != meta:
+            diff = "no results.meta.json" if old is None else \
+                {k: (old.get(k), meta.get(k)) for k in set(old) | set(meta) if old.get(k) != meta.get(k)}
             stale = out_dir / "results.stale.jsonl"
-            logger.warning("%s was decoded with other settings or heads %s (old, new): moved to %s, starting over",
-                           self.path, diff, stale)
+            logger.warning("%s was decoded with other settings or heads %s (old, new): moved to %s with its report "
+                           "(*.stale.*), starting over", self.path, diff, stale)
             self.path.replace(stale)
-            old = None
-        if old is not None:
-            text = self.path.read_text()
-            good = text[: text.rfind("\n") + 1]  # a line cut by a kill has no newline: drop it
-            for line in good.splitlines():
-                rec = json.loads(line)
-                self.done[_key(rec)] = rec
-            if len(good) != len(text):
-                self.path.write_text(good)
+            for name, aside in REPORT_FILES:
+                if (out_dir / name).is_file():
+                    (out_dir / name).replace(out_dir / aside)
+            has_results = False
+        atomic_write_text(meta_path, json.dumps(meta, indent=2, sort_keys=True))
+        if has_results:
+            self._read(fix)
         else:
             self.path.write_text("")
-        meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True))
         self.reused = len(self.done)
         self._f = open(self.path, "a")
+
+    def _read(self, fix: str) -> None:
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # a line cut by a kill has no newline: cut it off, count it
+        for n, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+            try:
+                rec = json.loads(line)  # bytes: UTF-8, a damaged byte raises
+                self.done[_key(rec)] = rec
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise CorruptFileError(f"{self.path}, line {n}: not a complete result ({type(e).__name__}: "
+                                       f"{str(e)[:120]}): the file is damaged. Fix: {fix}.") from e
+        if end < len(data):
+            self.torn = 1
+            os.truncate(self.path, end)
+            logger.warning("%s: its last line was cut off (%d bytes without a newline: a run stopped while writing "
+                           "it); dropped, 1 result to decode again", self.path, len(data) - end)
 
     def add(self, rec: dict) -> None:
         self._f.write(json.dumps(rec) + "\n")

@@ -73,7 +73,7 @@ def _train_log(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _summary(acc: dict, algorithm: str, path: Path, run_dir: Path, step: int) -> dict:
+def head_summary(acc: dict, algorithm: str, path: Path, run_dir: Path, step: int) -> dict:
     """The summary of `algorithm`'s head in an acceptance dict: the head (P-EAGLE), the baseline
     (EAGLE-3) or the entry of more_heads with that algorithm. Raises ScalingRunError naming the fix."""
     ckpt = run_dir / algorithm / "checkpoints" / f"step_{step:06d}"
@@ -98,6 +98,8 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
     Raises FileNotFoundError naming a missing training log or acceptance.json, and ScalingRunError
     when a training log has no step of a budget or an evaluation lacks the baseline (EAGLE-3) head
     or a DFlash head of a run that has one."""
+    from .report import read_acceptance
+
     run_dir = Path(run_dir)
     points = []
     algorithms = [a for a in ALGORITHMS if a not in OPTIONAL or (run_dir / a).is_dir()]
@@ -107,9 +109,9 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun scripts/scaling_curve.sh "
                                     f"{run_dir} (it resumes).")
-        acc = json.loads(path.read_text())
+        acc = read_acceptance(path)  # a cut file is named, with the command that rebuilds it
         for algorithm in algorithms:
-            summary = _summary(acc, algorithm, path, run_dir, step)
+            summary = head_summary(acc, algorithm, path, run_dir, step)
             rows = logs[algorithm]
             at = [r for r in rows if r.get("step") == step and "tokens" in r]
             if not at:

@@ -1,49 +1,35 @@
 """Start-up checks of the training config: every out-of-range setting named at once, before any
-model is loaded."""
+model is loaded. The rules are the schema's (peagle_train/config.py: the range written with each key,
+`opt(..., ge=1)`, and the choices of its Enums); this module only maps the trainer's flat config
+(`config.train_config`) back to the schema's keys."""
 
 from __future__ import annotations
 
-from ..algorithms import OBJECTIVES
-from ..config import REMOVED_KEYS
+from ..config import REMOVED_KEYS, Config, bad_value_message, range_problem, schema_entries
 from ..errors import ConfigError
-from .cod import ATTENTION_SETTINGS
-from .loss import LOSSES
+
+# the trainer's config keys that come from other groups than `training` (config.train_config)
+SCHEMA_KEY = {"num_depths": "draft.num_depths", "seed": "seed", "algorithm": "algorithm", "precision": "precision",
+              "engine": "distributed.engine", "zero_stage": "distributed.zero_stage"}
 
 
 def check_training_config(train_cfg) -> None:
-    """Raise ConfigError (a ValueError) naming every training setting that is out of range (checked at start-up,
-    before any model is loaded)."""
-    problems = []
-    if train_cfg.algorithm not in OBJECTIVES:
-        problems.append(f"algorithm={train_cfg.algorithm!r} must be peagle or eagle3")
-    if not 0 < train_cfg.ttt_decay <= 1:
-        problems.append(f"training.ttt_decay={train_cfg.ttt_decay} must be in (0, 1]")
-    if train_cfg.num_depths < 1:
-        problems.append(f"draft.num_depths={train_cfg.num_depths} must be ≥ 1")
-    for key in ("down_sample_ratio", "down_sample_ratio_min"):
-        if not 0 < train_cfg[key] <= 1:
-            problems.append(f"training.{key}={train_cfg[key]} must be in (0, 1]")
-    if train_cfg.loss not in LOSSES:
-        problems.append(f"training.loss={train_cfg.loss!r} must be one of {sorted(LOSSES)}")
-    for key in ("partitions", "tokens_per_step", "epochs"):
-        if train_cfg[key] < 1:
-            problems.append(f"training.{key}={train_cfg[key]} must be ≥ 1")
-    if (train_cfg.get("grad_accum") or 1) < 1:
-        problems.append(f"training.grad_accum={train_cfg.grad_accum} must be ≥ 1")
-    if "mixed_precision" in train_cfg:
-        problems.append(REMOVED_KEYS["*"]["training.mixed_precision"])
-    if (train_cfg.get("precision") or "fp32") not in ("auto", "fp32", "bf16"):
-        problems.append(f"precision={train_cfg.precision!r} must be one of auto, fp32, bf16")
-    if (train_cfg.get("tracker") or "none") not in ("none", "tensorboard", "wandb"):
-        problems.append(f"training.tracker={train_cfg.tracker!r} must be none, tensorboard or wandb")
-    for key in ("save_every", "keep_last"):
-        if train_cfg.get(key) is not None and train_cfg.get(key) < 1:
-            problems.append(f"training.{key}={train_cfg[key]} must be ≥ 1")
-    if train_cfg.max_anchors is not None and train_cfg.max_anchors < 1:
-        problems.append(f"training.max_anchors={train_cfg.max_anchors} must be ≥ 1 or null")
-    if train_cfg.schedule not in ("cosine", "linear", "constant", "wsd"):
-        problems.append(f"training.schedule={train_cfg.schedule!r} must be cosine, linear, constant or wsd")
-    if train_cfg.attention not in ATTENTION_SETTINGS:
-        problems.append(f"training.attention={train_cfg.attention!r} must be one of {', '.join(ATTENTION_SETTINGS)}")
+    """Raise ConfigError (a ValueError) naming every training setting that is out of range (checked at
+    start-up, before any model is loaded): for each key of `train_cfg` (the trainer's config,
+    `config.train_config`), the schema key it comes from (`training.<key>`, or `SCHEMA_KEY`) decides
+    what it admits: a number its range (`config.range_problem`), a choice its values
+    (`config.bad_value_message`). The removed training.mixed_precision is named with its replacement."""
+    keys = {k.name: k for k in schema_entries(Config) if not k.is_group}
+    problems = [REMOVED_KEYS["*"]["training.mixed_precision"]] if "mixed_precision" in train_cfg else []
+    for name in train_cfg:
+        key = keys.get(SCHEMA_KEY.get(name, f"training.{name}"))
+        if key is None:
+            continue
+        value = train_cfg[name]
+        value = getattr(value, "value", value)  # an Enum member: its string
+        problem = bad_value_message(key.name, value, "the training config") if isinstance(value, str) else \
+            range_problem(key, value)
+        if problem:
+            problems.append(problem)
     if problems:
-        raise ConfigError("Invalid training config: " + "; ".join(problems))
+        raise ConfigError("Invalid training config: " + "\n  ".join(problems))

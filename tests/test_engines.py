@@ -38,6 +38,7 @@ def _launch():
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
             "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2", "--main_process_port", _free_port(), WORKER]
 COMMON = ["training.max_steps=6"]  # checkpoints (with validation) at steps 3 and 6
+DFLASH = ["training.algorithm=dflash"]
 ENGINES = {"zero2": ["training.engine=deepspeed", "training.zero_stage=2"],
            "zero3": ["training.engine=deepspeed", "training.zero_stage=3"],
            "fsdp": ["training.engine=fsdp"]}
@@ -64,6 +65,10 @@ def runs(tmp_path_factory):
             out = root / name
             if name == "one":
                 cmd = [sys.executable, WORKER, str(out), "fresh", "0", "training.grad_accum=2", *COMMON]
+            elif name == "one-dflash":
+                cmd = [sys.executable, WORKER, str(out), "fresh", "0", "training.grad_accum=2", *COMMON, *DFLASH]
+            elif name == "fsdp-dflash":
+                cmd = [*_launch(), str(out), "fresh", "0", *COMMON, *ENGINES["fsdp"], *DFLASH]
             else:
                 cmd = [*_launch(), str(out), "fresh", "0", *COMMON, *ENGINES[name]]
             made[name] = _run(cmd, out)
@@ -90,6 +95,26 @@ def test_engine_two_processes_match_one_process(runs, engine):
         # Adam after 6 steps: coordinates whose gradient is ~0 may move by a fraction of lr (3e-3)
         torch.testing.assert_close(got[k], ref[k], atol=3e-3, rtol=0), k
     assert (ck / "engine").is_dir()
+
+
+def test_dflash_under_fsdp_matches_one_process(runs):
+    """A DFlash head through the same trainer and engine: 2 FSDP2 processes give the losses and
+    validation EAL of 1 process with grad_accum 2, and the gathered checkpoint is a DFlash head."""
+    from peagle_train.draft.dflash import DFlashDraft
+
+    (l1, v1), (l2, v2) = losses(runs("one-dflash")), losses(runs("fsdp-dflash"))
+    assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5, 6]
+    assert l1 != losses(runs("one"))[0]  # another objective than P-EAGLE's
+    for s in l1:
+        assert l2[s] == pytest.approx(l1[s], abs=1e-5), s
+    assert sorted(v2) == [3, 6] and all(v2[s] == pytest.approx(v1[s], abs=1e-6) for s in v1)
+    draft, _ = load_checkpoint(runs("fsdp-dflash") / "checkpoints" / "step_000006")
+    assert isinstance(draft, DFlashDraft)
+    ref = load_file(str(runs("one-dflash") / "checkpoints" / "step_000006" / "model.safetensors"))
+    got = load_file(str(runs("fsdp-dflash") / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert got.keys() == ref.keys() and "mask_hidden" not in got and "hidden_norm.weight" in got
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=3e-3, rtol=0), k
 
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp"])

@@ -23,6 +23,8 @@ position i give the same picture: the cache holds the context, the last pair's t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,17 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from ..decoding.kv_cache import SlotCache
 from .peagle import DraftConfig, DraftMLP, Proposal, _flex_attention
+
+
+@dataclass
+class ContextStates:
+    """The context before its per-layer projection: states [B, S, H] (`hidden_norm(fc(features))`)
+    and their RoPE cos/sin [B, S, head_dim]. A layer projects it to its keys and values inside its
+    own forward, so a sharded engine (FSDP2 shards each layer) has gathered the layer's weights."""
+
+    states: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class DFlashAttention(nn.Module):
@@ -86,8 +99,11 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, context_kv, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_kv, mask)
+    def forward(self, h, cos, sin, context, mask):
+        """h [B, N, H]; context: this layer's (k, v) of the context (decoding keeps them cached) or
+        the ContextStates it projects itself (training); mask as DFlashAttention's."""
+        kv = self.self_attn.kv(context.states, context.cos, context.sin) if isinstance(context, ContextStates) else context
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -119,21 +135,27 @@ class DFlashDraft(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
-    def context_kv(self, features: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the keys and values of the context: features [B, S, 3H] (the target's aux
-        hidden states) at position_ids [B, S] → [(k, v) each [B, kv_heads, S, head_dim]]."""
+    def context_states(self, features: torch.Tensor, position_ids: torch.Tensor) -> ContextStates:
+        """The context of features [B, S, 3H] (the target's aux hidden states) at position_ids [B, S]."""
         c = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rotary_emb(c, position_ids)
-        return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
+        return ContextStates(c, cos, sin)
 
-    def block_hidden(self, tokens, position_ids, context_kv, mask) -> torch.Tensor:
+    def context_kv(self, features: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of the context (decoding; outside any sharded engine):
+        features [B, S, 3H] at position_ids [B, S] → [(k, v) each [B, kv_heads, S, head_dim]]."""
+        ctx = self.context_states(features, position_ids)
+        return [layer.self_attn.kv(ctx.states, ctx.cos, ctx.sin) for layer in self.layers]
+
+    def block_hidden(self, tokens, position_ids, context, mask) -> torch.Tensor:
         """The last layer's output before the final norm, [B, N, H], for block tokens [B, N] (mask
-        tokens already in place) at position_ids [B, N], given `context_kv` (per layer) and mask
-        [B, N, S+N] bool or a BlockMask."""
+        tokens already in place) at position_ids [B, N], given the context (a ContextStates every
+        layer projects, or per layer its (k, v)) and mask [B, N, S+N] bool or a BlockMask."""
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(h, position_ids)
         ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer, kv in zip(self.layers, context_kv):
+        per_layer = [context] * len(self.layers) if isinstance(context, ContextStates) else context
+        for layer, kv in zip(self.layers, per_layer):
             if ckpt:  # activation checkpointing: recompute the layer in backward
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, kv, mask, use_reentrant=False)
             else:
@@ -151,8 +173,8 @@ class DFlashDraft(nn.Module):
         position_ids [B, N]: the blocks (anchor tokens and mask tokens); mask [B, N, S+N] bool
         (training/dflash.py `dflash_mask`) or a BlockMask. Returns logits [B, N, V_draft].
         """
-        kv = self.context_kv(features, context_position_ids)
-        return self.logits(self.block_hidden(tokens, position_ids, kv, mask))
+        ctx = self.context_states(features, context_position_ids)
+        return self.logits(self.block_hidden(tokens, position_ids, ctx, mask))
 
     def draft_to_target(self, draft_token: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to target ids: j + d2t[j]."""

@@ -217,8 +217,8 @@ class TargetConfig:
                                             "(pkg:smollm2, a hub id or hub-cache dir), required for other local files")
     dtype: Optional[Dtype] = opt(None, "storage dtype of the target's weights (memory, not compute): null = float32; "
                                        "bfloat16 | float16 halve a large target's memory. Compute follows `precision`")
-    aux_layer_ids: Optional[list[int]] = opt(None, "target layers whose hidden states the head reads; "
-                                                   "null = [2, N//2, N-3]")
+    aux_layer_ids: Optional[list[int]] = opt(None, "target layers whose hidden states the head reads (3; a "
+                                                   "dflash head 1 or more); null = [2, N//2, N-3]")
 
 
 @dataclass
@@ -788,7 +788,7 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     """Every problem of the composed config `cfg` of entry point `command`, as sentences naming the
     key, the value, what it admits and the fix: a number outside the range written with its key
     (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
-    (`mix_problems`); target.aux_layer_ids 3 distinct, ascending, non-negative ids (the range [0, N)
+    (`mix_problems`); target.aux_layer_ids 3 (DFlash: 1 or more) distinct, ascending, non-negative ids (the range [0, N)
     is checked once the target is loaded, target/features.py `check_aux_layer_ids`); data.max_length
     above data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
     ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
@@ -804,9 +804,9 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     problems += mix_problems(get("data.mix"))
     ids = get("target.aux_layer_ids")
     if ids is not None:
-        from .target.features import aux_layer_ids_problem
+        from .target.features import aux_count, aux_layer_ids_problem
 
-        if (m := aux_layer_ids_problem(ids, None)):
+        if (m := aux_layer_ids_problem(ids, None, count=aux_count(get("algorithm") or "peagle"))):
             problems.append(m)
     max_len, min_sup = get("data.max_length"), get("data.min_supervised_tokens")
     if isinstance(max_len, int) and isinstance(min_sup, int) and 1 <= max_len <= min_sup:

@@ -13,7 +13,7 @@ from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import PACKAGE_DIR
-from .target.features import FeatureTarget, default_aux_layer_ids
+from .target.features import FeatureTarget, aux_count, default_aux_layer_ids
 from .target.load import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,12 +28,14 @@ def dtype_of(name: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_target(target_cfg, device):
+def build_target(target_cfg, device, algorithm: str = "peagle"):
     """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
-    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer)."""
+    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer);
+    `algorithm` sets how many aux ids are admitted (target/features.py `aux_count`)."""
     model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device)
     n = model.config.num_hidden_layers
-    return FeatureTarget(model, list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)), tok
+    ids = list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)
+    return FeatureTarget(model, ids, aux_count=aux_count(algorithm)), tok
 
 
 def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> PEagleDraft:

@@ -322,3 +322,48 @@ def test_validator_names_a_broken_dflash_export(tmp_path, target_model):
     msg = str(e.value)
     assert "missing tensor hidden_norm.weight" in msg and "unexpected tensor mask_hidden" in msg
     assert "aux_hidden_state_layer_ids [5, 2, 4] are not ascending" in msg
+
+
+def test_a_dflash_head_reads_any_number_of_aux_layers(tmp_path, target_model):
+    """5 aux layers: the target gives 5H-wide features, the head's fc reads them, training equals
+    propose, the export names the 5 ids and validates; P-EAGLE and EAGLE-3 still take exactly 3."""
+    from peagle_train.config import config_problems, default_config
+    from peagle_train.export.speculators import validate_export, write_export
+    from peagle_train.errors import ConfigError
+
+    ids5 = [1, 2, 3, 4, 6]
+    t = FeatureTarget(target_model, ids5, aux_count=None)
+    with pytest.raises(ConfigError, match=r"target.aux_layer_ids=\[1, 2, 3, 4, 6\] must be 3 distinct layer ids in \[0, 8\)"):
+        FeatureTarget(target_model, ids5)
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target_model.config, num_layers=1, draft_vocab_size=64, mask_token_id=127,
+                                  num_depths=3, aux_layer_ids=ids5, algorithm="dflash")
+    with pytest.raises(ValueError, match=r"a peagle head reads 3 aux layers"):
+        DraftConfig.from_target(target_model.config, num_layers=1, draft_vocab_size=64, mask_token_id=127,
+                                num_depths=3, aux_layer_ids=ids5, algorithm="peagle")
+    d = make_draft_head(cfg).eval()
+    ids = torch.arange(0, 128, 2)
+    d.init_from_target(target_model, ids, ids - torch.arange(64), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
+    x = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    out = t(x)
+    assert out.aux.shape == (1, 16, 5 * 64) and d.fc.weight.shape == (64, 5 * 64)
+    n = 15
+    row = PackedRow(x[0, 1:], out.aux[0, :-1], out.logits[0, 1:], torch.ones(n, dtype=torch.bool),
+                    torch.zeros(n, dtype=torch.long), torch.arange(n))
+    blocks = dflash_blocks(row.valid, row.doc_ids, 3, None)
+    with torch.no_grad():
+        train = dflash_forward(d, row, blocks, 3)[9]
+        prop = d.propose(row.tokens[None, :10], row.features[None, :10], torch.arange(10)[None],
+                         torch.ones(10, 10, dtype=torch.bool).tril()[None], None, 3)
+    torch.testing.assert_close(prop.logits[0], train, rtol=1e-5, atol=1e-5)
+    res = generate(t, d, [[7, 1, 88, 42]], 3, 20, set())[0]
+    assert res.tokens == target_generate(t, [7, 1, 88, 42], 20, set()).tokens
+    exp = write_export(d, tmp_path / "exp", verifier_name_or_path="x", verifier_architectures=["L"])
+    assert json.loads((exp / "config.json").read_text())["aux_hidden_state_layer_ids"] == ids5
+    validate_export(exp, reference=d)
+    # the settings validator admits 5 ids for dflash only
+    base = default_config()
+    base.target.aux_layer_ids = ids5
+    assert any("must be 3 distinct layer ids" in p for p in config_problems(base, "train"))
+    base.algorithm = "dflash"
+    assert not any("aux_layer_ids" in p for p in config_problems(base, "train"))

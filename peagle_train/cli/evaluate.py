@@ -37,7 +37,7 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.features import FeatureTarget, aux_count
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids
@@ -92,7 +92,7 @@ def main(cfg: DictConfig) -> dict:
     device = "cuda" if torch.cuda.is_available() and engine != "vllm" else "cpu"
     n_layers = None
     try:
-        target, tok = build_target(cfg.target, device)
+        target, tok = build_target(cfg.target, device, draft.config.algorithm)
     except ValueError as e:  # aux layer ids outside the target
         raise SystemExit(f"head={head} does not fit target {cfg.target.path}: {e}") from e
     n_layers = target.config.num_hidden_layers
@@ -108,7 +108,7 @@ def main(cfg: DictConfig) -> dict:
         oids = list(other.config.aux_layer_ids)
         if not all(0 <= i < n_layers for i in oids):
             raise SystemExit(f"{setting}={path}: aux layers {oids} outside the target's {n_layers} layers.")
-        otarget = target if oids == ids else FeatureTarget(target.model, oids)
+        otarget = target if oids == ids else FeatureTarget(target.model, oids, aux_count=aux_count(other.config.algorithm))
         check_head_target(other, otarget, tok, f"{setting}={path}")
         return other.to(device=target.model.device), otarget
 

@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> dict:
                          "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
     vllm_engine = str(cfg.features.get("engine", "target")) == "vllm"
     # with vLLM the in-process target only fingerprints the weights and names the layers: kept off the GPU
-    target, tok = build_target(cfg.target, "cpu" if vllm_engine else acc.device)
+    target, tok = build_target(cfg.target, "cpu" if vllm_engine else acc.device, str(cfg.algorithm))
     with acc.main_process_first():  # one process fills the data cache, the others read it
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     # the target's forward computes in `precision`, as in online training (bf16 autocast where the hardware has it)

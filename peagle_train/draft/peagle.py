@@ -73,6 +73,9 @@ class DraftConfig:
         if self.aux_layer_numbering != AUX_LAYER_NUMBERING:
             problems.append(f"aux_layer_numbering={self.aux_layer_numbering!r} must be {AUX_LAYER_NUMBERING!r} "
                             f"or {OLD_AUX_LAYER_NUMBERING!r}")
+        if self.algorithm != "dflash" and self.aux_layer_ids and len(self.aux_layer_ids) != 3:
+            problems.append(f"aux_layer_ids={list(self.aux_layer_ids)}: a {self.algorithm} head reads 3 aux layers "
+                            "(only a dflash head reads another number)")
         if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
         if self.algorithm not in ("peagle", "eagle3", "dflash"):

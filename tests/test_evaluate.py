@@ -297,7 +297,7 @@ def test_k_table_says_not_measured_and_not_checked():
 
 
 def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
-    from peagle_train.decoding import amx_linear
+    from peagle_train.accel.cpu import amx_linear
     from peagle_train.decoding.engine import GenerationResult
     from peagle_train.evaluation.report import format_acceptance, summarize
     from peagle_train.evaluation.run import _row

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..draft.peagle import PEagleDraft
-from ..target.features import FeatureTarget, amx_attention_available
+from ..target.features import FeatureTarget, keeps_cache_dtype
 from .acceptance import Greedy, make_acceptance
 from .kv_cache import SlotCache
 
@@ -96,14 +96,15 @@ def sliding_window(config) -> tuple[int | None, bool]:
 
 def target_cache(target: FeatureTarget) -> SlotCache:
     """The target's decoding cache: the target's decoding attention computes in fp32
-    (target/features.py `decode_attention`, for sdpa targets below fp32). On the AMX kernel it
-    reads bf16 entries itself, so the cache keeps the model's dtype; otherwise such a target's
+    (target/features.py `decode_attention`, for sdpa targets below fp32). A plug-in's attention
+    that reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel) reads
+    bf16 entries, so the cache keeps the model's dtype; otherwise such a target's
     cache is kept in fp32, converted once per new entry (`SlotCache(upcast=True)`)."""
     dtype = next(target.model.parameters()).dtype
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sdpa = getattr(cfg, "_attn_implementation", None) == "sdpa"
-    amx = sdpa and target.model.device.type == "cpu" and amx_attention_available(dtype, head_dim)
+    amx = sdpa and target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
     return SlotCache(upcast=dtype != torch.float32 and sdpa and not amx)
 
 

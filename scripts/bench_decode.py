@@ -75,7 +75,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.accel.cpu.fused_decoder import fuse_decoder
     from peagle_train.job import build_target
 
-    from peagle_train.draft.io import load_head
+    from peagle_train.export.speculators import load_head
 
     head = load_head(args.head)[0].eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))

@@ -37,7 +37,7 @@ from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.rows import pack_documents
 from peagle_train.features.sources import packed_row
 from peagle_train.target.offline import write_features
-from peagle_train.training.cod import cod_sample
+from peagle_train.algorithms.cod import cod_sample
 
 HEADING = "## Target features"
 

@@ -25,7 +25,7 @@ from peagle_train.benchmarks import bench_arguments, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
-from peagle_train.draft.io import load_head
+from peagle_train.export.speculators import load_head
 
 HEADING = "## Shared-forward cache compaction (scripts/bench_shared_cache.py)"
 

@@ -9,7 +9,8 @@ import datasets
 import pytest
 import torch
 
-from peagle_train.draft.io import load_checkpoint, load_head, save_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.export.speculators import load_head
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.export.speculators import (ExportError, installed_vllm_problem, load_export, serve_commands,
                                              validate_export, write_export)

@@ -65,7 +65,7 @@ def test_propose_into_a_preallocated_cache_equals_the_concatenating_one(algorith
     """The engine's draft cache (a SlotCache written in place, drafted slots cropped off) against
     per-layer (k, v) pairs concatenated at every forward: over two successive proposals the same
     tokens, logits and cached real pairs (7, then 9), and the drafted slots leave no trace."""
-    from peagle_train.decoding.kv_cache import SlotCache
+    from peagle_train.draft.kv_cache import SlotCache
 
     t, d = small_pair(algorithm=algorithm, K=4)
     out = t(torch.tensor([[5, 17, 33, 2, 90, 4, 8, 3, 6]]))
@@ -345,7 +345,7 @@ def test_an_upcast_target_cache_stores_fp32_and_decodes_the_same_tokens(monkeypa
     from types import SimpleNamespace
 
     from peagle_train.decoding import engine as engine_mod
-    from peagle_train.decoding.kv_cache import SlotCache
+    from peagle_train.draft.kv_cache import SlotCache
     from peagle_train.target.features import decode_attention
 
     g = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ from peagle_train.export.speculators import load_export, validate_export, write_
 from peagle_train.job import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.features import FeatureTarget
-from peagle_train.draft.io import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
 from peagle_train.training.trainer import train
 
 

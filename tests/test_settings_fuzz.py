@@ -384,7 +384,7 @@ def test_parse_pairs_checks_the_same_ranges():
 
 def test_export_validate_of_no_export(tmp_path, target_model, chatml_tokenizer):
     from peagle_train.cli.export import export_dir_problem
-    from peagle_train.draft.io import save_checkpoint
+    from peagle_train.draft.head_checkpoint import save_checkpoint
 
     from .test_decoding import make_draft
 

@@ -74,7 +74,7 @@ def test_shared_random_head_and_target_alone(algorithm):
 
 def test_compact_index_moves_kept_slots_right_in_order():
     from peagle_train.decoding.engine import _compact_index
-    from peagle_train.decoding.kv_cache import gather_slots
+    from peagle_train.draft.kv_cache import gather_slots
     valid = torch.tensor([[0, 1, 0, 1, 1, 0],
                           [1, 0, 0, 0, 0, 1],
                           [0, 0, 0, 0, 0, 0]], dtype=torch.bool)

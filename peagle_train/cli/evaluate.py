@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from peagle_train.draft.io import load_head
+from peagle_train.export.speculators import load_head
 from peagle_train.config import check_config, k_beyond_k_train_problem, register
 from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
 from peagle_train.paths import CONF_DIR

@@ -34,7 +34,7 @@ import torch
 from ..draft.peagle import PEagleDraft
 from ..target.features import FeatureTarget, keeps_cache_dtype
 from .acceptance import Greedy, make_acceptance
-from .kv_cache import SlotCache
+from ..draft.kv_cache import SlotCache
 
 COMPACT_SLACK = 64  # holes a cache may hold beyond its longest row before `Engine._compact` drops them
 

@@ -12,7 +12,7 @@ Layout (module names follow transformers' Llama so exports load in vLLM / specul
     d2t, t2d      draft-vocabulary buffers (see data.vocab.DraftVocab)
 
 One forward takes any set of elements with explicit position ids and a boolean attention mask,
-which serves both the COD training axis (training/cod.py) and the decoder's KV-cached drafting.
+which serves both the COD training axis (algorithms/cod.py) and the decoder's KV-cached drafting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..decoding.kv_cache import SlotCache, SlotLayer
+from .kv_cache import SlotCache, SlotLayer
 from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
@@ -170,7 +170,7 @@ class DraftAttention(nn.Module):
 
     x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
     S = cached + N, a FlexAttention BlockMask over [N, S], or an object whose `attend(q, k, v)`
-    computes the masked attention itself (the sparse COD plan, training/cod_attention.py).
+    computes the masked attention itself (the sparse COD plan, algorithms/cod_attention.py).
     cache: None; a (k, v) pair [B, kv_heads, cached, head_dim] each, concatenated with the new
     entries (differentiable: training's TTT steps); or a `SlotLayer` (decoding), into whose
     preallocated buffers the new entries are written in place.
@@ -204,7 +204,7 @@ class DraftAttention(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
-        elif hasattr(mask, "attend"):  # a sparse plan (training/cod_attention.py CODSparseMask)
+        elif hasattr(mask, "attend"):  # a sparse plan (algorithms/cod_attention.py CODSparseMask)
             out = mask.attend(q, k, v)
         else:
             rep = self.h // self.kvh
@@ -338,7 +338,7 @@ class PEagleDraft(nn.Module):
         or pass is_slot [B, N] bool to substitute the mask token and `mask_hidden` here:
         `slot_inputs` inside forward, so sharded engines (ZeRO-3, FSDP) gather `mask_hidden`);
         position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
-        or a BlockMask (training/cod.py); cache: None or a list of per-layer (k, v).
+        or a BlockMask (algorithms/cod.py); cache: None or a list of per-layer (k, v).
         Returns (logits [B, N, V_draft], new cache list).
         """
         if is_slot is not None:

@@ -73,7 +73,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if (query.dtype == torch.float32 or dropout or per_head_mask or H % kvh
             or kw.get("softcap") is not None or kw.get("s_aux") is not None):
-        if key.dtype != query.dtype:  # an upcast cache (decoding/kv_cache.py): its entries were query.dtype
+        if key.dtype != query.dtype:  # an upcast cache (draft/kv_cache.py): its entries were query.dtype
             key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
     g = H // kvh

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..algorithms import OBJECTIVES
 from ..config import REMOVED_KEYS
 from ..errors import ConfigError
-from .cod import ATTENTION_SETTINGS
+from ..algorithms.cod import ATTENTION_SETTINGS
 from .loss import LOSSES
 
 

@@ -30,7 +30,7 @@ from ..precision import autocast_context, resolve_precision
 from ..target.features import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
-from .cod import attention_kind
+from ..algorithms.cod import attention_kind
 from .engines import average_gradients, make_engine, resolve_engine
 from .loss import metrics_from_counts
 from .schedule import lr_lambda

@@ -22,9 +22,9 @@ import time
 import torch
 from ..draft.peagle import Eagle3Draft, PEagleDraft
 from ..target.features import FeatureTarget
-from .acceptance import first_argmax
-from .engine import target_cache
-from .kv_cache import SlotCache
+from ..decoding.acceptance import first_argmax
+from ..decoding.engine import target_cache
+from ..draft.kv_cache import SlotCache
 
 
 class MemoryLimitError(RuntimeError):

@@ -10,9 +10,10 @@ into the same layers (`SlotCache.layer(i)`, draft/peagle.py `DraftAttention`) wh
 
 `SlotCache(upcast=True)` stores half-precision keys and values in fp32 buffers (converted once,
 when written): the target's decoding attention (target/features.py `decode_attention`) computes in
-fp32 and would otherwise convert the whole cache of every layer at every step. Where it runs on
-the AMX kernel, which reads bf16 entries itself, the cache stays bf16 (decoding/engine.py
-`target_cache`).
+fp32 and would otherwise convert the whole cache of every layer at every step. Where a plug-in's
+attention reads bf16 entries itself (accel/cpu: the AMX kernel), the cache stays bf16
+(decoding/engine.py `target_cache`). It lives beside the heads so that draft/ imports nothing of
+decoding/.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
 from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import PACKAGE_DIR
-from .target.features import FeatureTarget, default_aux_layer_ids
+from .target.capture import FeatureTarget, default_aux_layer_ids
 from .target.load import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -167,10 +167,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
-    from peagle_train.benchmarks import bench_arguments, write_section
+    from peagle_train.bench_tables import bench_arguments, write_section
 
     args = bench_arguments(ap, DOCS).parse_args()
-    from peagle_train.benchmarks import cpu_model
+    from peagle_train.bench_tables import cpu_model
     from peagle_train.precision import cpu_bf16_units
 
     import torch

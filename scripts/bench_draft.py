@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from forking import forked  # scripts/forking.py (scripts/ is on sys.path when a script runs)
-from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+from peagle_train.bench_tables import bench_arguments, cpu_model, write_section
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft
 from peagle_train.precision import cpu_bf16_units, resolve_precision
 from peagle_train.algorithms.cod import attention_kind, cod_sample

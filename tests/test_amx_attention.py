@@ -12,7 +12,7 @@ from peagle_train.accel.cpu.attention import amx_decode_attention as decode_atte
 from peagle_train.decoding.engine import generate, target_cache
 from peagle_train.accel.cpu.packed_linear import pack_linears
 from peagle_train.draft.peagle import DraftConfig, make_draft_head
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(amx_linear.kernel() is None, reason="no Intel AMX here (or the kernel did not build)")]

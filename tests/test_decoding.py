@@ -5,7 +5,7 @@ import torch
 
 from .reference_decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 
 def make_draft(target_model, vocab_ids, K=5, layers=2, seed=0):

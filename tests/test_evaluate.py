@@ -15,7 +15,7 @@ from peagle_train.evaluation.report import training_eal
 from peagle_train.evaluation.run import HeadMismatchError, check_head_target, evaluate_acceptance
 from peagle_train.draft.peagle import DraftConfig, make_draft_head
 from peagle_train.paths import SPEC_BENCH
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from .conftest import tiny_llama
 

@@ -11,7 +11,7 @@ from peagle_train.accel.cpu import amx_linear, fuse_ops, fused_decoder, unfuse_o
 from peagle_train.accel.cpu.attention import use_amx_attention
 from peagle_train.accel.cpu.packed_linear import pack_linears, unpack_linears
 from peagle_train.decoding.engine import generate, target_cache
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from .test_amx_attention import random_bf16_head
 

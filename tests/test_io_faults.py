@@ -26,8 +26,8 @@ from peagle_train.export.speculators import load_head
 from peagle_train.errors import (RESUME_PREPARE, RESUME_TRAIN, CorruptFileError, WriteError,
                                  io_failure, user_error_message)
 from peagle_train.export.speculators import load_export, write_export
-from peagle_train.target.features import FeatureTarget
-from peagle_train.target.offline import FeatureShardError, write_features
+from peagle_train.target.capture import FeatureTarget
+from peagle_train.target.feature_shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import list_checkpoints, save_training_checkpoint
 
 from .conftest import REPO_ROOT

@@ -188,3 +188,26 @@ def test_no_timings_in_docstrings():
                 doc = ast.get_docstring(node) or ""
                 found += [f"{path.relative_to(PKG)}: {m.group(0)}" for m in timing.finditer(doc)]
     assert not found, found
+
+
+def test_no_two_modules_or_classes_share_a_name():
+    """A name means one thing: no two modules (or a module and a package) of the package share a
+    name, and no two top-level classes do. Exempt by design: cli/'s modules are named after their
+    commands (`peagle train` is cli/train.py), and an algorithm's head (draft/<algorithm>.py) and
+    objective (algorithms/<algorithm>.py) share the algorithm's name."""
+    import collections
+
+    modules, classes = collections.defaultdict(list), collections.defaultdict(list)
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if path.name == "__init__.py" and path.parent != PKG:
+            modules[path.parent.name].append(rel.rpartition("/")[0] + "/")
+        elif path.name not in ("__init__.py", "__main__.py") and not rel.startswith("cli/"):
+            modules[path.stem].append(rel)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name].append(rel)
+    per_algorithm = lambda paths: sorted(p.split("/")[0] for p in paths) == ["algorithms", "draft"]  # noqa: E731
+    shared = {n: p for n, p in modules.items() if len(p) > 1 and not per_algorithm(p)}
+    assert not shared, shared
+    assert not {n: p for n, p in classes.items() if len(p) > 1}

@@ -11,7 +11,7 @@ from peagle_train.recommend.cost_model import (
 )
 from peagle_train.recommend.step_costs import estimate_bytes, time_draft, time_verify
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from peagle_train.recommend.measure import measure_costs, recommend_k
 

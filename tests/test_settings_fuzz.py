@@ -298,7 +298,7 @@ def test_aux_layer_ids_checked_at_parse(ids, message):
 
 
 def test_aux_layer_ids_out_of_the_targets_range_when_it_is_loaded():
-    from peagle_train.target.features import check_aux_layer_ids
+    from peagle_train.target.capture import check_aux_layer_ids
 
     with pytest.raises(ConfigError) as e:
         check_aux_layer_ids([2, 5, 8], 8)

@@ -98,7 +98,7 @@ def test_compaction_keeps_tokens_and_bounds_the_cache(algorithm, monkeypatch):
     t, d = small_pair(algorithm=algorithm, K=4)
     prompts = [[5, 17, 33, 2, 90, 4, 4, 8], [1, 2, 3], [40]]
     monkeypatch.setattr(sh, "COMPACT_SLACK", 8)
-    states = [sh.Engine(t, d, prompts, 4, 24, set(), None, compact) for compact in (False, True)]
+    states = [sh.DecodingBatch(t, d, prompts, 4, 24, set(), None, compact) for compact in (False, True)]
     with torch.no_grad():
         plain, packed = (s.run() for s in states)
     assert [s.tokens for s in packed] == [s.tokens for s in plain]

@@ -37,7 +37,7 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids

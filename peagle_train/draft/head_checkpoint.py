@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from ..errors import CorruptFileError, load_safetensors, read_json, writing
 from ..io import atomic_dir
-from ..target.features import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from ..target.capture import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 from .peagle import DraftConfig, make_draft_head
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .kv_cache import SlotCache, SlotLayer
-from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
 MASK_HIDDEN_STD = 0.02  # the constructor's init of mask_hidden (`PEagleDraft.init_mask_hidden` rescales it)
@@ -53,7 +53,7 @@ class DraftConfig:
     mask_token_id: int = 0
     num_depths: int = 8
     aux_layer_ids: list = field(default_factory=list)
-    # what an id means (target/features.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
+    # what an id means (target/capture.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
     # target layer k, vLLM's); "layer_output" (older files: the output of layer i) is converted on creation
     aux_layer_numbering: str = AUX_LAYER_NUMBERING
     norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)

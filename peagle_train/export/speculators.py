@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from ..draft.head_checkpoint import load_checkpoint
 from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
-from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
+from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
 from ..errors import ConfigError, UserError, load_safetensors, read_json, writing
 from ..io import atomic_dir, recover_dir
 

@@ -3,15 +3,15 @@ training step, or offline shards written by `peagle features`. Both sources buil
 rows with the one packing function `rows.pack_row`."""
 
 from ..errors import ConfigError
-from ..target.features import FeatureTarget
+from ..target.capture import FeatureTarget
 from .offline import OfflineFeatures
 from .rows import PackedRow, pack_documents, pack_row
-from .sources import FeatureSource, OnlineFeatures
+from .online import PackedRowSource, OnlineFeatures
 
-__all__ = ["PackedRow", "pack_documents", "pack_row", "FeatureSource", "OnlineFeatures", "OfflineFeatures", "open_features"]
+__all__ = ["PackedRow", "pack_documents", "pack_row", "PackedRowSource", "OnlineFeatures", "OfflineFeatures", "open_features"]
 
 
-def open_features(fcfg, target: FeatureTarget, tok, rows, template_kwargs: dict | None = None) -> FeatureSource:
+def open_features(fcfg, target: FeatureTarget, tok, rows, template_kwargs: dict | None = None) -> PackedRowSource:
     """From the `features` config group: `OnlineFeatures` for `source=online` (the training step runs
     the target), an `OfflineFeatures` reader for `source=offline`. Raises ConfigError (a ValueError) for an unknown
     source or a missing `features.dir`, FeatureShardError for a directory that fails its checks.

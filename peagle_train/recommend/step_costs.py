@@ -21,7 +21,7 @@ import time
 
 import torch
 from ..draft.peagle import Eagle3Draft, PEagleDraft
-from ..target.features import FeatureTarget
+from ..target.capture import FeatureTarget
 from ..decoding.acceptance import first_argmax
 from ..decoding.engine import target_cache
 from ..draft.kv_cache import SlotCache

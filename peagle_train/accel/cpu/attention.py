@@ -3,7 +3,7 @@
 `amx_decode_attention` is registered under its own name (`AMX_DECODE_ATTENTION`) in
 `AttentionInterface` (and the masks `sdpa` gets in `AttentionMaskInterface`); `use_amx_attention`
 names it in a target's config (`peagle_decode_attention`), so that the target's decoding forwards
-(target/features.py `decoding_attention`) select it as their attn_implementation. Nothing of
+(target/capture.py `decoding_attention`) select it as their attn_implementation. Nothing of
 transformers is patched. Inputs the kernel does not take go to the core's `decode_attention`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...target.features import decode_attention
+from ...target.capture import decode_attention
 from . import amx_linear
 
 AMX_DECODE_ATTENTION = "peagle_amx_decode"
@@ -40,7 +40,7 @@ def amx_attention_takes(query, key, value, mask) -> bool:
 
 
 def amx_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """`decode_attention` (target/features.py) with bf16 entries on the AMX kernel.
+    """`decode_attention` (target/capture.py) with bf16 entries on the AMX kernel.
 
     query [B, heads, n, d], key/value [B, kv_heads, S, d]. bf16 entries (the cache is then kept in
     bf16, decoding/engine.py `target_cache`) with no mask or a bool mask, head_dim a multiple of 32
@@ -56,7 +56,7 @@ def amx_decode_attention(module, query, key, value, attention_mask, scaling=None
     return decode_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw)
 
 
-amx_decode_attention.keeps_cache_dtype = amx_attention_available  # read by target/features.py `keeps_cache_dtype`
+amx_decode_attention.keeps_cache_dtype = amx_attention_available  # read by target/capture.py `keeps_cache_dtype`
 
 
 def _register() -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from ...target.features import decode_attention
+from ...target.capture import decode_attention
 from . import amx_linear
 from .attention import amx_attention_takes
 from .packed_linear import FusedRMSNorm, PackedLinear, fused_rotary
@@ -90,7 +90,7 @@ def _fusable(model: nn.Module) -> bool:
 class FusedDecoder:
     """The decoding forward of the module docstring over a fused model's decoder.
 
-    Built by `fuse_decoder`; `FeatureTarget.forward` (target/features.py) calls it for decoding
+    Built by `fuse_decoder`; `FeatureTarget.forward` (target/capture.py) calls it for decoding
     forwards it `takes`. Holds a second AMX packing of the q/k/v and gate/up weights (two thirds of
     the decoder layers' linear weights once more: 139 MB for SmolLM2-135M); the modules and their
     parameters are not changed.

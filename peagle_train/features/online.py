@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..target.features import FeatureTarget
+from ..target.capture import FeatureTarget
 from .rows import PackedRow, pack_row
 
 
-class FeatureSource:
+class PackedRowSource:
     """Interface of a feature source. `target` supplies the device rows are delivered on."""
 
     target: FeatureTarget
@@ -27,7 +27,7 @@ class FeatureSource:
         raise NotImplementedError
 
 
-class OnlineFeatures(FeatureSource):
+class OnlineFeatures(PackedRowSource):
     """The frozen target run inside the training step: all documents of a packed row in one forward
     (`FeatureTarget.forward_documents`, block-diagonal attention), no grad."""
 

@@ -71,6 +71,24 @@ def test_fp32_modules_are_not_packed_and_decoding_preparation_packs_bf16_only():
     assert t.model.dtype == torch.float32 and not any(isinstance(m, PackedLinear) for m in t.model.modules())
 
 
+
+def test_peagle_amx_0_leaves_every_model_on_transformers(monkeypatch):
+    """With PEAGLE_AMX=0 decoding preparation swaps nothing in: no packed linear or fused norm, no
+    lean forward, and the target's decoding attention is the core's (so its bf16 cache is upcast);
+    a target the plug-in accelerated before gets its transformers modules back."""
+    from peagle_train.accel.cpu.packed_linear import FusedRMSNorm
+    from peagle_train.decoding.engine import target_cache
+    from peagle_train.target.capture import DECODE_ATTENTION, decoding_attention
+
+    t, d = small_pair(K=3)
+    prepare_for_decoding(t, [d], "bf16")
+    assert isinstance(t.model.get_output_embeddings(), PackedLinear)
+    monkeypatch.setenv("PEAGLE_AMX", "0")
+    _, (head,) = prepare_for_decoding(t, [d], "bf16")
+    assert [m for m in [*t.model.modules(), *head.modules()] if isinstance(m, (PackedLinear, FusedRMSNorm))] == []
+    assert t.model.peagle_fused_decoder is None and t.model.dtype == torch.bfloat16
+    assert decoding_attention(t.decoder.config) == DECODE_ATTENTION and target_cache(t).layer(0).upcast
+
 def _amx():
     from peagle_train.accel.cpu import amx_linear
 

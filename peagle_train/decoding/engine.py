@@ -96,16 +96,16 @@ def sliding_window(config) -> tuple[int | None, bool]:
 
 def target_cache(target: FeatureTarget) -> SlotCache:
     """The target's decoding cache: the target's decoding attention computes in fp32
-    (target/capture.py `decode_attention`, for sdpa targets below fp32). A plug-in's attention
-    that reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel) reads
-    bf16 entries, so the cache keeps the model's dtype; otherwise such a target's
-    cache is kept in fp32, converted once per new entry (`SlotCache(upcast=True)`)."""
+    (target/capture.py `decode_attention`, for sdpa targets below fp32). Where a plug-in's
+    attention reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel),
+    the cache keeps the model's dtype; otherwise such a target's cache is kept in fp32, converted
+    once per new entry (`SlotCache(upcast=True)`)."""
     dtype = next(target.model.parameters()).dtype
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sdpa = getattr(cfg, "_attn_implementation", None) == "sdpa"
-    amx = sdpa and target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
-    return SlotCache(upcast=dtype != torch.float32 and sdpa and not amx)
+    kept = sdpa and target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
+    return SlotCache(upcast=dtype != torch.float32 and sdpa and not kept)
 
 
 def _new_mask(valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:

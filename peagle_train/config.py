@@ -129,7 +129,7 @@ class Tracker(Choice):
     wandb = "wandb"
 
 
-class Engine(Choice):
+class DistributedEngine(Choice):
     ddp = "ddp"
     deepspeed = "deepspeed"
     fsdp = "fsdp"
@@ -318,7 +318,7 @@ class TrainingConfig:
 
 @dataclass
 class DistributedConfig:
-    engine: Engine = opt(Engine.ddp, "how processes share the head: ddp (gradient all-reduce) | deepspeed (ZeRO, "
+    engine: DistributedEngine = opt(DistributedEngine.ddp, "how processes share the head: ddp (gradient all-reduce) | deepspeed (ZeRO, "
                                      "needs deepspeed) | fsdp (FSDP2 fully_shard); launch: accelerate launch "
                                      "--multi_gpu --num_processes N ...")
     zero_stage: int = opt(2, "deepspeed only: 2 (optimizer state + gradients sharded) | 3 (+ parameters)",
@@ -789,7 +789,7 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     key, the value, what it admits and the fix: a number outside the range written with its key
     (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
     (`mix_problems`); target.aux_layer_ids 3 (DFlash: 1 or more) distinct, ascending, non-negative ids (the range [0, N)
-    is checked once the target is loaded, target/features.py `check_aux_layer_ids`); data.max_length
+    is checked once the target is loaded, target/capture.py `check_aux_layer_ids`); data.max_length
     above data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
     ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
     from omegaconf import OmegaConf
@@ -804,7 +804,7 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     problems += mix_problems(get("data.mix"))
     ids = get("target.aux_layer_ids")
     if ids is not None:
-        from .target.features import aux_count, aux_layer_ids_problem
+        from .target.capture import aux_count, aux_layer_ids_problem
 
         if (m := aux_layer_ids_problem(ids, None, count=aux_count(get("algorithm") or "peagle"))):
             problems.append(m)

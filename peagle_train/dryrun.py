@@ -57,8 +57,8 @@ def dry_run(cfg, out_dir: Path) -> dict:
     from .export.speculators import write_export
     from .config import train_config
     from .job import build_draft, dtype_of
-    from .target.features import FeatureTarget
-    from .draft.io import load_checkpoint, save_checkpoint
+    from .target.capture import FeatureTarget
+    from .draft.head_checkpoint import load_checkpoint, save_checkpoint
     from .training.checks import check_training_config
     from .training.tracking import eval_scalars, tracked_accelerator
     from .training.trainer import train

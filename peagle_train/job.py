@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from .draft.peagle import DraftConfig, PEagleDraft, make_draft_head
+from .draft import DraftConfig, PEagleDraft, make_draft_head
 from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import PACKAGE_DIR
-from .target.features import FeatureTarget, aux_count, default_aux_layer_ids
+from .target.capture import FeatureTarget, aux_count, default_aux_layer_ids
 from .target.load import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +31,7 @@ def dtype_of(name: str | None) -> torch.dtype:
 def build_target(target_cfg, device, algorithm: str = "peagle"):
     """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
     (null = float32; the forward's compute precision is `precision`'s, applied by the trainer);
-    `algorithm` sets how many aux ids are admitted (target/features.py `aux_count`)."""
+    `algorithm` sets how many aux ids are admitted (target/capture.py `aux_count`)."""
     model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device)
     n = model.config.num_hidden_layers
     ids = list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)

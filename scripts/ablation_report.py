@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from peagle_train.benchmarks import cpu_model, write_section
+from peagle_train.bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import UserError, cli_main
 from peagle_train.evaluation.report import read_acceptance

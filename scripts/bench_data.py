@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from peagle_train.benchmarks import bench_arguments, publish
+from peagle_train.bench_tables import bench_arguments, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 

@@ -10,7 +10,7 @@ head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence dec
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
 and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
 on a CPU with AMX, for the AMX kernel, with its norms and rotary embedding fused and the target's
-lean decoding forward (`fuse_ops`, decoding/fused_decoder.py), as `peagle evaluate` decodes; with
+lean decoding forward (`fuse_ops`, accel/cpu/fused_decoder.py) and the AMX attention, as `peagle evaluate` decodes; with
 AMX a third copy runs oneDNN's kernels only (transformers' forward). The codes alternate prompt by prompt, so that a shared machine's load hits
 all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
 per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
@@ -70,11 +70,12 @@ def measure(args, dtype, name: str) -> list[dict]:
     from omegaconf import OmegaConf
 
     from peagle_train.decoding.engine import generate
-    from peagle_train.decoding.fused_decoder import fuse_decoder
-    from peagle_train.decoding.packed_linear import fuse_ops, pack_linears
+    from peagle_train.accel.cpu import fuse_ops, pack_linears
+    from peagle_train.accel.cpu.attention import use_amx_attention
+    from peagle_train.accel.cpu.fused_decoder import fuse_decoder
     from peagle_train.job import build_target
 
-    from peagle_train.draft.io import load_head
+    from peagle_train.export.speculators import load_head
 
     head = load_head(args.head)[0].eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
@@ -86,7 +87,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     fast, fast_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
     fast.model.to(dtype)
     packed = pack_linears(fast.model) + pack_linears(fast_head)
-    fuse_ops(fast.model), fuse_ops(fast_head)
+    fuse_ops(fast.model), fuse_ops(fast_head), use_amx_attention(fast.model)
     prompts = _prompts(tok, args.num_prompts)
     eos, K, N = {tok.eos_token_id}, args.k, args.max_new_tokens
     amx = any(getattr(m, "amx", None) is not None for m in fast.model.modules())
@@ -97,7 +98,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     if amx:  # the same engine with oneDNN's kernels only, side by side (what the AMX kernel replaces)
         dnn, dnn_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
         dnn.model.to(dtype)
-        pack_linears(dnn.model), pack_linears(dnn_head), fuse_ops(dnn.model), fuse_ops(dnn_head)
+        pack_linears(dnn.model), pack_linears(dnn_head), fuse_ops(dnn.model), fuse_ops(dnn_head), use_amx_attention(dnn.model)
         for m in [*dnn.model.modules(), *dnn_head.modules()]:
             if getattr(m, "amx", None) is not None:
                 m.amx = None
@@ -166,10 +167,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
-    from peagle_train.benchmarks import bench_arguments, write_section
+    from peagle_train.bench_tables import bench_arguments, write_section
 
     args = bench_arguments(ap, DOCS).parse_args()
-    from peagle_train.benchmarks import cpu_model
+    from peagle_train.bench_tables import cpu_model
     from peagle_train.precision import cpu_bf16_units
 
     import torch

@@ -14,7 +14,7 @@ Paths:
                M×M mask on CPU, FlexAttention on CUDA; unpartitioned
   new          `precision: auto` (bf16 autocast where the hardware multiplies bf16: AMX,
                AVX512-BF16, CUDA) and `training.attention=auto` (sparse SDPA plan on CPU,
-               training/cod_attention.py; FlexAttention on CUDA); unpartitioned
+               algorithms/cod_attention.py; FlexAttention on CUDA); unpartitioned
   speculators  the speculators library's PEagleDraftModel training step (its COD sampling, mask
                and KL), timed in its own venv by scripts/bench_speculators_step.py; skipped with a
                note where that venv is absent (scripts/check_speculators.sh builds one)
@@ -41,10 +41,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from forking import forked  # scripts/forking.py (scripts/ is on sys.path when a script runs)
-from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+from peagle_train.bench_tables import bench_arguments, cpu_model, write_section
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft
 from peagle_train.precision import cpu_bf16_units, resolve_precision
-from peagle_train.training.cod import attention_kind, cod_sample
+from peagle_train.algorithms.cod import attention_kind, cod_sample
 from peagle_train.algorithms.peagle import draft_step
 from peagle_train.features.rows import PackedRow
 from peagle_train.precision import autocast_context

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.bench_tables import bench_arguments, write_section
 from peagle_train.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout: the "after" tree

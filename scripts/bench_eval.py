@@ -43,7 +43,7 @@ def run(tree: Path, out: Path, args) -> dict:
 
 
 def main() -> None:
-    from peagle_train.benchmarks import bench_arguments, cpu_model, write_section
+    from peagle_train.bench_tables import bench_arguments, cpu_model, write_section
     from peagle_train.precision import cpu_bf16_units
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

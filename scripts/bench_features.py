@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import bench_arguments, publish
+from peagle_train.bench_tables import bench_arguments, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
@@ -35,9 +35,9 @@ from peagle_train.paths import resolve_path
 from peagle_train.algorithms.peagle import draft_step
 from peagle_train.features.offline import OfflineFeatures
 from peagle_train.features.rows import pack_documents
-from peagle_train.features.sources import packed_row
-from peagle_train.target.offline import write_features
-from peagle_train.training.cod import cod_sample
+from peagle_train.features.online import packed_row
+from peagle_train.target.feature_shards import write_features
+from peagle_train.algorithms.cod import cod_sample
 
 HEADING = "## Target features"
 

@@ -5,7 +5,7 @@ rows (a batch of 16 verifying K = 5 drafts): fp32
 `F.linear` (MKL); bf16 `PackedLinear` on oneDNN's kernels (weights packed once), free to use every
 ISA of the CPU and, in a second process, capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA=
 AVX512_CORE_BF16`, i.e. no AMX); and, on a CPU with AMX, bf16 `PackedLinear` on this project's
-AMX kernel (decoding/amx_linear.py), as `peagle evaluate` decodes.
+AMX kernel (accel/cpu/amx_linear.py), as `peagle evaluate` decodes.
 
     python scripts/bench_linears.py [--repeats 10] [--threads 1] [--out FILE | --no-docs]
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from peagle_train.benchmarks import bench_arguments, cpu_model, publish
+from peagle_train.bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def read_gbs(threads: int) -> float:
 def measure(repeats: int, threads: int) -> dict[str, float]:
     """Median ms per pass over SHAPES, keyed "<kernel>/<rows>" for kernels fp32, onednn and (with
     AMX) amx."""
-    from peagle_train.decoding.packed_linear import PackedLinear
+    from peagle_train.accel.cpu.packed_linear import PackedLinear
 
     torch.set_num_threads(threads)
     kernels = {"fp32": [torch.nn.Linear(i, o, bias=False) for o, i in SHAPES]}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench_draft import head  # scripts/ is on sys.path when a script runs
-from peagle_train.benchmarks import bench_arguments, cpu_model, publish
+from peagle_train.bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.bench_tables import bench_arguments, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
-from peagle_train.draft.io import load_head
+from peagle_train.export.speculators import load_head
 
 HEADING = "## Shared-forward cache compaction (scripts/bench_shared_cache.py)"
 
@@ -50,7 +50,7 @@ def main() -> None:
               flush=True)
         t0 = time.perf_counter()
         with torch.no_grad():  # the engine's state, kept to read its cache
-            state = shared.Engine(target, draft, ids, 5, args.max_new_tokens, {tok.eos_token_id}, None, compact)
+            state = shared.DecodingBatch(target, draft, ids, 5, args.max_new_tokens, {tok.eos_token_id}, None, compact)
             res = state.run()
         wall = time.perf_counter() - t0
         n_tok = sum(len(r.tokens) for r in res)

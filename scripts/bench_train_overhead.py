@@ -24,12 +24,12 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from peagle_train.benchmarks import bench_arguments, write_section
+from peagle_train.bench_tables import bench_arguments, write_section
 from peagle_train.config import default_config
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.paths import RECIPES_DIR, resolve_path
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.algorithms import peagle
 from peagle_train.training import trainer
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peagle_train.benchmarks import bench_arguments, cpu_model, publish
+from peagle_train.bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import MISSING
 
-from peagle_train.benchmarks import cpu_model, write_section
+from peagle_train.bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import cli_main
 
@@ -61,7 +61,7 @@ class Args:
 
 
 def _head(algorithm: str, layers: int = 2):
-    from peagle_train.draft.peagle import DraftConfig, make_draft_head
+    from peagle_train.draft import DraftConfig, make_draft_head
 
     torch.manual_seed(0)
     return make_draft_head(DraftConfig(num_hidden_layers=layers, num_depths=K_TRAIN[algorithm], algorithm=algorithm,

@@ -15,10 +15,10 @@ from omegaconf import MISSING
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from peagle_train.cli import parse_pairs
-from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.errors import cli_main
 from peagle_train.export.speculators import write_export
-from peagle_train.target.features import default_aux_layer_ids
+from peagle_train.target.capture import default_aux_layer_ids
 
 
 @dataclass

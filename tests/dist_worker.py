@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from tests.conftest import tiny_llama
 from tests.test_decoding import make_draft
 from tests.test_training import random_row
-from peagle_train.training.cod import cod_sample
+from peagle_train.algorithms.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step, global_loss_norm
 from peagle_train.training.engines import average_gradients
 

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from peagle_train.decoding.engine import GenerationResult
 from peagle_train.decoding.engine import finish as _finish
 from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 
 def _sync(device: torch.device) -> None:

@@ -2,8 +2,8 @@
 
 import torch
 
-from peagle_train.target.features import FeatureTarget, align_for_draft, default_aux_layer_ids
-from peagle_train.features.sources import packed_row
+from peagle_train.target.capture import FeatureTarget, align_for_draft, default_aux_layer_ids
+from peagle_train.features.online import packed_row
 
 
 def test_default_aux_layers():

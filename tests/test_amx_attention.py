@@ -1,4 +1,4 @@
-"""The AMX decoding attention (decoding/csrc/amx_attention.cpp): one bf16 rounding from the exact
+"""The AMX decoding attention (accel/cpu/csrc/amx_attention.cpp): one bf16 rounding from the exact
 attention, each query's output independent of the other queries, the batch and masked slots, and
 through it a bf16 target decodes a batch with holes exactly as it decodes each prompt alone."""
 
@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from peagle_train.decoding import amx_linear
+from peagle_train.accel.cpu import amx_linear
+from peagle_train.accel.cpu.attention import amx_decode_attention as decode_attention, use_amx_attention
 from peagle_train.decoding.engine import generate, target_cache
-from peagle_train.decoding.packed_linear import pack_linears
-from peagle_train.draft.peagle import DraftConfig, make_draft_head
-from peagle_train.target.features import FeatureTarget, decode_attention
+from peagle_train.accel.cpu.packed_linear import pack_linears
+from peagle_train.draft import DraftConfig, make_draft_head
+from peagle_train.target.capture import FeatureTarget
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(amx_linear.kernel() is None, reason="no Intel AMX here (or the kernel did not build)")]
@@ -117,7 +118,7 @@ def test_bf16_batch_with_holes_decodes_each_prompt_as_alone():
     the cache holds holes) gives, for every prompt, the tokens of the target alone decoding that
     prompt by itself: attention and linears round each row as alone."""
     t = _target()
-    assert pack_linears(t.model) > 0
+    assert pack_linears(t.model) > 0 and use_amx_attention(t.model)
     cache = target_cache(t)
     t(torch.tensor([[1, 2, 3]]), cache=cache)
     assert cache.layers[0].keys.dtype == torch.bfloat16
@@ -135,6 +136,7 @@ def test_bf16_target_logits_of_a_token_do_not_depend_on_the_forward_around_it():
     batch whose other row is longer (left padding: masked slots in its cache)."""
     t = _target()
     pack_linears(t.model)
+    use_amx_attention(t.model)
     p, new = [5, 17, 33, 2, 90], [7, 81, 3, 3, 12, 40]
 
     def alone(n):

@@ -9,14 +9,15 @@ import datasets
 import pytest
 import torch
 
-from peagle_train.draft.io import load_checkpoint, load_head, save_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.export.speculators import load_head
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.export.speculators import (ExportError, installed_vllm_problem, load_export, serve_commands,
                                              validate_export, write_export)
 from peagle_train.features.offline import OfflineFeatures
-from peagle_train.target.features import (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, FeatureTarget,
+from peagle_train.target.capture import (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, FeatureTarget,
                                           aux_ids_from_layer_outputs)
-from peagle_train.target.offline import FORMAT_VERSION, FeatureShardError, write_features
+from peagle_train.target.feature_shards import FORMAT_VERSION, FeatureShardError, write_features
 
 from .test_decoding import make_draft
 
@@ -213,7 +214,7 @@ def test_exported_ids_are_the_hidden_states_vllm_collects(tmp_path, target_model
 def test_the_fix_for_out_of_range_ids_is_itself_valid():
     """The suggested ids pass the same rule: [2, N//2, N-3] where it is distinct, evenly spread ids on
     a shallow target, where [2, N//2, N-3] repeats a layer (N = 4 gives [2, 2, 1])."""
-    from peagle_train.target.features import aux_layer_ids_problem
+    from peagle_train.target.capture import aux_layer_ids_problem
 
     assert aux_layer_ids_problem([2, 5, 9], 8).endswith("Fix: target.aux_layer_ids=null for the default [2, 4, 5], "
                                                         "or 3 ids in that range.")

@@ -9,14 +9,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import peagle_train.target.offline as offline
+import peagle_train.target.feature_shards as offline
 from peagle_train.errors import CorruptFileError, UserError
 from peagle_train.export.speculators import ExportError, load_export, write_export
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.offline import OfflineFeatures
-from peagle_train.target.offline import FeatureShardError, write_features
+from peagle_train.target.feature_shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import check_output_dir, load_training_checkpoint, save_training_checkpoint
-from peagle_train.draft.io import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
 
 from .test_decoding import make_draft
 

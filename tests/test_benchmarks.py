@@ -1,4 +1,4 @@
-from peagle_train.benchmarks import publish, write_section
+from peagle_train.bench_tables import publish, write_section
 
 
 def test_write_section_replaces_its_own_section_only(tmp_path):
@@ -31,7 +31,7 @@ def test_every_benchmark_script_has_the_shared_options():
     import inspect
     from pathlib import Path
 
-    from peagle_train.benchmarks import bench_arguments
+    from peagle_train.bench_tables import bench_arguments
 
     from .conftest import REPO_ROOT
 

@@ -6,7 +6,7 @@ import torch
 
 from torch.nn.attention.flex_attention import create_mask
 
-from peagle_train.training.cod import cod_attention_mask, cod_block_mask, cod_sample
+from peagle_train.algorithms.cod import cod_attention_mask, cod_block_mask, cod_sample
 
 
 def brute_force_mask(anchors, depths, doc_of_anchor):

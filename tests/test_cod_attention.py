@@ -1,4 +1,4 @@
-"""Sparse COD attention (training/cod_attention.py) equals the dense reference mask: outputs and
+"""Sparse COD attention (algorithms/cod_attention.py) equals the dense reference mask: outputs and
 gradients on a 2-document packed row, fp32, for the kernel, the head (1 and 2 layers) and the
 training step (partitions 1 and 2); and it never builds an M×M tensor."""
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from peagle_train.training.cod import attention_kind, cod_attention_mask, cod_mask, cod_sample
-from peagle_train.training.cod_attention import CODSparseMask
+from peagle_train.algorithms.cod import attention_kind, cod_attention_mask, cod_mask, cod_sample
+from peagle_train.algorithms.cod_attention import CODSparseMask
 
 from .test_decoding import make_draft
 from .test_training import grads_of, random_row

@@ -92,8 +92,8 @@ def test_the_choices_are_the_ones_the_code_accepts():
     from them (one list of names each)."""
     from peagle_train.algorithms import OBJECTIVES
     from peagle_train.evaluation.benchmarks import BENCHMARKS
-    from peagle_train.target.offline import INT8_SCALES, STORAGES
-    from peagle_train.training.cod import ATTENTION_SETTINGS
+    from peagle_train.target.feature_shards import INT8_SCALES, STORAGES
+    from peagle_train.algorithms.cod import ATTENTION_SETTINGS
     from peagle_train.training.engines import ENGINES
     from peagle_train.training.loss import LOSSES
     from peagle_train.training.tracking import TRACKERS
@@ -101,7 +101,7 @@ def test_the_choices_are_the_ones_the_code_accepts():
     assert C.Algorithm.values() == list(OBJECTIVES)
     assert C.Loss.values() == list(LOSSES)
     assert C.Attention.values() == list(ATTENTION_SETTINGS)
-    assert C.Engine.values() == list(ENGINES)
+    assert C.DistributedEngine.values() == list(ENGINES)
     assert C.Tracker.values() == list(TRACKERS)
     assert C.Benchmark.values() == list(BENCHMARKS)
     assert C.FeatureStorage.values() == list(STORAGES) and C.Int8Scale.values() == list(INT8_SCALES)

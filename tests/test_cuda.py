@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train.config import default_config
-from peagle_train.training.cod import cod_sample
+from peagle_train.algorithms.cod import cod_sample
 from peagle_train.precision import autocast_context
 from peagle_train.training.trainer import train
 

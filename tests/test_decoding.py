@@ -5,7 +5,7 @@ import torch
 
 from .reference_decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 
 def make_draft(target_model, vocab_ids, K=5, layers=2, seed=0):
@@ -81,7 +81,7 @@ def test_eos_stops_both_decoders(target_model):
 def test_training_forward_equals_parallel_drafting_forward(target_model):
     """For one anchor, the COD training forward at depths 0..K-1 gives the same logits as the
     inference forward (real pairs through the KV cache, then K-1 mask slots), within 1e-5 fp32."""
-    from peagle_train.training.cod import CODElements, cod_attention_mask
+    from peagle_train.algorithms.cod import CODElements, cod_attention_mask
 
     K = 4
     t, d = make_draft(target_model, torch.arange(0, 128, 2), K=K, layers=2)

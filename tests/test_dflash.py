@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from peagle_train.algorithms.dflash import DFlashObjective, dflash_blocks, dflash_forward, dflash_loss, dflash_mask
 from peagle_train.decoding.engine import generate
-from peagle_train.decoding.kv_cache import SlotCache
+from peagle_train.draft.kv_cache import SlotCache
 from peagle_train.draft.dflash import DFlashDraft
-from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.features.rows import PackedRow
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.loss import LOSSES
 
 from .reference_decoder import target_generate
@@ -271,7 +271,7 @@ def test_export_is_what_vllm_dflash_reads(tmp_path, target_model, causal):
     export reads back as the same head: the same proposals from a checkpoint-equal bf16 reload."""
     from safetensors.torch import load_file
 
-    from peagle_train.draft.io import load_checkpoint, save_checkpoint
+    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
     from peagle_train.export.speculators import load_export, validate_export, write_export
 
     t, d = make_dflash(target_model, K=4, causal=causal)

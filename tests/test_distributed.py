@@ -7,7 +7,7 @@ import sys
 import torch
 
 from .conftest import REPO_ROOT
-from peagle_train.training.cod import cod_sample
+from peagle_train.algorithms.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step
 
 from .conftest import tiny_llama

@@ -4,7 +4,7 @@ import torch
 
 from .reference_decoder import propose_sequential, speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.algorithms.eagle3 import eagle3_forward, eagle3_step, ttt_anchors
 
 from .test_training import random_row

@@ -18,7 +18,7 @@ import torch
 from peagle_train.decoding.engine import generate
 from peagle_train.evaluation.report import per_position_acceptance
 from peagle_train.evaluation.run import evaluate_acceptance
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from .reference_decoder import draft_parallel, draft_sequential, speculative_generate, target_generate
 from .test_evaluate import _exact_marginals, small_pair
@@ -65,7 +65,7 @@ def test_propose_into_a_preallocated_cache_equals_the_concatenating_one(algorith
     """The engine's draft cache (a SlotCache written in place, drafted slots cropped off) against
     per-layer (k, v) pairs concatenated at every forward: over two successive proposals the same
     tokens, logits and cached real pairs (7, then 9), and the drafted slots leave no trace."""
-    from peagle_train.decoding.kv_cache import SlotCache
+    from peagle_train.draft.kv_cache import SlotCache
 
     t, d = small_pair(algorithm=algorithm, K=4)
     out = t(torch.tensor([[5, 17, 33, 2, 90, 4, 8, 3, 6]]))
@@ -128,7 +128,7 @@ def test_sliding_window_target_in_a_ragged_batch():
     """gpt-oss layout (sliding and full layers, window 8) with ragged prompts and rejected drafts:
     every row's tokens are the oracle's target-alone tokens."""
     from peagle_train.dryrun import tiny_target
-    from peagle_train.draft.peagle import DraftConfig, make_draft_head
+    from peagle_train.draft import DraftConfig, make_draft_head
 
     model = tiny_target("gpt_oss", vocab_size=64, layers=4)
     model.config.sliding_window = 8
@@ -272,7 +272,7 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
 
 
 def test_decode_attention_accumulates_in_fp32():
-    """bf16 decoding attention (target/features.py `decode_attention`) against an fp64 SDPA over
+    """bf16 decoding attention (target/capture.py `decode_attention`) against an fp64 SDPA over
     the repeated kv heads of the same bf16 inputs: within one bf16 rounding of the output (fp32
     scores, softmax and sum), for 1 and 6 queries over a cache (S > n), with a validity mask with
     holes, an additive mask, and no mask (causal over the new slots); fp32 tensors go to
@@ -282,7 +282,7 @@ def test_decode_attention_accumulates_in_fp32():
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from peagle_train.target.features import decode_attention
+    from peagle_train.target.capture import decode_attention
 
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     g = torch.Generator().manual_seed(0)
@@ -312,7 +312,7 @@ def test_bf16_decoding_runs_decode_attention_and_restores_sdpa(monkeypatch):
     (training features) and fp32 targets keep `sdpa`; the config is restored afterwards."""
     from transformers import AttentionInterface
 
-    from peagle_train.target import features
+    from peagle_train.target import capture as features
 
     from .conftest import tiny_llama
 
@@ -345,8 +345,8 @@ def test_an_upcast_target_cache_stores_fp32_and_decodes_the_same_tokens(monkeypa
     from types import SimpleNamespace
 
     from peagle_train.decoding import engine as engine_mod
-    from peagle_train.decoding.kv_cache import SlotCache
-    from peagle_train.target.features import decode_attention
+    from peagle_train.draft.kv_cache import SlotCache
+    from peagle_train.target.capture import decode_attention
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 9, 16, generator=g).bfloat16(), torch.randn(2, 2, 9, 16, generator=g).bfloat16()

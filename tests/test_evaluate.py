@@ -13,9 +13,9 @@ from .reference_decoder import (
 from peagle_train.evaluation.benchmarks import BenchmarkError, chat_ids, load_humaneval, load_jsonl_prompts, load_mt_bench
 from peagle_train.evaluation.report import training_eal
 from peagle_train.evaluation.run import HeadMismatchError, check_head_target, evaluate_acceptance
-from peagle_train.draft.peagle import DraftConfig, make_draft_head
+from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.paths import SPEC_BENCH
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from .conftest import tiny_llama
 
@@ -297,7 +297,7 @@ def test_k_table_says_not_measured_and_not_checked():
 
 
 def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
-    from peagle_train.decoding import amx_linear
+    from peagle_train.accel.cpu import amx_linear
     from peagle_train.decoding.engine import GenerationResult
     from peagle_train.evaluation.report import format_acceptance, summarize
     from peagle_train.evaluation.run import _row

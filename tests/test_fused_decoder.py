@@ -1,4 +1,4 @@
-"""The lean decoding forward of bf16 Llama targets (decoding/fused_decoder.py): the bits of
+"""The lean decoding forward of bf16 Llama targets (accel/cpu/fused_decoder.py): the bits of
 transformers' forward over the same packed and fused modules, for prefills, 1-token steps,
 verifies and ragged batches with holes; the forwards it does not take go to transformers; the
 tokens decoded are unchanged."""
@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from peagle_train.decoding import amx_linear, fused_decoder
+from peagle_train.accel.cpu import amx_linear, fuse_ops, fused_decoder, unfuse_ops
+from peagle_train.accel.cpu.attention import use_amx_attention
+from peagle_train.accel.cpu.packed_linear import pack_linears, unpack_linears
 from peagle_train.decoding.engine import generate, target_cache
-from peagle_train.decoding.packed_linear import fuse_ops, pack_linears, unfuse_ops, unpack_linears
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
 from .test_amx_attention import random_bf16_head
 
@@ -33,6 +34,7 @@ def _llama(head_dim: int = 32, bias: bool = False) -> FeatureTarget:
     t = FeatureTarget(model, [0, 1, 2])
     pack_linears(t.model)
     fuse_ops(t.model)
+    use_amx_attention(t.model)
     return t
 
 

@@ -21,12 +21,13 @@ from accelerate import Accelerator
 
 import peagle_train.data.prepare as prepare_mod
 from peagle_train.data.prepare import load_prepared, save_prepared
-from peagle_train.draft.io import load_checkpoint, load_head, save_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.export.speculators import load_head
 from peagle_train.errors import (RESUME_PREPARE, RESUME_TRAIN, CorruptFileError, WriteError,
                                  io_failure, user_error_message)
 from peagle_train.export.speculators import load_export, write_export
-from peagle_train.target.features import FeatureTarget
-from peagle_train.target.offline import FeatureShardError, write_features
+from peagle_train.target.capture import FeatureTarget
+from peagle_train.target.feature_shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import list_checkpoints, save_training_checkpoint
 
 from .conftest import REPO_ROOT
@@ -258,7 +259,7 @@ def test_full_disk_while_saving_prepared_data_leaves_no_manifest(tmp_path, chatm
 KILL_SAVE = textwrap.dedent("""
     import os, sys, pathlib, torch
     import peagle_train.io as io
-    from peagle_train.draft.io import load_checkpoint, save_checkpoint
+    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
     ckpt, where = pathlib.Path(sys.argv[1]), sys.argv[2]
     draft, _ = load_checkpoint(ckpt)
     with torch.no_grad():

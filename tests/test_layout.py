@@ -1,7 +1,11 @@
 """The house's import rules: nothing below the trainer imports it (or the old loop path), the
-feature side imports no training code, and the trainer has no algorithm branch."""
+feature side imports no training code, the trainer has no algorithm branch, the import graph has
+no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in (accel/), and no
+two modules or classes share a name."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from .conftest import REPO_ROOT
@@ -22,6 +26,105 @@ def imported_modules(path: Path) -> set[str]:
             names.add(mod)
             names |= {f"{mod}.{a.name}" for a in node.names}
     return {n for n in names if n.startswith("peagle_train")}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, every import counted (those inside functions
+    too); `from pkg import name` is an edge to pkg.name when that is a module, else to pkg."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    m = a.name
+                    while m and m not in files:
+                        m = m.rpartition(".")[0]
+                    edges.add(m)
+            elif isinstance(node, ast.ImportFrom):
+                base = parts[:len(parts) - node.level] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+                edges |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in files else mod for a in node.names}
+        graph[name] = {m for m in edges if m in files and m != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_circles_are_found_and_the_package_has_none():
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+    graph = import_graph()
+    assert "peagle_train.features.offline" in graph["peagle_train.features"]  # `from .offline import X`
+    assert import_circles(graph) == []
+
+
+def test_heads_are_a_leaf():
+    """draft/ (the heads, their checkpoints and KV cache) imports nothing of decoding, export,
+    evaluation or the commands: those import the heads."""
+    above = ("peagle_train.decoding", "peagle_train.export", "peagle_train.evaluation", "peagle_train.recommend",
+             "peagle_train.cli", "peagle_train.accel")
+    for path in (PKG / "draft").rglob("*.py"):
+        bad = {m for m in imported_modules(path) if m.startswith(above)}
+        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
+def test_the_core_never_imports_the_cpu_plugin():
+    """accel/ plugs in from outside: no module outside it imports it, except evaluation's one call
+    `accelerate_for_decoding`, imported inside the function that makes it (so importing the
+    evaluation, the trainer or the commands loads no kernel code)."""
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("accel/"):
+            continue
+        bad = {m for m in imported_modules(path) if m.startswith("peagle_train.accel")}
+        if rel == "evaluation/run.py":
+            assert bad == {"peagle_train.accel.cpu", "peagle_train.accel.cpu.accelerate_for_decoding"}, bad
+            top = {m for node in ast.parse(path.read_text()).body if isinstance(node, ast.ImportFrom)
+                   for m in [node.module or ""] if "accel" in m}
+            assert not top, "evaluation/run.py imports accel/ at module level"
+        else:
+            assert not bad, f"{rel} imports {bad}"
+    code = ("import sys, peagle_train.cli.train, peagle_train.cli.evaluate, peagle_train.training.trainer; "
+            "print(sorted(m for m in sys.modules if m.startswith('peagle_train.accel')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:] + out.stdout
 
 
 def test_nothing_below_the_trainer_imports_it():
@@ -85,3 +188,26 @@ def test_no_timings_in_docstrings():
                 doc = ast.get_docstring(node) or ""
                 found += [f"{path.relative_to(PKG)}: {m.group(0)}" for m in timing.finditer(doc)]
     assert not found, found
+
+
+def test_no_two_modules_or_classes_share_a_name():
+    """A name means one thing: no two modules (or a module and a package) of the package share a
+    name, and no two top-level classes do. Exempt by design: cli/'s modules are named after their
+    commands (`peagle train` is cli/train.py), and an algorithm's head (draft/<algorithm>.py) and
+    objective (algorithms/<algorithm>.py) share the algorithm's name."""
+    import collections
+
+    modules, classes = collections.defaultdict(list), collections.defaultdict(list)
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if path.name == "__init__.py" and path.parent != PKG:
+            modules[path.parent.name].append(rel.rpartition("/")[0] + "/")
+        elif path.name not in ("__init__.py", "__main__.py") and not rel.startswith("cli/"):
+            modules[path.stem].append(rel)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name].append(rel)
+    per_algorithm = lambda paths: sorted(p.split("/")[0] for p in paths) == ["algorithms", "draft"]  # noqa: E731
+    shared = {n: p for n, p in modules.items() if len(p) > 1 and not per_algorithm(p)}
+    assert not shared, shared
+    assert not {n: p for n, p in classes.items() if len(p) > 1}

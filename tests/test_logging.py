@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle_train.draft.io import save_checkpoint
+from peagle_train.draft.head_checkpoint import save_checkpoint
 from peagle_train.errors import ConfigError
 from peagle_train.logs import quiet_other_processes, setup_logging
 from .conftest import REPO_ROOT
@@ -151,8 +151,8 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
     """scripts/convert_features.py (key=value without Hydra): its info message is on stdout."""
     import datasets
 
-    from peagle_train.target.features import FeatureTarget
-    from peagle_train.target.offline import write_features
+    from peagle_train.target.capture import FeatureTarget
+    from peagle_train.target.feature_shards import write_features
 
     rows = datasets.Dataset.from_dict({"input_ids": [list(range(5, 25)), list(range(30, 42))],
                                        "loss_mask": [[0] * 4 + [1] * 16, [0] * 4 + [1] * 8]})
@@ -162,7 +162,7 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
                            f"output_dir={tmp_path / 'i8'}", "storage=int8"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "converted" in x]
-    assert len(lines) == 1 and lines[0].startswith("[") and "[peagle_train.target.offline][INFO] - converted " \
+    assert len(lines) == 1 and lines[0].startswith("[") and "[peagle_train.target.feature_shards][INFO] - converted " \
         f"{tmp_path / 'f32'} → {tmp_path / 'i8'} (int8)" in lines[0], proc.stdout
 
 

@@ -9,14 +9,14 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train import provenance
-import peagle_train.target.offline as offline
+import peagle_train.target.feature_shards as offline
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.config import default_config
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.offline import OfflineFeatures
-from peagle_train.features.sources import packed_row
-from peagle_train.target.offline import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
+from peagle_train.features.online import packed_row
+from peagle_train.target.feature_shards import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
                                          write_features)
 from peagle_train.training.trainer import train
 
@@ -228,7 +228,7 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     and its validation loss/EAL are those of the int8 rows, not of the online features."""
     from peagle_train.algorithms import make_objective
     from peagle_train.features.rows import pack_documents, split_validation
-    from peagle_train.features.sources import OnlineFeatures
+    from peagle_train.features.online import OnlineFeatures
 
     t, tok, data, _ = setup
     write_features(t, tok, data, tmp_path / "i8", storage="int8", int8_scale="token", docs_per_shard=3)

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from peagle_train.features.sources import OnlineFeatures
+from peagle_train.features.online import OnlineFeatures
 from .conftest import REPO_ROOT
-from peagle_train.target.features import FeatureTarget, align_for_draft
+from peagle_train.target.capture import FeatureTarget, align_for_draft
 
 from .conftest import tiny_llama
 from .test_engines import _free_port

@@ -1,4 +1,4 @@
-"""bf16 linears packed once for oneDNN (decoding/packed_linear.py): bit-identical outputs, the same
+"""bf16 linears packed once for oneDNN (accel/cpu/packed_linear.py): bit-identical outputs, the same
 parameters and state dict, the same decoded tokens; fp32 modules are never packed."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peagle_train.decoding.engine import generate
-from peagle_train.decoding.packed_linear import PackedLinear, pack_linears, packing_available, unpack_linears
+from peagle_train.accel.cpu.packed_linear import PackedLinear, pack_linears, packing_available, unpack_linears
 from peagle_train.evaluation.run import prepare_for_decoding
 
 from .test_evaluate import small_pair
@@ -71,21 +71,39 @@ def test_fp32_modules_are_not_packed_and_decoding_preparation_packs_bf16_only():
     assert t.model.dtype == torch.float32 and not any(isinstance(m, PackedLinear) for m in t.model.modules())
 
 
+
+def test_peagle_amx_0_leaves_every_model_on_transformers(monkeypatch):
+    """With PEAGLE_AMX=0 decoding preparation swaps nothing in: no packed linear or fused norm, no
+    lean forward, and the target's decoding attention is the core's (so its bf16 cache is upcast);
+    a target the plug-in accelerated before gets its transformers modules back."""
+    from peagle_train.accel.cpu.packed_linear import FusedRMSNorm
+    from peagle_train.decoding.engine import target_cache
+    from peagle_train.target.capture import DECODE_ATTENTION, decoding_attention
+
+    t, d = small_pair(K=3)
+    prepare_for_decoding(t, [d], "bf16")
+    assert isinstance(t.model.get_output_embeddings(), PackedLinear)
+    monkeypatch.setenv("PEAGLE_AMX", "0")
+    _, (head,) = prepare_for_decoding(t, [d], "bf16")
+    assert [m for m in [*t.model.modules(), *head.modules()] if isinstance(m, (PackedLinear, FusedRMSNorm))] == []
+    assert t.model.peagle_fused_decoder is None and t.model.dtype == torch.bfloat16
+    assert decoding_attention(t.decoder.config) == DECODE_ATTENTION and target_cache(t).layer(0).upcast
+
 def _amx():
-    from peagle_train.decoding import amx_linear
+    from peagle_train.accel.cpu import amx_linear
 
     return amx_linear.kernel()
 
 
 @pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
 def test_amx_kernel_is_exact_per_row_and_matches_f_linear_at_decoding_shapes():
-    """decoding/csrc/amx_linear.cpp against an fp64 product of the same bf16 inputs: one bf16
+    """accel/cpu/csrc/amx_linear.cpp against an fp64 product of the same bf16 inputs: one bf16
     rounding per output (fp32 accumulation), with and without bias, for out/in features that are
     not multiples of 64/32 (zero padding); every row equals that row alone, bit for bit, whatever
     the row count (so a 1-row target step and a 6-row verify round alike); and up to 16 rows the
     output is F.linear's (oneDNN's AMX kernel) bit for bit. PackedLinear sends up to MAX_ROWS rows
     to it and more rows to oneDNN."""
-    from peagle_train.decoding import amx_linear
+    from peagle_train.accel.cpu import amx_linear
 
     ext = _amx()
     g = torch.Generator().manual_seed(0)
@@ -132,7 +150,7 @@ def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog)
 
     import torch.utils.cpp_extension as cpp
 
-    from peagle_train.decoding import amx_linear
+    from peagle_train.accel.cpu import amx_linear
 
     monkeypatch.setattr(amx_linear, "_state", {})
     monkeypatch.setenv("PEAGLE_AMX", "0")
@@ -154,7 +172,7 @@ def test_amx_kernel_is_skipped_when_disabled_or_unbuildable(monkeypatch, caplog)
         raise OSError("g++: not found")
 
     monkeypatch.setattr(cpp, "load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="peagle_train.decoding.amx_linear"):
+    with caplog.at_level(logging.WARNING, logger="peagle_train.accel.cpu.amx_linear"):
         assert amx_linear.kernel() is None and amx_linear.kernel() is None  # tried once
     assert caplog.text.count("not built (OSError: g++: not found)") == 1 and "Fix: install a C++ compiler" in caplog.text
 
@@ -167,7 +185,8 @@ def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
     only (the state dict unchanged) and `unfuse_ops` gives back the original modules."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from peagle_train.decoding.packed_linear import FusedRMSNorm, fuse_ops, unfuse_ops
+    from peagle_train.accel.cpu import fuse_ops, unfuse_ops
+    from peagle_train.accel.cpu.packed_linear import FusedRMSNorm
 
     from .conftest import tiny_llama
 
@@ -196,34 +215,30 @@ def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
 
 
 @pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
-def test_fused_rotary_gives_transformers_bits_inside_its_scope_only():
+def test_fused_rotary_gives_transformers_bits_and_patches_nothing():
     """The fused rotary embedding (csrc/amx_norm.cpp `rope`) equals transformers'
     apply_rotary_pos_emb bit for bit on bf16 [B, heads, n, d] inputs (transposed views, as the
-    attention passes them; cos/sin of batch 1 broadcast); `fuse_ops` installs it for the model's
-    modeling module, and only forwards of that model (`fused_rotary_scope`) use the kernel; a
-    fused bf16 model gives the same logits with and without it."""
+    attention passes them; cos/sin of batch 1 broadcast); `fuse_ops` leaves transformers' function
+    in place (a fused model run through transformers' forward gives its logits and never calls the
+    kernel's rope), and the lean forward (fused_decoder.py) calls it once per layer."""
     import transformers.models.llama.modeling_llama as llama
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from peagle_train.decoding import packed_linear
+    from peagle_train.accel.cpu import amx_linear, fuse_ops, packed_linear
 
     g = torch.Generator().manual_seed(0)
-    original = getattr(llama.apply_rotary_pos_emb, "original", llama.apply_rotary_pos_emb)
+    original = llama.apply_rotary_pos_emb
     fused = packed_linear.fused_rotary(original)
     for B, cb in ((2, 2), (3, 1)):
         q = torch.randn(B, 5, 9, 64, generator=g).bfloat16().transpose(1, 2)  # [B, 9 heads, 5, 64]
         k = torch.randn(B, 5, 3, 64, generator=g).bfloat16().transpose(1, 2)
         cos, sin = torch.randn(cb, 5, 64, generator=g).bfloat16(), torch.randn(cb, 5, 64, generator=g).bfloat16()
         want = original(q, k, cos, sin)
-        packed_linear._rotary_scope.append(None)
-        try:
-            got = fused(q, k, cos, sin)
-        finally:
-            packed_linear._rotary_scope.pop()
+        got = fused(q, k, cos, sin)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].is_contiguous()
     calls = []
-    ext = packed_linear.amx_linear.kernel()
+    ext = amx_linear.kernel()
 
     class Spy:  # the extension with its rope calls counted
         def __getattr__(self, name):
@@ -239,16 +254,16 @@ def test_fused_rotary_gives_transformers_bits_inside_its_scope_only():
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False).to(torch.bfloat16)  # head_dim 32: the kernel takes it
     x = torch.tensor([[5, 17, 33, 2]])
     plain = model(x).logits
-    packed_linear.fuse_ops(model)
-    assert getattr(llama.apply_rotary_pos_emb, "fused", False) and model.peagle_fused_rotary
-    saved = packed_linear.amx_linear._state["ext"]
-    packed_linear.amx_linear._state["ext"] = Spy()
+    fuse_ops(model)
+    assert llama.apply_rotary_pos_emb is original and torch.equal(model(x).logits, plain)
+    pack_linears(model)
+    fuse_ops(model)  # packed and fused: the lean forward
+    saved = amx_linear._state["ext"]
+    amx_linear._state["ext"] = Spy()
     try:
-        assert torch.equal(model(x).logits, plain) and calls == []  # outside the scope: transformers' code
-        with packed_linear.fused_rotary_scope(model):
-            assert torch.equal(model(x).logits, plain)
+        assert torch.equal(model(x).logits, plain) and calls == []  # transformers' code
+        with torch.no_grad():
+            model.peagle_fused_decoder.forward(x, DynamicCache())
         assert len(calls) == 2  # one per layer
     finally:
-        packed_linear.amx_linear._state["ext"] = saved
-    packed_linear.unfuse_ops(model)
-    assert not model.peagle_fused_rotary
+        amx_linear._state["ext"] = saved

@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from peagle_train.decoding.cost_model import (
+from peagle_train.recommend.cost_model import (
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
-from peagle_train.decoding.step_costs import estimate_bytes, time_draft, time_verify
+from peagle_train.recommend.step_costs import estimate_bytes, time_draft, time_verify
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 
-from peagle_train.evaluation.recommend import measure_costs, recommend_k
+from peagle_train.recommend.measure import measure_costs, recommend_k
 
 
 def test_expected_tokens_hand_computed():
@@ -160,7 +160,7 @@ def test_timing_counts_forwards_and_skips_batches_over_the_memory_limit(target_m
 
 
 def test_a_cut_acceptance_file_is_named_with_the_command_that_rebuilds_it(tmp_path):
-    from peagle_train.evaluation.recommend import load_acceptance
+    from peagle_train.recommend.measure import load_acceptance
 
     d = tmp_path / "run" / "eval"
     d.mkdir(parents=True)

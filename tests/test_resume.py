@@ -17,11 +17,11 @@ from peagle_train.job import build_draft
 from peagle_train.config import default_config
 
 from .conftest import REPO_ROOT
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints
 from peagle_train.training.tracking import tracked_accelerator
-from peagle_train.draft.io import load_checkpoint
+from peagle_train.draft.head_checkpoint import load_checkpoint
 from peagle_train.features.rows import pack_documents, split_validation
 from peagle_train.training.trainer import train
 

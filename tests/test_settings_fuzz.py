@@ -298,7 +298,7 @@ def test_aux_layer_ids_checked_at_parse(ids, message):
 
 
 def test_aux_layer_ids_out_of_the_targets_range_when_it_is_loaded():
-    from peagle_train.target.features import check_aux_layer_ids
+    from peagle_train.target.capture import check_aux_layer_ids
 
     with pytest.raises(ConfigError) as e:
         check_aux_layer_ids([2, 5, 8], 8)
@@ -384,7 +384,7 @@ def test_parse_pairs_checks_the_same_ranges():
 
 def test_export_validate_of_no_export(tmp_path, target_model, chatml_tokenizer):
     from peagle_train.cli.export import export_dir_problem
-    from peagle_train.draft.io import save_checkpoint
+    from peagle_train.draft.head_checkpoint import save_checkpoint
 
     from .test_decoding import make_draft
 

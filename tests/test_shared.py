@@ -74,7 +74,7 @@ def test_shared_random_head_and_target_alone(algorithm):
 
 def test_compact_index_moves_kept_slots_right_in_order():
     from peagle_train.decoding.engine import _compact_index
-    from peagle_train.decoding.kv_cache import gather_slots
+    from peagle_train.draft.kv_cache import gather_slots
     valid = torch.tensor([[0, 1, 0, 1, 1, 0],
                           [1, 0, 0, 0, 0, 1],
                           [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
@@ -98,7 +98,7 @@ def test_compaction_keeps_tokens_and_bounds_the_cache(algorithm, monkeypatch):
     t, d = small_pair(algorithm=algorithm, K=4)
     prompts = [[5, 17, 33, 2, 90, 4, 4, 8], [1, 2, 3], [40]]
     monkeypatch.setattr(sh, "COMPACT_SLACK", 8)
-    states = [sh.Engine(t, d, prompts, 4, 24, set(), None, compact) for compact in (False, True)]
+    states = [sh.DecodingBatch(t, d, prompts, 4, 24, set(), None, compact) for compact in (False, True)]
     with torch.no_grad():
         plain, packed = (s.run() for s in states)
     assert [s.tokens for s in packed] == [s.tokens for s in plain]

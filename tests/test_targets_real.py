@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from peagle_train.target.features import FeatureTarget
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.target.load import load_target
 
 pytestmark = pytest.mark.real

@@ -4,16 +4,16 @@ fallback, metrics are hand-checked, and a few steps really learn."""
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from peagle_train.training.cod import cod_attention_mask, cod_block_mask, cod_sample
+from peagle_train.algorithms.cod import cod_attention_mask, cod_block_mask, cod_sample
 from peagle_train.algorithms.peagle import draft_step
-from peagle_train.features.sources import packed_row
+from peagle_train.features.online import packed_row
 from peagle_train.training.loss import depth_counts, kl_loss_sum, metrics_from_counts
 
 from .test_decoding import make_draft
 
 
 def random_row(target_model, seed=0, lengths=(30, 25, 20)):
-    from peagle_train.target.features import FeatureTarget
+    from peagle_train.target.capture import FeatureTarget
 
     g = torch.Generator().manual_seed(seed)
     docs = []

@@ -4,7 +4,7 @@ Step 0 runs every row position (real token x_{i+1}, target feature g_i), causal 
 Step j ≥ 1 runs the chains of the sampled anchors one token further: element (a, j) reads the
 ground-truth token at row position a+j and the draft's own pre-norm hidden state of (a, j-1), at
 position a+j, and attends to the step-0 context up to its anchor and to its own chain (the same
-visibility rule as P-EAGLE, training/cod.py), through the KV cache of the earlier steps. The loss
+visibility rule as P-EAGLE, algorithms/cod.py), through the KV cache of the earlier steps. The loss
 of step j is weighted by decay^j; each step's loss is normalised by its own count.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..training.cod import cod_attention_mask
+from .cod import cod_attention_mask
 from ..training.loss import LOSSES, chain_counts
 from .base import Objective
 

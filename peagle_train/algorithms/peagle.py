@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..features.rows import PackedRow
-from ..training.cod import CODElements, attention_kind, cod_mask, cod_sample
+from .cod import CODElements, attention_kind, cod_mask, cod_sample
 from ..training.loss import LOSSES, chain_counts, depth_counts
 from .base import Objective
 
@@ -27,8 +27,8 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     Every element sees what it sees unpartitioned, so the gradients equal the unpartitioned
     step's (chain rule), while attention over the chains never spans more than one part: memory
     grows with the row, not with the row times the COD axis (≈ K×).
-    `attention`: dense | sparse | flex | auto (training/cod.py `attention_kind`; sparse builds no
-    M×M mask, training/cod_attention.py). Gradients are local: with
+    `attention`: dense | sparse | flex | auto (algorithms/cod.py `attention_kind`; sparse builds no
+    M×M mask, algorithms/cod_attention.py). Gradients are local: with
     several processes, average them afterwards (`average_gradients`).
     `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
     (valid count of all processes) / W so that DDP's gradient mean equals one process's step

@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from peagle_train.draft.io import load_head
+from peagle_train.export.speculators import load_head
 from peagle_train.config import check_config, dflash_block_note, k_beyond_k_train_problem, register
 from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
 from peagle_train.job import build_target
-from peagle_train.target.features import FeatureTarget, aux_count
+from peagle_train.target.capture import FeatureTarget, aux_count
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids

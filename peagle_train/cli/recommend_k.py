@@ -6,7 +6,7 @@ and measured step costs.
     peagle recommend-k recommend.costs=runs/demo-k/recommend_k/costs.csv \
         recommend.acceptance=runs/demo/eval/acceptance.json recommend.k_train=8 output_dir=runs/demo-k2   # no models
 
-Model (peagle_train/decoding/cost_model.py):
+Model (peagle_train/recommend/cost_model.py):
 
     a_i      = p_i / p_{i-1}                       conditional acceptance of draft position i, from the
                                                    evaluator's per_position_acceptance p (p_0 = 1)
@@ -16,7 +16,7 @@ Model (peagle_train/decoding/cost_model.py):
 
 t_draft is one draft forward for K tokens (P-EAGLE) or K sequential forwards (EAGLE-3 heads);
 t_verify one target forward over K+1 tokens per sequence with `recommend.context_length` tokens
-in the KV cache; both measured here (peagle_train/decoding/step_costs.py) at every batch size in
+in the KV cache; both measured here (peagle_train/recommend/step_costs.py) at every batch size in
 `recommend.batch_sizes` and K in `recommend.ks`, unless `recommend.costs` gives a costs.csv.
 Acceptance positions beyond the measured ones are extrapolated (`recommend.extrapolate`).
 The recommended K per batch size maximises the predicted tokens/s among K ≤ K_train.
@@ -32,9 +32,9 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
-from peagle_train.decoding.cost_model import CostModelError
+from peagle_train.recommend.cost_model import CostModelError
 from peagle_train.errors import cli_main
-from peagle_train.evaluation.recommend import recommend_k
+from peagle_train.recommend.measure import recommend_k
 from peagle_train.paths import CONF_DIR
 
 

@@ -22,13 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
-from peagle_train.draft.io import save_checkpoint
+from peagle_train.draft.head_checkpoint import save_checkpoint
 from peagle_train.errors import ConfigError, RESUME_TRAIN, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import evaluate_from_config
 from peagle_train.export.speculators import verifier_name, write_export
-from peagle_train.features.sources import open_features
+from peagle_train.features import open_features
 from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import check_training_config

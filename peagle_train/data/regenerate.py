@@ -67,7 +67,7 @@ class HFBackend:
         texts = _prompt_texts(self.tok, conversations, self.template_kwargs)
         if self.temperature <= 0:
             from ..decoding.engine import generate
-            from ..target.features import FeatureTarget
+            from ..target.capture import FeatureTarget
 
             if self._target is None:
                 self._target = FeatureTarget(self.model)

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..draft.peagle import PEagleDraft
-from ..target.features import FeatureTarget, amx_attention_available
+from ..target.capture import FeatureTarget, keeps_cache_dtype
 from .acceptance import Greedy, make_acceptance
-from .kv_cache import SlotCache
+from ..draft.kv_cache import SlotCache
 
-COMPACT_SLACK = 64  # holes a cache may hold beyond its longest row before `Engine._compact` drops them
+COMPACT_SLACK = 64  # holes a cache may hold beyond its longest row before `DecodingBatch._compact` drops them
 
 
 @dataclass
@@ -96,15 +96,16 @@ def sliding_window(config) -> tuple[int | None, bool]:
 
 def target_cache(target: FeatureTarget) -> SlotCache:
     """The target's decoding cache: the target's decoding attention computes in fp32
-    (target/features.py `decode_attention`, for sdpa targets below fp32). On the AMX kernel it
-    reads bf16 entries itself, so the cache keeps the model's dtype; otherwise such a target's
-    cache is kept in fp32, converted once per new entry (`SlotCache(upcast=True)`)."""
+    (target/capture.py `decode_attention`, for sdpa targets below fp32). Where a plug-in's
+    attention reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel),
+    the cache keeps the model's dtype; otherwise such a target's cache is kept in fp32, converted
+    once per new entry (`SlotCache(upcast=True)`)."""
     dtype = next(target.model.parameters()).dtype
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sdpa = getattr(cfg, "_attn_implementation", None) == "sdpa"
-    amx = sdpa and target.model.device.type == "cpu" and amx_attention_available(dtype, head_dim)
-    return SlotCache(upcast=dtype != torch.float32 and sdpa and not amx)
+    kept = sdpa and target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
+    return SlotCache(upcast=dtype != torch.float32 and sdpa and not kept)
 
 
 def _new_mask(valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ def _compact_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, new_valid
 
 
-class Engine:
+class DecodingBatch:
     """Batched decoding state over a target (and an optional draft head); `run()` decodes."""
 
     def __init__(self, target: FeatureTarget, draft: PEagleDraft | None, prompts: list[list[int]], K: int,
@@ -361,5 +362,5 @@ def generate(target: FeatureTarget, draft: PEagleDraft | None, prompts: list[lis
         ValueError: an empty prompt, or K < 1 with a draft.
     """
     acc = acceptance or make_acceptance(temperature, generator)
-    return Engine(target, draft, prompts, num_speculative_tokens, max_new_tokens, eos_ids, acc, compact,
+    return DecodingBatch(target, draft, prompts, num_speculative_tokens, max_new_tokens, eos_ids, acc, compact,
                   verifier_numerics).run()

@@ -14,7 +14,7 @@ input. For a verified prefix x_0..x_{p-1} with target features g_0..g_{p-1}:
     d2t, t2d      draft-vocabulary buffers (data.vocab.DraftVocab)
 Module names follow vLLM's DFlash loader (it prefixes every name but lm_head with `model.`).
 
-In the row layout of training (target/features.py `align_for_draft`: row position i holds x_{i+1}
+In the row layout of training (target/capture.py `align_for_draft`: row position i holds x_{i+1}
 and g_i at position i), the block anchored at row position a reads the context of row positions
 ≤ a of its document and the anchor token tokens[a] at position pos_ids[a] + 1; slot j's label is
 the target distribution of row position a + j - 1. The decoder's pending pairs (x_{i+1}, g_i) at
@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..decoding.kv_cache import SlotCache
+from .kv_cache import SlotCache
 from .peagle import DraftConfig, DraftMLP, Proposal, _flex_attention
 
 

@@ -12,7 +12,7 @@ Layout (module names follow transformers' Llama so exports load in vLLM / specul
     d2t, t2d      draft-vocabulary buffers (see data.vocab.DraftVocab)
 
 One forward takes any set of elements with explicit position ids and a boolean attention mask,
-which serves both the COD training axis (training/cod.py) and the decoder's KV-cached drafting.
+which serves both the COD training axis (algorithms/cod.py) and the decoder's KV-cached drafting.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..decoding.kv_cache import SlotCache, SlotLayer
-from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from .kv_cache import SlotCache, SlotLayer
+from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
 MASK_HIDDEN_STD = 0.02  # the constructor's init of mask_hidden (`PEagleDraft.init_mask_hidden` rescales it)
@@ -53,7 +53,7 @@ class DraftConfig:
     mask_token_id: int = 0
     num_depths: int = 8
     aux_layer_ids: list = field(default_factory=list)
-    # what an id means (target/features.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
+    # what an id means (target/capture.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
     # target layer k, vLLM's); "layer_output" (older files: the output of layer i) is converted on creation
     aux_layer_numbering: str = AUX_LAYER_NUMBERING
     norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)
@@ -176,7 +176,7 @@ class DraftAttention(nn.Module):
 
     x: [B, N, in_size]; cos/sin: [B, N, head_dim]; mask: [B, N, S] bool (True = may attend),
     S = cached + N, a FlexAttention BlockMask over [N, S], or an object whose `attend(q, k, v)`
-    computes the masked attention itself (the sparse COD plan, training/cod_attention.py).
+    computes the masked attention itself (the sparse COD plan, algorithms/cod_attention.py).
     cache: None; a (k, v) pair [B, kv_heads, cached, head_dim] each, concatenated with the new
     entries (differentiable: training's TTT steps); or a `SlotLayer` (decoding), into whose
     preallocated buffers the new entries are written in place.
@@ -210,7 +210,7 @@ class DraftAttention(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
-        elif hasattr(mask, "attend"):  # a sparse plan (training/cod_attention.py CODSparseMask)
+        elif hasattr(mask, "attend"):  # a sparse plan (algorithms/cod_attention.py CODSparseMask)
             out = mask.attend(q, k, v)
         else:
             rep = self.h // self.kvh
@@ -344,7 +344,7 @@ class PEagleDraft(nn.Module):
         or pass is_slot [B, N] bool to substitute the mask token and `mask_hidden` here:
         `slot_inputs` inside forward, so sharded engines (ZeRO-3, FSDP) gather `mask_hidden`);
         position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
-        or a BlockMask (training/cod.py); cache: None or a list of per-layer (k, v).
+        or a BlockMask (algorithms/cod.py); cache: None or a list of per-layer (k, v).
         Returns (logits [B, N, V_draft], new cache list).
         """
         if is_slot is not None:
@@ -442,12 +442,3 @@ class Proposal:
     logits: torch.Tensor
     cache: list
     forwards: int
-
-
-def make_draft_head(cfg: DraftConfig) -> nn.Module:
-    """PEagleDraft, Eagle3Draft or DFlashDraft (draft/dflash.py), by cfg.algorithm."""
-    if cfg.algorithm == "dflash":
-        from .dflash import DFlashDraft  # dflash.py builds on this module's config and layers
-
-        return DFlashDraft(cfg)
-    return Eagle3Draft(cfg) if cfg.algorithm == "eagle3" else PEagleDraft(cfg)

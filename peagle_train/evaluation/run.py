@@ -28,7 +28,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.engine import GenerationResult, generate
-from ..decoding.packed_linear import fuse_ops, pack_linears, unfuse_ops, unpack_linears
 from ..errors import CorruptFileError, UserError, read_json
 from ..io import atomic_write_text
 from ..precision import log_precision, resolve_precision
@@ -77,22 +76,20 @@ def prepare_for_decoding(target, heads: list, precision: str = "auto"):
     on the target's device (peagle_train/precision.py; the same setting as training), so that any
     mix of target dtype and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
     stays None); the heads given are left as they are (a trained head keeps its fp32 weights).
-    In bf16 on CPU the linear weights of the target and of the copies are packed for oneDNN once
-    (`decoding/packed_linear.py`: the same outputs, faster at decoding shapes), and with the AMX
-    extension their RMSNorms become one fused call each (`fuse_ops`)."""
+    The target and the copies then go through the optional CPU plug-in (peagle_train/accel/cpu
+    `accelerate_for_decoding`: in bf16 on CPU, packed linears, fused norms, the AMX attention and a
+    lean forward; the same outputs, faster at decoding shapes; PEAGLE_AMX=0 leaves transformers')."""
+    from ..accel.cpu import accelerate_for_decoding  # the CPU plug-in: loaded only when evaluation decodes
+
     dev = target.model.device
     res = resolve_precision(precision, dev)
     log_precision(res)
-    unpack_linears(target.model)
-    unfuse_ops(target.model)
     target.model.to(res.dtype)
-    pack_linears(target.model)
-    fuse_ops(target.model)
+    accelerate_for_decoding(target.model)
     copies = [None if h is None else copy.deepcopy(h).to(device=dev, dtype=res.dtype).eval() for h in heads]
     for h in copies:
         if h is not None:
-            pack_linears(h)
-            fuse_ops(h)
+            accelerate_for_decoding(h)
     return res, copies
 
 

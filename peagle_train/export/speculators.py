@@ -17,7 +17,7 @@ hidden_states[k]); config.json records it as `aux_layer_numbering`. An export of
 without that key used the older numbering and is read converted (`_aux_layer_numbering_of`).
 
 Also here: the verifier name an export records (`verifier_name`) and starting a run from an
-existing head (`init_from_head`; heads are read with peagle_train/draft/io.py's `load_head`).
+existing head (`init_from_head`; heads are read from a checkpoint or an export with `load_head`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..draft.peagle import DraftConfig, PEagleDraft, make_draft_head
-from ..target.features import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
+from ..draft.head_checkpoint import load_checkpoint
+from ..draft import DraftConfig, PEagleDraft, make_draft_head
+from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
 from ..errors import ConfigError, UserError, load_safetensors, read_json, writing
-from ..io import atomic_dir
+from ..io import atomic_dir, recover_dir
 
 SPECULATORS_VERSION = "0.9.0"
 # The vLLM releases that serve a P-EAGLE export, [first, last] (major, minor): 0.16-0.21 do not know
@@ -425,6 +426,24 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
     return draft.to(dtype)
 
 
+def load_head(path) -> tuple:
+    """(head, checkpoint metadata or None) from a training checkpoint (draft_config.json: the meta
+    of `save_checkpoint`) or a speculators export directory (config.json: meta None).
+
+    Raises FileNotFoundError naming the path when it is neither; ValueError / ExportError from the
+    readers for a damaged one."""
+    p = Path(path)
+    if not p.exists():
+        recover_dir(p)  # a save killed between its two renames (where the atomic swap is not offered)
+    if (p / "draft_config.json").is_file():
+        return load_checkpoint(p)
+    if (p / "config.json").is_file():
+        return load_export(p), None
+    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
+                            "Fix: point head= (or draft.init_from=) at runs/<run>/checkpoint, "
+                            "runs/<run>/checkpoints/step_N or runs/<run>/export.")
+
+
 def _aux_layer_numbering_of(cfg: dict, export_dir: Path) -> str:
     """What the export's aux ids mean: its `aux_layer_numbering`; without it, an export that
     peagle-train wrote before the ids followed vLLM (its model card says "Trained with
@@ -482,8 +501,6 @@ def init_from_head(draft: PEagleDraft, source: str | Path) -> PEagleDraft:
         FileNotFoundError: `source` is neither a checkpoint nor an export.
         ValueError: a size, setting or the draft vocabulary differs (each named, with the fix).
     """
-    from ..draft.io import load_head
-
     src = load_head(source)[0]
     have, want = src.config, draft.config
     diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in _INIT_KEYS

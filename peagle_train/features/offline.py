@@ -1,5 +1,5 @@
 """Reading offline target features: a memory-mapped, verified reader of a features directory
-(target/offline.py writes it) that builds the same packed rows as the online source."""
+(target/feature_shards.py writes it) that builds the same packed rows as the online source."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import torch
 from safetensors import safe_open
 
 from .. import provenance
-from ..target.features import FeatureTarget
-from ..target.offline import (MANIFEST, FeatureShardError, _compare, dequantize_int8,
+from ..target.capture import FeatureTarget
+from ..target.feature_shards import (MANIFEST, FeatureShardError, _compare, dequantize_int8,
                               features_fingerprint, shard_name)
 from .rows import PackedRow, pack_row
-from .sources import FeatureSource
+from .online import PackedRowSource
 
 logger = logging.getLogger(__name__)
 
 
-class OfflineFeatures(FeatureSource):
+class OfflineFeatures(PackedRowSource):
     """Memory-mapped reader of a features directory that builds the same `PackedRow`s as online
-    mode (`features.sources.OnlineFeatures`), from stored aux and final states instead of a target forward.
+    mode (`features.online.OnlineFeatures`), from stored aux and final states instead of a target forward.
 
     Checks at open (each failure raises FeatureShardError naming the file and the check): the
     manifest's fingerprint equals this run's (target, tokenizer, template, aux layer ids, storage,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..target.features import align_for_draft
+from ..target.capture import align_for_draft
 
 
 @dataclass

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluation.report import ratio_stderr, speedup_or_reason
-from ..target.offline import DocFeatures
+from ..target.feature_shards import DocFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
 
 class VllmDocFeatures(DocFeatures):
     """Target features of data rows through vLLM's `extract_hidden_states` method, for
-    `write_features` (target/offline.py DocFeatures): `prepare` runs every row in one vLLM job (one
+    `write_features` (target/feature_shards.py DocFeatures): `prepare` runs every row in one vLLM job (one
     engine start), `__call__` reads the rows' files.
 
     vLLM is asked for the aux ids (vLLM's numbering, as ours) and id N, which vLLM collects after

@@ -1,5 +1,5 @@
 """Distributed engines for the draft head: DDP (the loop's own gradient all-reduce), DeepSpeed ZeRO-2/3
-and FSDP2 — one small adapter (`Engine`) with backward / step / full state dict / save / load.
+and FSDP2 — one small adapter (`ShardedEngine`) with backward / step / full state dict / save / load.
 
 Why an adapter and not `accelerator.prepare(model)`: a P-EAGLE step runs several backward passes
 per optimizer step (sequence partitioning: one per part plus one through the kept context; one per
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import Engine
+from ..config import DistributedEngine
 
 logger = logging.getLogger(__name__)
 
-ENGINES = tuple(Engine.values())  # the `distributed.engine` choices (config.py)
+ENGINES = tuple(DistributedEngine.values())  # the `distributed.engine` choices (config.py)
 
 
 def check_distributed_config(engine: str, zero_stage: int) -> None:
@@ -89,7 +89,7 @@ def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_cli
     }
 
 
-class Engine:
+class ShardedEngine:
     """A draft head under DeepSpeed or FSDP2. `model` is what the loop calls (forward only);
     `backward(loss)` per scalar loss; `step()` clips, updates and zeroes the gradients."""
 
@@ -132,7 +132,7 @@ class Engine:
 
     def plain_module(self, draft_config):
         """A fresh unsharded head (make_draft_head) holding the trained weights, for eval and export."""
-        from ..draft.peagle import make_draft_head
+        from ..draft import make_draft_head
 
         plain = make_draft_head(draft_config)
         plain.load_state_dict(self.full_state_dict(), strict=False)
@@ -182,9 +182,9 @@ class Engine:
 
 
 def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_accum: int,
-                grad_clip: float | None) -> Engine:
+                grad_clip: float | None) -> ShardedEngine:
     """Wrap `draft` (already on its device, identical on every process) and its optimizer `opt`
-    (built over its parameters) in DeepSpeed ZeRO-`zero_stage` or FSDP2. Returns the Engine; the
+    (built over its parameters) in DeepSpeed ZeRO-`zero_stage` or FSDP2. Returns the ShardedEngine; the
     optimizer's param_groups stay the ones the caller's LR scheduler drives. A single process
     without a process group (a plain `python train.py`, the dry run) gets a 1-process gloo group."""
     import torch.distributed as dist
@@ -194,13 +194,13 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
     if kind == "deepspeed":
         import deepspeed
 
-        set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by Engine.close
+        set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by ShardedEngine.close
         if set_local_rank:
             os.environ["LOCAL_RANK"] = "0"
         engine, ds_opt, _, _ = deepspeed.initialize(
             model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip),
             dist_init_required=False)
-        eng = Engine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
+        eng = ShardedEngine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
         eng.set_local_rank = set_local_rank
         return eng
     if kind == "fsdp":
@@ -213,7 +213,7 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
         if len(opt.param_groups) != 1 or opt.state:
             raise ValueError("make_engine(fsdp): needs a fresh optimizer with one parameter group")
         opt.param_groups[0]["params"] = [p for p in draft.parameters() if p.requires_grad]
-        return Engine("fsdp", draft, opt, draft, grad_clip)
+        return ShardedEngine("fsdp", draft, opt, draft, grad_clip)
     raise ValueError(f"make_engine: {kind!r} is not an engine (deepspeed or fsdp)")
 
 

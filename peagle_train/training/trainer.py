@@ -25,12 +25,12 @@ from ..config import REMOVED_KEYS
 from ..data.prepare import row_keys
 from ..errors import ConfigError
 from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
-from ..features.sources import FeatureSource, OnlineFeatures
+from ..features.online import PackedRowSource, OnlineFeatures
 from ..precision import autocast_context, resolve_precision
-from ..target.features import FeatureTarget
+from ..target.capture import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
-from .cod import attention_kind
+from ..algorithms.cod import attention_kind
 from .engines import average_gradients, make_engine, resolve_engine
 from .loss import metrics_from_counts
 from .schedule import lr_lambda
@@ -75,7 +75,7 @@ class Trainer:
     """
 
     def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
-                 features: FeatureSource | None = None):
+                 features: PackedRowSource | None = None):
         self.accelerator, self.draft, self.target, self.rows, self.train_cfg = accelerator, draft, target, rows, train_cfg
         self.out_dir = Path(out_dir)
         self.features = features if features is not None else OnlineFeatures(target)
@@ -328,7 +328,7 @@ class Trainer:
 
 
 def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
-          features: FeatureSource | None = None) -> dict:
+          features: PackedRowSource | None = None) -> dict:
     """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
     `features`: None = online (the step runs the target), or a feature source such as
     features.offline.OfflineFeatures giving the same rows from shards (validation reads it too)."""

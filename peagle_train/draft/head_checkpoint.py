@@ -1,5 +1,6 @@
-"""Head I/O in one place: training checkpoints (model.safetensors fp32 + draft_config.json) and
-`load_head`, which reads a checkpoint or a speculators export. Scripts import it without the trainer."""
+"""Head checkpoints: model.safetensors (fp32) + draft_config.json, written atomically and read back.
+Reading a head from a checkpoint or a speculators export is export/speculators.py `load_head`.
+Scripts import it without the trainer."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..errors import CorruptFileError, load_safetensors, read_json, writing
-from ..io import atomic_dir, recover_dir
-from ..target.features import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
-from .peagle import DraftConfig, make_draft_head
+from ..io import atomic_dir
+from ..target.capture import OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from . import DraftConfig, make_draft_head
 
 logger = logging.getLogger(__name__)
 
@@ -71,23 +72,3 @@ def load_checkpoint(ckpt_dir: Path):
         raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "
                          f"unexpected {unexpected}. Fix: re-save it with this version of peagle-train.")
     return draft, meta
-
-
-def load_head(path) -> tuple:
-    """(head, checkpoint metadata or None) from a training checkpoint (draft_config.json: the meta
-    of `save_checkpoint`) or a speculators export directory (config.json: meta None).
-
-    Raises FileNotFoundError naming the path when it is neither; ValueError / ExportError from the
-    readers for a damaged one."""
-    p = Path(path)
-    if not p.exists():
-        recover_dir(p)  # a save killed between its two renames (where the atomic swap is not offered)
-    if (p / "draft_config.json").is_file():
-        return load_checkpoint(p)
-    if (p / "config.json").is_file():
-        from ..export.speculators import load_export
-
-        return load_export(p), None
-    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
-                            "Fix: point head= (or draft.init_from=) at runs/<run>/checkpoint, "
-                            "runs/<run>/checkpoints/step_N or runs/<run>/export.")

@@ -4,7 +4,7 @@ and measured step costs: the measuring, the tables and the heat map of `peagle r
 The model (expected tokens per verify step from the conditional acceptance of each position, over
 the measured draft and verify costs) is written out in the command's help
 (peagle_train/cli/recommend_k.py) and in docs/RECOMMEND_K.md; its functions live in
-peagle_train/decoding/cost_model.py and the step timing in peagle_train/decoding/step_costs.py.
+peagle_train/recommend/cost_model.py and the step timing in peagle_train/recommend/step_costs.py.
 Writes output_dir/recommend_k/: costs.csv, predictions.csv, predictions.md, heatmap.png,
 recommendation.json (and compare.md when `recommend.compare` lists `peagle evaluate` runs).
 """
@@ -19,11 +19,11 @@ import torch
 from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
 
-from ..decoding.cost_model import (
+from .cost_model import (
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
-from ..draft.io import load_head
+from ..export.speculators import load_head
 from ..job import write_json
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def load_acceptance(path: str) -> dict:
     try:
         r = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        from .report import rebuild_fix
+        from ..evaluation.report import rebuild_fix
 
         raise CostModelError(f"{p}: not JSON ({e}): the file is cut off or corrupted. Fix: {rebuild_fix(p.parent)}, "
                              "or pass another acceptance.json of `peagle evaluate`.") from e
@@ -51,7 +51,7 @@ def load_acceptance(path: str) -> dict:
 def measure_costs(draft, target, batches, ks, context, repeats, warmup, limit_bytes):
     """Costs {(batch, K): StepCost} and skipped {batch: reason}. A batch size is skipped when its
     estimated memory exceeds limit_bytes or when it runs out of memory."""
-    from ..decoding.step_costs import estimate_bytes, is_oom, time_draft, time_verify
+    from .step_costs import estimate_bytes, is_oom, time_draft, time_verify
 
     costs, skipped = {}, {}
     bar = tqdm(total=len(batches) * len(ks), desc="timing (batch, K)", unit="cell")
@@ -202,8 +202,8 @@ def recommend_k(cfg: DictConfig) -> dict:
     if rc.acceptance is not None:
         acc_src, acc = str(rc.acceptance), load_acceptance(rc.acceptance)
     else:
-        from .benchmarks import prompts_from_config
-        from .run import evaluate_from_config
+        from ..evaluation.benchmarks import prompts_from_config
+        from ..evaluation.run import evaluate_from_config
 
         k_eval = min(max(ks), k_train or max(ks))
         acc = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval), out_dir=out / "eval",
@@ -220,7 +220,7 @@ def recommend_k(cfg: DictConfig) -> dict:
         costs_src, costs = str(rc.costs), read_costs(rc.costs)
         check_costs(costs, batches, ks, costs_src)
     else:
-        from ..decoding.step_costs import available_bytes
+        from .step_costs import available_bytes
 
         limit = (int(rc.memory_limit_gb * 2**30) if rc.memory_limit_gb is not None
                  else available_bytes(target.model.device))

@@ -1,6 +1,6 @@
 """P-EAGLE training attention whose cost follows the visible (query, key) pairs, on SDPA's kernels.
 
-The COD axis (training/cod.py) is [depth 0 | depth 1 | ...]: depth 0 holds every row position
+The COD axis (algorithms/cod.py) is [depth 0 | depth 1 | ...]: depth 0 holds every row position
 0..n-1 in order, the slots (anchor a, depth d ≥ 1) follow. The §4 rule (DESIGN.md §4, §8) makes
 few pairs visible, and they have structure:
 
@@ -22,7 +22,7 @@ Compute follows the visible pairs (plus at most `block` × anchor spread per blo
 
 `CODSparseMask` is what `cod_mask(..., kind="sparse")` returns; the draft's attention calls its
 `attend(q, k, v)` where it would otherwise apply a dense mask (draft/peagle.py DraftAttention).
-The dense reference is `cod_attention_mask` (training/cod.py).
+The dense reference is `cod_attention_mask` (algorithms/cod.py).
 """
 
 from __future__ import annotations

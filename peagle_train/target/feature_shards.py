@@ -36,11 +36,11 @@ from .. import provenance
 from ..config import FeatureStorage, Int8Scale
 from ..errors import ConfigError, CorruptFileError, UserError, io_cause, io_failure, read_json
 from ..io import atomic_write_json
-from .features import FeatureTarget
+from .capture import FeatureTarget
 
 logger = logging.getLogger(__name__)
 
-# 2: aux_layer_ids in vLLM's numbering (target/features.py AUX_LAYER_NUMBERING); 1: the older
+# 2: aux_layer_ids in vLLM's numbering (target/capture.py AUX_LAYER_NUMBERING); 1: the older
 # numbering (id i = the output of layer i), the same stored states, read converted (`upgrade_fingerprint`)
 FORMAT_VERSION = 2
 STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
@@ -80,7 +80,7 @@ def upgrade_fingerprint(found: dict) -> dict:
     """A manifest fingerprint in this FORMAT_VERSION: format 1 named the same stored states by
     the older aux numbering (id i = output of layer i), so its ids become id + 1 (vLLM's)."""
     if found.get("format_version") == 1 and isinstance(found.get("aux_layer_ids"), list):
-        from .features import aux_ids_from_layer_outputs
+        from .capture import aux_ids_from_layer_outputs
 
         return {**found, "format_version": FORMAT_VERSION,
                 "aux_layer_ids": aux_ids_from_layer_outputs(found["aux_layer_ids"])}
@@ -192,7 +192,7 @@ class DocFeatures:
 
     `prepare(indices)` is called once with every row index this process will write (an engine can
     run them in one pass); `__call__(indices)` returns [(aux [T, 3H], final [T, H])] per row, in the
-    aux numbering of target/features.py, on any device."""
+    aux numbering of target/capture.py, on any device."""
 
     def prepare(self, indices: list[int]) -> None:
         pass

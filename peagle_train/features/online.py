@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from ..target.features import FeatureTarget
+from ..target.capture import FeatureTarget
 from .rows import PackedRow, pack_row
 
 
-class FeatureSource:
+class PackedRowSource:
     """Interface of a feature source. `target` supplies the device rows are delivered on."""
 
     target: FeatureTarget
@@ -28,7 +27,7 @@ class FeatureSource:
         raise NotImplementedError
 
 
-class OnlineFeatures(FeatureSource):
+class OnlineFeatures(PackedRowSource):
     """The frozen target run inside the training step: all documents of a packed row in one forward
     (`FeatureTarget.forward_documents`, block-diagonal attention), no grad."""
 
@@ -48,20 +47,3 @@ def packed_row(target: FeatureTarget, docs: list[tuple[list[int], list[int]]], d
     aligned results (§2). docs: (input_ids, loss_mask) pairs; each document of T tokens gives T-1
     aligned positions."""
     return OnlineFeatures(target).packed_row(None, docs, draft_ids)
-
-
-def open_features(fcfg, target: FeatureTarget, tok, rows, template_kwargs: dict | None = None) -> FeatureSource:
-    """From the `features` config group: `OnlineFeatures` for `source=online` (the training step runs
-    the target), an `OfflineFeatures` reader for `source=offline`. Raises ConfigError (a ValueError) for an unknown
-    source or a missing `features.dir`, FeatureShardError for a directory that fails its checks.
-    `template_kwargs` (data.template_kwargs) are part of the chat-template fingerprint the shards must match."""
-    if fcfg.source == "online":
-        return OnlineFeatures(target)
-    if fcfg.source != "offline":
-        raise ConfigError(f"features.source={fcfg.source!r} must be online or offline")
-    if not fcfg.dir:
-        raise ConfigError("features.source=offline needs features.dir (written by `peagle features`)")
-    from .offline import OfflineFeatures
-
-    return OfflineFeatures(fcfg.dir, target, tok, rows, storage=fcfg.storage, int8_scale=fcfg.int8_scale,
-                           verify=fcfg.verify, template_kwargs=template_kwargs)

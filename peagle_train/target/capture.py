@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.packed_linear import fused_rotary_scope
-
 DOCUMENT_ATTENTION = "peagle_documents"
 
 
@@ -66,11 +64,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     dropout and options this does not implement (softcap, attention sinks, a per-head mask) go to
     transformers' `sdpa_attention_forward` unchanged.
 
-    On a CPU with Intel AMX, bf16 entries (the cache is then kept in bf16, decoding/engine.py
-    `target_cache`) with no mask or a bool mask and head_dim a multiple of 32 up to 256 go to
-    `amx_attention` (decoding/amx_linear.py): the same fp32 accumulation, half the cache's bytes
-    read, and each query rounded as if alone, so that a batch with holes decodes each row as the
-    row alone would."""
+    A plug-in may register its own decoding attention (accel/cpu/attention.py: the AMX kernel over
+    a bf16 cache) and name it in the config (`decoding_attention`); this one is the default."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, n, d = query.shape
@@ -78,15 +73,11 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     if (query.dtype == torch.float32 or dropout or per_head_mask or H % kvh
             or kw.get("softcap") is not None or kw.get("s_aux") is not None):
-        if key.dtype != query.dtype:  # an upcast cache (decoding/kv_cache.py): its entries were query.dtype
+        if key.dtype != query.dtype:  # an upcast cache (draft/kv_cache.py): its entries were query.dtype
             key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
     g = H // kvh
     scale = scaling if scaling is not None else d ** -0.5
-    if _amx_attention_takes(query, key, value, attention_mask):
-        from ..decoding.amx_linear import amx_attention
-
-        return amx_attention(query, key, value, attention_mask, scale), None
     scores = torch.matmul(query.float().reshape(B, kvh, g * n, d), key.float().transpose(-1, -2)).mul_(scale)
     scores = scores.view(B, kvh, g, n, S)
     if attention_mask is None and n > 1:  # causal over the new slots, all of the cache visible
@@ -99,26 +90,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def amx_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `decode_attention` runs on the AMX kernel (decoding/amx_linear.py `amx_attention`)
-    for a target of this dtype and head size: bf16, head_dim a multiple of 32 up to 256, and the
-    kernel built on this CPU."""
-    if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256:
-        return False
-    from ..decoding.amx_linear import kernel
-
-    return kernel() is not None
-
-
-def _amx_attention_takes(query, key, value, mask) -> bool:
-    n, S = query.shape[2], key.shape[2]
-    return (query.device.type == "cpu" and key.dtype == query.dtype and value.dtype == query.dtype
-            and key.stride(-1) == 1 and value.stride(-1) == 1
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-                                  and mask.shape[2] == n and mask.shape[3] == S))
-            and amx_attention_available(query.dtype, query.shape[-1]))
-
-
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -129,6 +100,25 @@ def _register_attention() -> None:
 
 
 _register_attention()
+
+
+def decoding_attention(config) -> str:
+    """The attention implementation that decoding forwards of a target with this config run: the
+    one a plug-in registered in transformers' attention interface and named in
+    `config.peagle_decode_attention` (accel/cpu: the AMX kernel), else `DECODE_ATTENTION`."""
+    return getattr(config, "peagle_decode_attention", None) or DECODE_ATTENTION
+
+
+def keeps_cache_dtype(config, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the decoding attention of `config` (`decoding_attention`) reads a cache of this
+    half-precision dtype and head size itself, so the decoding engine keeps the cache in the
+    model's dtype instead of fp32: the registered function says so through its `keeps_cache_dtype`
+    attribute (dtype, head_dim) -> bool; `decode_attention` has none."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fn = ALL_ATTENTION_FUNCTIONS.get(decoding_attention(config))
+    keeps = getattr(fn, "keeps_cache_dtype", None)
+    return bool(keeps is not None and keeps(dtype, head_dim))
 
 
 @contextmanager
@@ -274,20 +264,21 @@ class FeatureTarget:
         """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more).
         float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
         needs no copy, and sampling converts the rows it uses). A decoding forward of a model that
-        `fuse_ops` gave a lean forward (decoding/fused_decoder.py) runs on it when it takes it:
-        the same bits as transformers' forward, captured without the hooks."""
+        a plug-in gave a lean forward (`model.peagle_fused_decoder`, an object with `takes(input_ids,
+        cache, kw)` and `forward(input_ids, cache, capture=..., **kw)`: accel/cpu/fused_decoder.py)
+        runs on it when it takes it: the same bits as transformers' forward, captured without the
+        hooks."""
         self._captured.clear()
-        # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`)
+        # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`, or a plug-in's)
         decoding = cache is not None and self.model.dtype != torch.float32
-        fused = getattr(self.model, "peagle_fused_decoder", None)  # decoding/fused_decoder.py
+        fused = getattr(self.model, "peagle_fused_decoder", None)  # a plug-in's lean forward, if any
         if decoding and fused is not None and fused.takes(input_ids, cache, kw):
             normed, captured = fused.forward(input_ids, cache, capture=self._capture_ids, **kw)
             self._captured.update(captured)
         else:
             if cache is not None:
                 kw[self._cache_kw] = cache
-            with (attention_implementation(self.decoder.config, DECODE_ATTENTION if decoding else None),
-                  fused_rotary_scope(self.model)):
+            with attention_implementation(self.decoder.config, decoding_attention(self.decoder.config) if decoding else None):
                 normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
         aux = torch.cat([self._captured[k - 1] for k in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
@@ -340,7 +331,7 @@ class FeatureTarget:
         return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
 
     def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None, float_logits: bool = True) -> torch.Tensor:
-        module = self.model.get_output_embeddings()  # an nn.Linear, or its packed form (decoding/packed_linear.py)
+        module = self.model.get_output_embeddings()  # an nn.Linear, or a plug-in's swap of it (accel/cpu)
         logits = module(normed) if draft_ids is None else normed @ module.weight[draft_ids].T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:

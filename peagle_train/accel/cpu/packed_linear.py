@@ -8,15 +8,17 @@ freezing pass does for CPU linears, `torch.ops.mkldnn._linear_pointwise`), so th
 bit-identical to `F.linear`'s (tests/test_packed_linear.py) and lossless checks are unaffected.
 
 On a CPU with Intel AMX, up to `amx_linear.MAX_ROWS` rows go to the AMX kernel of
-decoding/amx_linear.py instead (its own packing of the same weight): it reads each weight at the
+amx_linear.py instead (its own packing of the same weight): it reads each weight at the
 memory's speed where oneDNN's small-row kernels often take twice as long. Its output equals
 `F.linear`'s bit for bit up to 16 rows (tested) and rounds each row alike whatever the row count.
 
-With the AMX extension built, `fuse_ops` also replaces the target's and heads' RMSNorms by
-`FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops) and runs the rotary
-embedding of Llama-family targets as one call (`fused_rotary`). The rotary embedding gives transformers' bits; a fused norm can differ
-from the module in the last bit (its own order for the sum of squares) and normalises each row by
-itself.
+With the AMX extension built, `fuse_ops` (accel/cpu/__init__.py) also replaces the target's and
+heads' RMSNorms by `FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops),
+and the lean decoding forward (fused_decoder.py) runs the rotary embedding as one call
+(`fused_rotary`). The rotary embedding gives transformers' bits; a fused norm can differ from the
+module in the last bit (its own order for the sum of squares) and normalises each row by itself.
+Both are module swaps or calls of this package's own forward: transformers' functions are never
+patched.
 
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -118,24 +119,19 @@ def unpack_linears(model: nn.Module) -> int:
     return n
 
 
-# transformers modeling modules whose `apply_rotary_pos_emb` is q·cos + rotate_half(q)·sin
-ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
-
-
 def fused_rotary(original):
     """`original` (a transformers `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`) with
     bf16 CPU inputs computed by one kernel call (csrc/amx_norm.cpp `rope`) instead of ~14 tensor
     ops: q, k [B, heads, n, d] (d a multiple of 32), cos, sin [B|1, n, d]; every element rounded
     as transformers rounds it in bf16, so the outputs are the same bits. Inputs that need
-    gradients, other dtypes, shapes and devices go to `original`, and so does every call outside
-    `fused_rotary_scope` (another model in the process keeps transformers' own code)."""
+    gradients, other dtypes, shapes and devices go to `original`. It is called by this package's
+    lean forward (fused_decoder.py); transformers' own function is never replaced."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (unsqueeze_dim == 1 and q.device.type == "cpu" and q.dim() == k.dim() == 4 and cos.dim() == 3
                 and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
                 and q.stride(-1) == 1 and k.stride(-1) == 1
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-                and _rotary_scope):
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             ext = amx_linear.kernel()
             if ext is not None:
                 return tuple(ext.rope(q, k, cos, sin))
@@ -146,29 +142,24 @@ def fused_rotary(original):
     return apply_rotary_pos_emb
 
 
-_rotary_scope: list = []  # non-empty while a model that `fuse_ops` fused runs a forward
+# transformers' RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`, by
+# modeling module: a model whose norms are one of them has imported that module already
+NORM_CLASSES = {"transformers.models.llama.modeling_llama": "LlamaRMSNorm",
+                "transformers.models.mistral.modeling_mistral": "MistralRMSNorm",
+                "transformers.models.qwen2.modeling_qwen2": "Qwen2RMSNorm",
+                "transformers.models.qwen3.modeling_qwen3": "Qwen3RMSNorm",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeRMSNorm"}
 
 
-@contextmanager
-def fused_rotary_scope(model: nn.Module):
-    """Within this block, forwards of `model` use the fused rotary embedding if `fuse_ops` fused
-    it (target/features.py `FeatureTarget.forward` enters it for every forward)."""
-    if not getattr(model, "peagle_fused_rotary", False):
-        yield
-        return
-    _rotary_scope.append(model)
-    try:
-        yield
-    finally:
-        _rotary_scope.pop()
-
-
-# RMSNorm modules computing `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)` (transformers)
-NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"}
+def norm_types() -> tuple[type, ...]:
+    """The `NORM_CLASSES` types of the modeling modules imported in this process (a type check: a
+    subclass or a same-named class of another module is not taken)."""
+    mods = ((sys.modules.get(m), c) for m, c in NORM_CLASSES.items())
+    return tuple(getattr(m, c) for m, c in mods if m is not None and hasattr(m, c))
 
 
 class FusedRMSNorm(nn.Module):
-    """A transformers RMSNorm of the `NORM_CLASSES` kind (bf16, CPU) computed by one AVX-512 call
+    """A transformers RMSNorm of a `NORM_CLASSES` type (bf16, CPU) computed by one AVX-512 call
     (csrc/amx_norm.cpp) instead of ~9 tensor ops: the same fp32 arithmetic and the two bf16
     roundings of the module, with the sum of squares in the kernel's own (fixed, per-row) order,
     so an output can differ from the module's in the last bit and never depends on other rows.
@@ -189,45 +180,3 @@ class FusedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, fused ({type(self.original).__name__})"
-
-
-def fuse_ops(model: nn.Module) -> int:
-    """Fuse a bf16 CPU model's small decoding ops where the AMX extension is built: every RMSNorm
-    of a `NORM_CLASSES` kind becomes a `FusedRMSNorm` (in place), and the rotary embedding of the
-    modeling modules in `ROPE_MODULES` that the model uses runs as one call (`fused_rotary`).
-    Returns how many norms were fused (0 otherwise)."""
-    first = next(model.parameters(), None)
-    if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu" or amx_linear.kernel() is None:
-        return 0
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ in NORM_CLASSES and hasattr(child, "variance_epsilon"):
-                setattr(parent, name, FusedRMSNorm(child))
-                n += 1
-    for mod in {type(m).__module__ for m in model.modules()} & set(ROPE_MODULES):
-        module = sys.modules[mod]
-        if not getattr(module.apply_rotary_pos_emb, "fused", False):
-            module.apply_rotary_pos_emb = fused_rotary(module.apply_rotary_pos_emb)
-        model.peagle_fused_rotary = True
-    if hasattr(model, "get_decoder"):  # a target: its decoding forward as one loop (decoding/fused_decoder.py)
-        from .fused_decoder import fuse_decoder
-
-        fuse_decoder(model)
-    return n
-
-
-def unfuse_ops(model: nn.Module) -> int:
-    """Undo `fuse_ops`' norms: every `FusedRMSNorm` gives back its original module (the same
-    weight parameter) and its forwards use transformers' rotary embedding again; returns how many
-    norms."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FusedRMSNorm):
-                child.original.weight = child.weight
-                setattr(parent, name, child.original)
-                n += 1
-    model.peagle_fused_rotary = False
-    model.peagle_fused_decoder = None
-    return n

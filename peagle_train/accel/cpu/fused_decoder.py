@@ -4,7 +4,7 @@ At batch 1 a small target's decoding step spends most of its time reading its li
 before this path, a large share more in transformers' per-layer Python (module calls, decorators,
 keyword plumbing, the attention-interface lookup) and in small tensor ops between the kernels
 (measured in docs/BENCHMARKS.md, "Decoding step costs"). `FusedDecoder.forward` runs the same computation as transformers'
-`LlamaModel.forward` with the modules that `pack_linears` and `fuse_ops` leave, as one plain loop:
+`LlamaModel.forward` with the modules that `pack_linears` and `fuse_ops` (accel/cpu/__init__.py) leave, as one plain loop:
 
     x = embed(ids)
     per layer:  h = norm₁(x);  q, k, v = split(h · [W_q; W_k; W_v]ᵀ);  q, k = rope(q, k)
@@ -27,11 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from ...target.capture import decode_attention
 from . import amx_linear
-from .packed_linear import FusedRMSNorm, PackedLinear
+from .attention import amx_attention_takes
+from .packed_linear import FusedRMSNorm, PackedLinear, fused_rotary
 
-LAYER_CLASSES = {"LlamaDecoderLayer"}  # transformers layers whose forward is the loop of the module docstring
+LAYER_TYPES = (LlamaDecoderLayer,)  # transformers layers whose forward is the loop of the module docstring
 
 
 def _packed(linears: list[PackedLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,7 +66,7 @@ class FusedLayer:
 
 
 def _fusable(model: nn.Module) -> bool:
-    """Whether every decoder layer of `model` is a `LAYER_CLASSES` layer whose linears are packed
+    """Whether every decoder layer of `model` is of a `LAYER_TYPES` type whose linears are packed
     for the AMX kernel, whose norms are fused, whose activation is SiLU, and whose attention is
     plain (no sliding window; any attention bias is a linear bias)."""
     decoder = model.get_decoder()
@@ -73,7 +76,7 @@ def _fusable(model: nn.Module) -> bool:
     if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return False
     for layer in decoder.layers:
-        if type(layer).__name__ not in LAYER_CLASSES:
+        if type(layer) not in LAYER_TYPES:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -87,7 +90,7 @@ def _fusable(model: nn.Module) -> bool:
 class FusedDecoder:
     """The decoding forward of the module docstring over a fused model's decoder.
 
-    Built by `fuse_decoder`; `FeatureTarget.forward` (target/features.py) calls it for decoding
+    Built by `fuse_decoder`; `FeatureTarget.forward` (target/capture.py) calls it for decoding
     forwards it `takes`. Holds a second AMX packing of the q/k/v and gate/up weights (two thirds of
     the decoder layers' linear weights once more: 139 MB for SmolLM2-135M); the modules and their
     parameters are not changed.
@@ -114,8 +117,6 @@ class FusedDecoder:
         (True = attend, S = cached + n slots); position_ids [B, n] (default: continuing the
         cache's length). Returns (final normed hidden states [B, n, hidden], {i: output of layer i
         [B, n, hidden] for i in capture; -1: the embeddings}), the bits of transformers' forward over the same modules."""
-        from ..target.features import _amx_attention_takes, decode_attention
-
         ext = amx_linear.kernel()
         x = self.decoder.embed_tokens(input_ids)
         B, n = input_ids.shape
@@ -123,7 +124,7 @@ class FusedDecoder:
             position_ids = (torch.arange(n, device=x.device) + cache.get_seq_length())[None]
         captured = {-1: x} if -1 in capture else {}  # the embeddings (aux id 0)
         cos, sin = self.decoder.rotary_emb(x, position_ids=position_ids)
-        rope = ext.rope if self.layers and self.layers[0].head_dim % 32 == 0 else _transformers_rotary()
+        rope = fused_rotary(_transformers_rotary())  # the kernel where it takes the shapes
         on_amx = None
         for i, L in enumerate(self.layers):
             h = L.input_norm(x)
@@ -134,7 +135,7 @@ class FusedDecoder:
             q, k = rope(q, k, cos, sin)
             keys, values = cache.update(k, v, L.layer_idx)
             if on_amx is None:  # the same dtypes, strides and mask at every layer
-                on_amx = _amx_attention_takes(q, keys, values, attention_mask)
+                on_amx = amx_attention_takes(q, keys, values, attention_mask)
             if on_amx:
                 att = amx_linear.amx_attention(q, keys, values, attention_mask, L.scaling)
             else:
@@ -150,16 +151,16 @@ class FusedDecoder:
 
 def _transformers_rotary():
     """transformers' own `apply_rotary_pos_emb` of the Llama module (for head sizes the fused
-    kernel does not take), unwrapped from `fused_rotary` if `fuse_ops` wrapped it."""
+    kernel does not take)."""
     from transformers.models.llama import modeling_llama
 
-    f = modeling_llama.apply_rotary_pos_emb
-    return getattr(f, "original", f)
+    return modeling_llama.apply_rotary_pos_emb
 
 
 def fuse_decoder(model: nn.Module) -> bool:
     """Give a model whose linears `pack_linears` packed for the AMX kernel and whose norms
-    `fuse_ops` fused its `FusedDecoder` (`model.peagle_fused_decoder`), where every layer is of a
-    kind it computes (`LAYER_CLASSES`, SiLU, no sliding window); returns whether it did."""
+    `fuse_ops` fused its `FusedDecoder` (`model.peagle_fused_decoder`, the hook that
+    `FeatureTarget.forward` looks for), where every layer is of a kind it computes (`LAYER_TYPES`,
+    SiLU, no sliding window); returns whether it did."""
     model.peagle_fused_decoder = FusedDecoder(model) if amx_linear.kernel() is not None and _fusable(model) else None
     return model.peagle_fused_decoder is not None

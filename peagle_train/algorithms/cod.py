@@ -109,7 +109,7 @@ def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor,
              q_start: int = 0):
     """The COD mask for queries = elements[q_start:], keys = all elements, of the given `kind`
     (`attention_kind`): "dense" a [1, Mq, M] bool mask, "flex" a FlexAttention BlockMask,
-    "sparse" a `CODSparseMask` (training/cod_attention.py: no M×M tensor, SDPA per document and per
+    "sparse" a `CODSparseMask` (algorithms/cod_attention.py: no M×M tensor, SDPA per document and per
     block of slots). A bool `kind` is read as flex (True) or dense (False)."""
     kind = {True: "flex", False: "dense"}.get(kind, kind) if isinstance(kind, bool) else kind
     if kind == "flex":
@@ -131,7 +131,7 @@ ATTENTION_SETTINGS = tuple(Attention.values())  # the `training.attention` choic
 def attention_kind(attention: str, device: torch.device) -> str:
     """The mask kind for `training.attention` on `device`: `flex`, `sparse` and `dense` as named;
     `auto` = flex on CUDA (FlexAttention's fused kernel skips empty blocks), sparse on CPU (SDPA
-    per document and per block of slots, training/cod_attention.py), dense elsewhere.
+    per document and per block of slots, algorithms/cod_attention.py), dense elsewhere.
 
     Raises ValueError for any other setting, and for `flex` on a CPU device (FlexAttention has
     no backward on CPU)."""

@@ -21,10 +21,10 @@ import time
 
 import torch
 from ..draft.peagle import Eagle3Draft, PEagleDraft
-from ..target.features import FeatureTarget
-from .acceptance import first_argmax
-from .engine import target_cache
-from .kv_cache import SlotCache
+from ..target.capture import FeatureTarget
+from ..decoding.acceptance import first_argmax
+from ..decoding.engine import target_cache
+from ..draft.kv_cache import SlotCache
 
 
 class MemoryLimitError(RuntimeError):

@@ -12,7 +12,7 @@ depends on its own input row only, in the same order whatever the number of rows
 target step and a (K+1)-row verify round each token identically.
 
 `amx_attention` is the decoding attention of a bf16 target over a bf16 cache (see its
-docstring): q·k on the tiles, softmax and the weighted sum in fp32, every query independent of the
+docstring; attention.py hooks it into transformers' attention interface): q·k on the tiles, softmax and the weighted sum in fp32, every query independent of the
 others, of the batch and of masked slots.
 
 The kernels split their work over torch's threads with OpenMP (`-fopenmp`; without it
@@ -53,7 +53,7 @@ def kernel():
     if "ext" in _state:
         return _state["ext"]
     _state["ext"] = None
-    from ..precision import cpu_bf16_units
+    from ...precision import cpu_bf16_units
 
     if os.environ.get("PEAGLE_AMX", "1") == "0":
         return None

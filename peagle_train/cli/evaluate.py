@@ -36,6 +36,7 @@ from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config
+from peagle_train.io import atomic_write_text
 from peagle_train.job import build_target
 from peagle_train.target.capture import FeatureTarget, aux_count
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
@@ -169,7 +170,7 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
                 result["lossless_mismatches"], result["precision"])
     if reference is not None:
         table = engines_table(reference, result)
-        (out / "engines.md").write_text(table)
+        atomic_write_text(out / "engines.md", table)
         logger.info("\n%s", table)
     return result
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..io import atomic_write_text
 from ..evaluation.report import ratio_stderr, speedup_or_reason
 from ..target.feature_shards import DocFeatures
 
@@ -274,11 +275,12 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     if why:
         result["speedup_not_measured"] = why
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "acceptance_vllm.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "vllm_outputs.jsonl").write_text("".join(
+    # the outputs first, the summary last, each whole (io.atomic_write_text): a stopped run leaves no summary
+    atomic_write_text(out_dir / "vllm_outputs.jsonl", "".join(
         json.dumps({"prompt": j, "with_head": a["token_ids"], "target_alone": b["token_ids"],
                     "num_drafts": a["num_drafts"], "num_accepted_tokens": a["num_accepted_tokens"]}) + "\n"
         for j, (a, b) in enumerate(zip(spec["outputs"], plain["outputs"]))))
+    atomic_write_text(out_dir / "acceptance_vllm.json", json.dumps(result, indent=2))
     return result
 
 

@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from peagle_train import config as C
+from peagle_train.cli import command_line as CL
 from .conftest import REPO_ROOT
 
 
@@ -17,7 +18,7 @@ def compose_train(overrides):
 
 
 def test_misspelled_keys_list_near_matches():
-    errs = C.check_command_line(["-m", "training.lrr=1", "trainig.epochs=2", "draft.num_depths=2,4,8",
+    errs = CL.check_command_line(["-m", "training.lrr=1", "trainig.epochs=2", "draft.num_depths=2,4,8",
                                  "hydra.verbose=true", "seed=3"])
     assert len(errs) == 2
     assert errs[0].startswith("unknown config key 'training.lrr' in the command line. Did you mean training.lr or ")
@@ -26,13 +27,13 @@ def test_misspelled_keys_list_near_matches():
 
 
 def test_unknown_recipe_lists_existing_ones_and_recipe_typos_are_caught(tmp_path, monkeypatch):
-    (err,) = C.check_command_line(["recipe=smollm2-135m-dmo"])
+    (err,) = CL.check_command_line(["recipe=smollm2-135m-dmo"])
     assert "recipe 'smollm2-135m-dmo' does not exist" in err and "smollm2-135m-demo" in err
-    monkeypatch.setattr(C, "RECIPES_DIR", tmp_path)
+    monkeypatch.setattr(CL, "RECIPES_DIR", tmp_path)
     (tmp_path / "bad.yaml").write_text("# @package _global_\ntraining:\n  warmup_step: 3\n  schedule: cosin\n"
                                        "draft:\n  num_depths: 4\ndata:\n  template_kwargs: {enable_thinking: false}\n"
                                        "  mix: [{path: a.json, weight: 1}]\n")  # values that are dicts: not keys
-    bad = C.check_command_line(["recipe=bad"])
+    bad = CL.check_command_line(["recipe=bad"])
     assert len(bad) == 2
     assert "unknown config key 'training.warmup_step' in " + str(tmp_path / "bad.yaml") in bad[0]
     assert "Did you mean training.warmup_steps" in bad[0]
@@ -44,7 +45,7 @@ def test_keys_added_with_plus_are_checked_too_except_inside_a_dict_value():
     """Hydra adds +key= / ++key= silently even to a typed config: they are refused unless they lie
     inside a dict value (data.template_kwargs)."""
     assert compose_train(["+training.lrr=1"]).training.lrr == 1  # what Hydra alone does
-    errs = C.check_command_line(["+training.lrr=1", "++x=1", "+data.template_kwargs.enable_thinking=false",
+    errs = CL.check_command_line(["+training.lrr=1", "++x=1", "+data.template_kwargs.enable_thinking=false",
                                  "++data.template_kwargs={enable_thinking: false}", "~eval.categories"])
     assert [e.split("'")[1] for e in errs] == ["training.lrr", "x"]
     assert "Did you mean training.lr" in errs[0]
@@ -56,9 +57,9 @@ def test_a_recipe_of_ones_own_is_found_on_hydra_searchpath(tmp_path):
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndraft:\n  num_depths: 3\n")
     over = ["recipe=mine", f"hydra.searchpath=[file://{tmp_path}]"]
-    assert C.check_command_line(over) == []
+    assert CL.check_command_line(over) == []
     assert compose_train(over).draft.num_depths == 3
-    (err,) = C.check_command_line(["recipe=mine"])  # without the search path it does not exist
+    (err,) = CL.check_command_line(["recipe=mine"])  # without the search path it does not exist
     assert "recipe 'mine' does not exist" in err
 
 
@@ -153,36 +154,36 @@ def test_every_key_has_a_help_line_and_choices_default_to_a_member():
     ("recommend-k", "recommend.batch_size=[1]", "recommend.batch_sizes"),
 ])
 def test_every_entry_point_refuses_a_misspelled_key_with_the_near_match(command, arg, near, capsys):
-    (err,) = C.check_command_line([arg], command)
+    (err,) = CL.check_command_line([arg], command)
     assert err.startswith(f"unknown config key '{arg.split('=')[0]}' in the command line. Did you mean {near}"), err
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too
         C.compose(command, [arg])
     with pytest.raises(SystemExit) as e:
-        C.check_or_exit([arg, "output_dir=/tmp/x"], command)
+        CL.check_or_exit([arg, "output_dir=/tmp/x"], command)
     assert e.value.code == 2
     assert capsys.readouterr().err.endswith(f": error: {err}\n")
-    assert C.check_command_line([f"{near}={arg.split('=')[1]}"], command) == []
+    assert CL.check_command_line([f"{near}={arg.split('=')[1]}"], command) == []
 
 
 def test_entry_point_keys_stay_at_their_entry_point():
-    assert C.check_command_line(["head=x", "eval.temperature=0.7", "eval.benchmark=mt_bench"], "evaluate") == []
-    errs = C.check_command_line(["head=x", "eval.temperature=0.7", "regenerate.backend=hf"], "train")
+    assert CL.check_command_line(["head=x", "eval.temperature=0.7", "eval.benchmark=mt_bench"], "evaluate") == []
+    errs = CL.check_command_line(["head=x", "eval.temperature=0.7", "regenerate.backend=hf"], "train")
     assert [e.split("'")[1] for e in errs] == ["head", "eval.temperature", "regenerate.backend"]
-    (err,) = C.check_command_line(["eval.benchmark=mtbench"], "evaluate")
+    (err,) = CL.check_command_line(["eval.benchmark=mtbench"], "evaluate")
     assert err == ("eval.benchmark='mtbench' must be spec_bench, mt_bench, humaneval or jsonl. "
                    "Did you mean eval.benchmark=mt_bench?")
-    (err,) = C.check_command_line(["dtype=float32"], "export")  # two names for one concept: export.dtype only
+    (err,) = CL.check_command_line(["dtype=float32"], "export")  # two names for one concept: export.dtype only
     assert err.startswith("dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=")
-    assert C.check_command_line(["target.dtype=null", "precision=bf16,fp32", "recommend.extrapolate=zero",
+    assert CL.check_command_line(["target.dtype=null", "precision=bf16,fp32", "recommend.extrapolate=zero",
                                  "training.schedule='linear'"], "recommend-k") == []
     assert compose_train(["training.schedule='linear'"]).training.schedule == "linear"  # Hydra unquotes
     with pytest.raises(ValueError, match="unknown entry point 'evaluat'"):
-        C.check_command_line([], "evaluat")
+        CL.check_command_line([], "evaluat")
 
 
 def test_help_lists_every_key_with_type_default_and_help(capsys):
     with pytest.raises(SystemExit) as e:
-        C.check_or_exit(["--help"], "evaluate")
+        CL.check_or_exit(["--help"], "evaluate")
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("peagle evaluate: Measure τ, speed and latency of a head beside the target alone")
@@ -199,13 +200,13 @@ def test_help_lists_every_key_with_type_default_and_help(capsys):
     assert "  training.schedule" in out and "cosine|linear|constant|wsd = cosine" in out
     assert "recipes: " in out and "smollm2-135m-demo" in out
     with pytest.raises(SystemExit):
-        C.check_or_exit(["-h", "recommend"], "recommend-k")
+        CL.check_or_exit(["-h", "recommend"], "recommend-k")
     one = capsys.readouterr().out
     assert "recommend.batch_sizes" in one and "training." not in one and "recommend: the K recommendation" in one
     with pytest.raises(SystemExit) as e:
-        C.check_or_exit(["--help", "trainig"], "train")
+        CL.check_or_exit(["--help", "trainig"], "train")
     assert e.value.code == 2 and "Did you mean training?" in capsys.readouterr().err
-    assert C.check_or_exit(["--hydra-help"], "train") is None  # Hydra's own flag is left to Hydra
+    assert CL.check_or_exit(["--hydra-help"], "train") is None  # Hydra's own flag is left to Hydra
 
 
 def test_cpu_threads_default_is_this_process_share_of_the_cores(monkeypatch):

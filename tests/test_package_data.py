@@ -12,7 +12,8 @@ import zipfile
 import pytest
 
 import peagle_train
-from peagle_train import config, paths
+from peagle_train import paths
+from peagle_train.cli import command_line
 from peagle_train.paths import PACKAGE_DIR
 
 from .conftest import REPO_ROOT
@@ -23,8 +24,8 @@ def test_package_files_are_found_inside_the_package():
     for p in (paths.CONF_DIR, paths.RECIPES_DIR, paths.SPEC_BENCH):
         assert p.parent == PACKAGE_DIR or p.parent.parent == PACKAGE_DIR, p
     assert (paths.CONF_DIR / "train.yaml").is_file() and (paths.CONF_DIR / "recipe" / "smollm2-135m-demo.yaml").is_file()
-    assert config.RECIPES_DIR == paths.RECIPES_DIR
-    assert {"smollm2-135m-demo", "llama-3.1-8b-instruct"} <= set(config.recipe_names())
+    assert command_line.RECIPES_DIR == paths.RECIPES_DIR
+    assert {"smollm2-135m-demo", "llama-3.1-8b-instruct"} <= set(command_line.recipe_names())
     assert paths.resolve_path("pkg:spec_bench") == paths.SPEC_BENCH
     assert sum(1 for _ in paths.SPEC_BENCH.open()) == 480 and paths.SPEC_BENCH.with_name("LICENSE").is_file()
     # in a checkout they are the top-level folders (one copy of each file)

@@ -47,7 +47,7 @@ def test_precision_alone_sets_the_draft_autocast_and_mixed_precision_is_refused(
         check_training_config(OmegaConf.merge(train_cfg, {"num_depths": 2}))
     with pytest.raises(ConfigError, match=r"training.mixed_precision was removed: `precision`"):
         Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path / "x").setup()
-    from peagle_train.config import check_command_line
+    from peagle_train.cli.command_line import check_command_line
 
     (err,) = check_command_line(["training.mixed_precision=no"])
     assert err.startswith("training.mixed_precision was removed") and "precision=fp32 (was no)" in err

@@ -4,7 +4,7 @@ a bf16 target with the fp32-trained head, export)."""
 
 import pytest
 
-from peagle_train.config import recipe_names
+from peagle_train.cli.command_line import recipe_names
 from peagle_train.dryrun import dry_run, family_of
 
 from .test_config import compose_train

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from peagle_train import config as C
+from peagle_train.cli import command_line as CL
 from peagle_train.errors import ConfigError, user_error_message
 
 from .conftest import REPO_ROOT, tiny_llama
@@ -152,7 +153,7 @@ def test_a_few_values_through_the_real_command_line(tmp_path):
 # each named case: the exact message
 
 def problems(command, *overrides):
-    return C.composed_problems(list(overrides), command)
+    return CL.composed_problems(list(overrides), command)
 
 
 CASES = [
@@ -327,7 +328,7 @@ def test_k_beyond_k_train():
 def test_several_problems_one_line_each_and_the_defaults_and_recipes_pass(tmp_path):
     for command in C.SCHEMAS:
         assert problems(command) == [], command
-    for recipe in C.recipe_names():
+    for recipe in CL.recipe_names():
         assert problems("train", f"recipe={recipe}") == [], recipe
     # a value out of range in a recipe of one's own is found the same way
     (tmp_path / "recipe").mkdir()
@@ -357,7 +358,7 @@ def test_every_value_of_a_sweep_is_checked_before_its_first_job():
 
 
 def test_help_lists_what_a_key_allows():
-    text = C.describe("train", "training")
+    text = CL.describe("train", "training")
     assert "  training.max_steps              int | null = null\n      stop after this many optimizer steps; " \
            "null = all epochs\n      allowed: ≥ 1, null\n" in text
     assert "      allowed: in (0, 1]\n" in text

@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_hydra(hydra_main, argv: list[str] | None, doc: str, command: str) -> int:
     """Run one Hydra subcommand: `--help` prints `doc`, the recipes and the keys of the command's
-    schema with their help (`config.describe`); otherwise misspelled keys, values outside a choice
+    schema with their help (`command_line.describe`); otherwise misspelled keys, values outside a choice
     and unknown recipes are refused with the near matches before Hydra starts (`check_or_exit`);
     then `hydra_main()` parses sys.argv as usual. A recipe that is not valid YAML is one error line
     (file, line, column). Returns 0."""
-    from ..config import check_or_exit, recipe_names
+    from .command_line import check_or_exit, recipe_names
     from ..errors import guarded
 
     argv = sys.argv[1:] if argv is None else list(argv)

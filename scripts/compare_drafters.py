@@ -7,8 +7,8 @@
 `bench` times, side by side in one process on this machine (SmolLM2-135M sizes: H 576, 9 heads,
 3 KV heads, vocabulary 49,152, draft vocabulary 8,192; random weights and features, since speed
 does not depend on values; 2 layers as the smollm2-135m recipe; `precision: auto`):
-  - drafting K = 1..8 tokens at batch 1 with 512 pairs of context in the draft's cache (median of
-    20 after 2 warm-ups): P-EAGLE one forward over 1 pair + K-1 slots, DFlash one forward over a
+  - drafting K = 1..8 tokens at batch 1 with 512 pairs of context in the draft's cache, the
+    decoder's SlotCache (median of 50 after 2 warm-ups): P-EAGLE one forward over 1 pair + K-1 slots, DFlash one forward over a
     block of K + 1, EAGLE-3 K sequential forwards;
   - one training step of each objective on a packed row of 2,048 tokens, max_anchors 256, K_train
     as trained (P-EAGLE 8, EAGLE-3 8, DFlash 5), median of 3 after 1 warm-up: tokens/s.
@@ -69,8 +69,12 @@ def _head(algorithm: str, layers: int = 2):
 
 
 @torch.no_grad()
-def bench_drafting(amp, context: int = 512, repeats: int = 20) -> list[dict]:
-    """ms to draft K = 1..8 tokens from a warm cache of `context` pairs, batch 1, per algorithm."""
+def bench_drafting(amp, context: int = 512, repeats: int = 50) -> list[dict]:
+    """ms to draft K = 1..8 tokens from a warm cache of `context` pairs, batch 1, per algorithm: one
+    `propose` over the step's new pair into the decoder's own cache (a SlotCache, written in place),
+    whose entry is dropped again after each call so that every call sees the same context."""
+    from peagle_train.draft.kv_cache import SlotCache
+
     out = []
     for algorithm in ORDER:
         d = _head(algorithm).eval()
@@ -78,8 +82,9 @@ def bench_drafting(amp, context: int = 512, repeats: int = 20) -> list[dict]:
         feats, toks = torch.randn(1, context, 1728, generator=g), torch.randint(0, 49152, (1, context), generator=g)
         n = context - 1
         with amp:
-            cache = d.propose(toks[:, :n], feats[:, :n], torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None],
-                              None, 1).cache
+            cache = SlotCache()
+            d.propose(toks[:, :n], feats[:, :n], torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None],
+                      cache, 1)
             for K in range(1, 9):
                 times = []
                 for i in range(repeats + 2):
@@ -88,6 +93,7 @@ def bench_drafting(amp, context: int = 512, repeats: int = 20) -> list[dict]:
                               cache, K)
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
+                    cache.crop(-1)  # the step's pair out again: the next call sees the same context
                 out.append({"algorithm": algorithm, "K": K, "ms": 1000 * statistics.median(times)})
     return out
 
@@ -193,7 +199,8 @@ def report(a: Args) -> str:
     algos = [x for x in ORDER if any(p.algorithm == x for p in points)]
     fits = {x: scaling.fit([p for p in points if p.algorithm == x]) for x in algos}
     tps = {r["algorithm"]: r["tokens_per_second"] for r in b["training"]}
-    machine = (f"{b['cpu']}, bf16 unit {', '.join(b['bf16_units']) or 'none'}, {b['threads']} threads, "
+    units = b["bf16_units"] if isinstance(b["bf16_units"], str) else ", ".join(b["bf16_units"])
+    machine = (f"{b['cpu']}, bf16 unit {units or 'none'}, {b['threads']} threads, "
                f"precision {b['precision']}, load average {b['load_average_before']:.2f} → {b['load_average_after']:.2f}")
     lines = [HEADING, "",
              f"SmolLM2-135M-Instruct, the same offline features of ShareGPT's own answers, the smollm2-135m recipe "
@@ -204,14 +211,27 @@ def report(a: Args) -> str:
              f"bench={a.bench}`.", "", "### At equal token budgets", "", scaling.table(points), ""]
     lines += ["τ ± standard error over prompts:", "", "| steps | " + " | ".join(NAMES[x] for x in algos) + " |",
               "|---|" + "---|" * len(algos)]
+    tau = {}
     for s in a.budgets:
         path = Path(a.run_dir) / "eval" / f"step_{s:06d}" / "eval" / "acceptance.json"
         acc = read_acceptance(path)
         cells = []
         for x in algos:
             m = scaling.head_summary(acc, x, path, Path(a.run_dir), s)
-            cells.append(f"{m['acceptance_length']:.3f} ± {m.get('acceptance_length_stderr', float('nan')):.3f}")
+            tau[(x, s)] = (m["acceptance_length"], m.get("acceptance_length_stderr", float("nan")))
+            cells.append(f"{tau[(x, s)][0]:.3f} ± {tau[(x, s)][1]:.3f}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", f"Pairs at each budget (a difference within two standard errors of it is called noise):", ""]
+    for s in a.budgets:
+        said = []
+        for i, x in enumerate(algos):
+            for y in algos[i + 1:]:
+                (tx, ex), (ty, ey) = tau[(x, s)], tau[(y, s)]
+                se = math.sqrt(ex * ex + ey * ey)
+                verdict = "within noise" if abs(tx - ty) <= 2 * se else (f"{NAMES[x]} ahead" if tx > ty else
+                                                                          f"{NAMES[y]} ahead")
+                said.append(f"{NAMES[x]} − {NAMES[y]} = {tx - ty:+.3f} ± {se:.3f} ({verdict})")
+        lines.append(f"- {s} steps: " + "; ".join(said) + ".")
     lines += ["", "### At equal wall-clock", "",
               f"Training throughput of one step of each objective, side by side in one run ({machine}; "
               f"`python scripts/compare_drafters.py command=bench`), and τ from each head's fit τ − 1 = c·T^α at the "

@@ -32,7 +32,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .kv_cache import SlotCache
-from .peagle import DraftConfig, DraftMLP, Proposal, _flex_attention
+from .peagle import DraftConfig, DraftMLP, PEagleDraft, Proposal, _flex_attention
 
 
 @dataclass
@@ -127,13 +127,8 @@ class DFlashDraft(nn.Module):
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
 
-    @torch.no_grad()
-    def init_from_target(self, target_model, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the target's embeddings and its lm_head rows of the draft vocabulary (DESIGN.md §3)."""
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids])
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+    # the target's embeddings and its lm_head rows of the draft vocabulary, as P-EAGLE's (same names)
+    init_from_target = PEagleDraft.init_from_target
 
     def context_states(self, features: torch.Tensor, position_ids: torch.Tensor) -> ContextStates:
         """The context of features [B, S, 3H] (the target's aux hidden states) at position_ids [B, S]."""

@@ -131,22 +131,11 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
     if c.algorithm == "dflash":
         return dflash_config(draft, verifier_name_or_path, verifier_architectures, dtype)
     eagle3 = c.algorithm == "eagle3"
-    layer_cfg = c.layer_config_dict()
-    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-            "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
-    layer_cfg = {k: layer_cfg[k] for k in keep if k in layer_cfg}
-    layer_cfg["rope_theta"] = c.rope_parameters.get("rope_theta")
+    layer_cfg = _layer_config(c)
     cfg = {
         "architectures": ["Eagle3Speculator" if eagle3 else "PEagleDraftModel"],
         "speculators_model_type": c.algorithm,
-        "speculators_config": {
-            "algorithm": c.algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": _proposal_config(c, verifier_name_or_path, verifier_architectures),
         "transformer_layer_config": layer_cfg,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
@@ -167,6 +156,17 @@ def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_
     if eagle3:  # sequential drafting: no mask token, no mask_hidden
         del cfg["mask_token_id"]
     return cfg
+
+
+def _proposal_config(c: DraftConfig, verifier_name_or_path: str, verifier_architectures: list[str]) -> dict:
+    """speculators_config: the algorithm, one greedy proposal method of K_train tokens, the verifier."""
+    return {
+        "algorithm": c.algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+    }
 
 
 def _layer_config(c: DraftConfig) -> dict:
@@ -190,13 +190,7 @@ def dflash_config(draft, verifier_name_or_path: str, verifier_architectures: lis
     return {
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": "dflash",
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": _proposal_config(c, verifier_name_or_path, verifier_architectures),
         "transformer_layer_config": layer_cfg,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,

@@ -28,14 +28,11 @@ import enum
 import functools
 import math
 import re
-import sys
-import textwrap
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any, Optional
 
-from .paths import CONF_DIR, RECIPES_DIR
+from .paths import CONF_DIR
 
 
 class Choice(str, enum.Enum):

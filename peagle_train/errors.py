@@ -288,14 +288,59 @@ def _interrupted(e: BaseException) -> bool:
 
 
 _MAIN_PID = None
+_RESUME = RERUN            # the resume text of the innermost wrapper that ran (the watchdog's line)
+_REPORTED = False          # the interrupted line was written
+_WATCHDOG = None
+INTERRUPT_GRACE_S = float(os.environ.get("PEAGLE_INTERRUPT_GRACE_S", "20"))
 
 
 def _on_sigint(signum, frame):
     """SIGINT in the process that entered the wrapper raises KeyboardInterrupt (as Python's own
-    handler does); in a worker forked from it (datasets' map pool, DataLoader workers) it is ignored:
-    the main process stops them, and they print no traceback of their own."""
+    handler does) and arms `_exit_watchdog`; in a worker forked from it (datasets' map pool,
+    DataLoader workers) it is ignored: the main process stops them, and they print no traceback of
+    their own."""
     if os.getpid() == _MAIN_PID:
+        _arm_exit_watchdog()
         raise KeyboardInterrupt
+
+
+def _child_pids() -> list[int]:
+    """Processes whose parent is this one (Linux /proc; empty elsewhere)."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me:
+            out.append(int(d.name))
+    return out
+
+
+def _arm_exit_watchdog() -> None:
+    """After the first Ctrl-C, a daemon thread that ends the process when unwinding hangs (a worker
+    pool whose teardown deadlocks when KeyboardInterrupt lands inside it): after INTERRUPT_GRACE_S
+    seconds it kills this process's children, writes the interrupted line unless it was written,
+    and exits 130 at once."""
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        return
+    import threading
+    import time
+
+    def fire():
+        time.sleep(INTERRUPT_GRACE_S)
+        for pid in _child_pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if not _REPORTED:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"\n{_prog()}: interrupted; {_RESUME}\n")
+                sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    _WATCHDOG = threading.Thread(target=fire, name="peagle-interrupt-watchdog", daemon=True)
+    _WATCHDOG.start()
 
 
 def _install_sigint_handler() -> None:
@@ -374,11 +419,13 @@ def _guarded(fn, job: bool = False, console: bool = False, resume: str = RERUN):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        global _RESUME
         if console:
             from .logs import setup_logging
 
             setup_logging()
         _install_sigint_handler()
+        _RESUME = resume
         show_tb = os.environ.get("PEAGLE_TRACEBACK") == "1" or _USER_FULL_ERROR
         old = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -417,8 +464,10 @@ def _exit_user_error(msg: str) -> None:
 
 
 def _exit_interrupted(resume: str) -> None:
+    global _REPORTED
     with contextlib.suppress(Exception):  # a progress bar's line is ended first
         sys.stderr.write("\n")
     sys.stderr.write(f"{_prog()}: interrupted; {resume}\n")
     sys.stderr.flush()
+    _REPORTED = True
     raise SystemExit(EXIT_INTERRUPTED)

@@ -476,3 +476,47 @@ def test_ctrl_c_prints_one_line_and_no_traceback_of_the_workers(tmp_path):
     assert [x for x in err.splitlines() if "peagle" in x] == [
         "peagle prepare: interrupted; rerun the same command: the tables already tokenised are reused from "
         "data.cache_dir"]
+
+
+HANGING_APP = textwrap.dedent("""
+    import os, sys, threading, time
+    from peagle_train.errors import RESUME_PREPARE, cli_main
+
+    def main():
+        child = os.fork()
+        if child == 0:  # a worker that never ends by itself
+            while True:
+                time.sleep(1)
+        print(child, flush=True)
+        try:
+            time.sleep(600)
+        finally:  # unwinding blocks, as a worker pool's teardown can when Ctrl-C lands inside it
+            threading.Event().wait()
+
+    if __name__ == "__main__":
+        sys.argv[0] = "peagle prepare"
+        cli_main(main, resume=RESUME_PREPARE)()
+    """)
+
+
+def test_ctrl_c_ends_the_process_even_when_unwinding_hangs(tmp_path):
+    """After Ctrl-C a watchdog ends a process whose unwinding blocks: its child is killed, the one
+    interrupted line is written, the exit status is 130 (PEAGLE_INTERRUPT_GRACE_S=2 here; 20 s by
+    default)."""
+    app = tmp_path / "app.py"
+    app.write_text(HANGING_APP)
+    p = subprocess.Popen([sys.executable, str(app)], env={**ENV, "PEAGLE_INTERRUPT_GRACE_S": "2"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(p.stdout.readline())
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGINT)  # the main process only: the child ignores nothing and keeps running
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-3000:]
+    assert 1.5 <= time.monotonic() - t0 < 30
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert [x for x in err.splitlines() if "peagle" in x] == [
+        "peagle prepare: interrupted; rerun the same command: the tables already tokenised are reused from "
+        "data.cache_dir"]
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split(")")[1].split()[0] == "Z"

@@ -443,7 +443,15 @@ def test_a_read_only_output_dir(tmp_path, capsys, monkeypatch):
             "output_dir, then run the same command again.")
 
 
-CTRL_C_APP = textwrap.dedent("""
+# A terminal's foreground job receives Ctrl-C; a process started by a test may inherit SIGINT ignored
+# (a background shell) or blocked (a library's thread mask in the test process): the apps undo both.
+AS_FOREGROUND = """
+    import signal
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+CTRL_C_APP = textwrap.dedent(AS_FOREGROUND + """
     import sys, time
     import datasets
     from peagle_train.errors import RESUME_PREPARE, cli_main
@@ -478,7 +486,7 @@ def test_ctrl_c_prints_one_line_and_no_traceback_of_the_workers(tmp_path):
         "data.cache_dir"]
 
 
-HANGING_APP = textwrap.dedent("""
+HANGING_APP = textwrap.dedent(AS_FOREGROUND + """
     import os, sys, threading, time
     from peagle_train.errors import RESUME_PREPARE, cli_main
 

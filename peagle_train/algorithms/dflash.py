@@ -121,7 +121,7 @@ class DFlashObjective(Objective):
         t = self.train_cfg
         backward = backward or (lambda x: x.backward())
         norm = global_loss_norm(accelerator, sum(int(b.valid.sum()) for _, b in micro))
-        loss_value, counts = 0.0, 0
+        loss_value, counts = 0.0, torch.zeros(4, t.num_depths, dtype=torch.float64)
         for row, blocks in micro:
             if blocks.anchors.numel() == 0:
                 continue
@@ -129,8 +129,6 @@ class DFlashObjective(Objective):
                 loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, norm)
             backward(loss)
             loss_value, counts = loss_value + loss.item(), counts + c
-        if isinstance(counts, int):
-            counts = torch.zeros(4, t.num_depths, dtype=torch.float64)
         return loss_value, counts
 
     @torch.no_grad()

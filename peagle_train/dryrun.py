@@ -48,56 +48,51 @@ def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int =
 
 def dry_run(cfg, out_dir: Path) -> dict:
     """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family (in
-    target.dtype), then evaluation and export as train.py runs them; the trackers of
-    `training.tracker` get the training scalars and the evaluation's (`tracking.eval_scalars`).
-    Returns {"family", "draft_layers", "num_depths", "steps", "loss", "precision" (the draft's autocast), "engine",
-    "training", "eval" (the acceptance dict), "export" (its directory)}."""
-    from .data.vocab import DraftVocab
-    from .evaluation.run import evaluate_acceptance
-    from .export.speculators import write_export
+    target.dtype), then the checkpoint, evaluation and export of `peagle train`, through the same job
+    runner (pipeline.py; evaluation and export run whatever the recipe's eval.enabled and
+    export.enabled say); the trackers of `training.tracker` get the training scalars and the
+    evaluation's (`tracking.eval_scalars`). Returns {"family", "draft_layers", "num_depths", "steps",
+    "loss", "precision" (the draft's autocast), "engine", "training", "eval" (the acceptance dict),
+    "export" (its directory)}."""
     from .config import train_config
-    from .job import build_draft, dtype_of
+    from .data.vocab import DraftVocab
+    from .draft.head_checkpoint import load_checkpoint
+    from .job import dtype_of
+    from .pipeline import JobInputs, run_training_job
     from .target.capture import FeatureTarget
-    from .draft.head_checkpoint import load_checkpoint, save_checkpoint
     from .training.checks import check_training_config
-    from .training.tracking import eval_scalars, tracked_accelerator
-    from .training.trainer import train
+    from .training.tracking import tracked_accelerator
 
+    out_dir = Path(out_dir)
     family = family_of(cfg.target.name_or_path or cfg.target.path)
     V = 256
     target = FeatureTarget(tiny_target(family, V, dtype=dtype_of(cfg.target.dtype)))
     vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)
-    draft = build_draft(target, cfg.draft, vocab, V - 1, cfg.algorithm)
     g = torch.Generator().manual_seed(cfg.seed)
     ids = [torch.randint(0, V - 1, (48,), generator=g).tolist() for _ in range(8)]
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
+    prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
+               for i in range(2)]
     train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
                                                     "save_every": None, "val_conversations": 0, "resume": False,
                                                     "grad_accum": 1, "max_anchors": 32,
                                                     "attention": "dense"})
     check_training_config(train_cfg)
+    job_cfg = OmegaConf.merge(cfg, {"eval": {"enabled": True}, "export": {"enabled": True}})
     acc = tracked_accelerator(train_cfg.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True), cpu=True)
-    res = train(acc, draft, target, rows, vocab.draft_ids, train_cfg, Path(out_dir))
-    back, _ = load_checkpoint(save_checkpoint(res["draft"], Path(out_dir) / "checkpoint"))
+    res, _ = run_training_job(job_cfg, acc, out_dir, JobInputs(target, None, rows, vocab, V - 1, prompts), train_cfg,
+                              verifier=cfg.target.name_or_path, eval_settings={
+                                  "max_new_tokens": 16, "plot": False, "benchmark": "random"})
+    back, _ = load_checkpoint(out_dir / "checkpoint")  # the round trip
+    train_summary = res["training"]
     summary = {"family": family, "draft_layers": back.config.num_hidden_layers, "num_depths": back.config.num_depths,
-               "steps": res["steps"], "loss": _last_loss(Path(out_dir)),
-               "precision": res["precision"], "engine": res.get("engine")}
-    train_summary = {k: v for k, v in res.items() if k != "draft"}
-    draft = res["draft"].eval()
-    prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
-               for i in range(2)]
-    acceptance = evaluate_acceptance(target, draft, None, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                                     max_new_tokens=16, out_dir=Path(out_dir) / "eval", plot=False,
-                                     benchmark="random", precision=cfg.get("precision", "auto"))
-    export = write_export(draft, Path(out_dir) / "export", verifier_name_or_path=cfg.target.name_or_path,
-                          verifier_architectures=list(target.config.architectures or []),
-                          dtype=dtype_of(cfg.export.dtype), data_token_ids={t for r in ids for t in r}, overwrite=True)
-    acc.log(eval_scalars(acceptance), step=res["steps"])
+               "steps": train_summary["steps"], "loss": _last_loss(out_dir),
+               "precision": train_summary["precision"], "engine": train_summary.get("engine")}
     for tracker in acc.trackers:  # end_training's first half: the process group stays for the next run in this process
         tracker.finish()
     logger.info("dry run of a %s recipe: %s", family, summary)
-    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}, "eval": acceptance,
-            "export": str(export)}
+    return {**summary, "training": {**train_summary, "final_loss": summary["loss"]}, "eval": res["eval"],
+            "export": res["export"]}
 
 
 def _last_loss(out: Path) -> float:

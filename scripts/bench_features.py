@@ -33,10 +33,10 @@ from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
 from peagle_train.paths import resolve_path
 from peagle_train.algorithms.peagle import draft_step
-from peagle_train.features.offline import OfflineFeatures
+from peagle_train.features.shards import OfflineFeatures
 from peagle_train.features.rows import pack_documents
 from peagle_train.features.online import packed_row
-from peagle_train.target.feature_shards import write_features
+from peagle_train.features.shards import write_features
 from peagle_train.algorithms.cod import cod_sample
 
 HEADING = "## Target features"

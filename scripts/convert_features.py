@@ -14,7 +14,7 @@ from omegaconf import MISSING
 
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import cli_main
-from peagle_train.target.feature_shards import convert_features
+from peagle_train.features.shards import convert_features
 
 
 @dataclass

@@ -1,19 +1,23 @@
 """scripts/ablation_report.py: the ablation table read from a run directory, hand-checked."""
 
 import json
+import os
 import subprocess
 import sys
 
 from .conftest import REPO_ROOT
 
 
-def _eval(run, pair, step, head, baseline=None):
+def _eval(run, pair, step, head, baseline=None, more=()):
     d = run / "eval" / pair / f"step_{step:06d}" / "eval"
     d.mkdir(parents=True)
     acc = {"acceptance_length": head[0], "acceptance_length_stderr": head[1], "per_position_acceptance": head[2]}
     if baseline:
         acc["baseline"] = {"acceptance_length": baseline[0], "acceptance_length_stderr": baseline[1],
                            "per_position_acceptance": baseline[2]}
+    if more:
+        acc["more_heads"] = [{"acceptance_length": m[0], "acceptance_length_stderr": m[1],
+                              "per_position_acceptance": m[2]} for m in more]
     (d / "acceptance.json").write_text(json.dumps(acc))
 
 
@@ -33,6 +37,21 @@ def test_ablation_table_hand_checked(tmp_path):
     assert lines.index(base) < lines.index(regen)
     assert base.endswith("| 96 | 2.00M | 1.400 ± 0.020 |  | 0.300 | 0.090 | 0.010 | 0.30 |")
     assert regen.endswith("| 96 | ? | 1.300 ± 0.010 | -0.100 | 0.250 | 0.050 | 0.000 | 0.20 |")
+    # a later evaluation of every arm in one run (head, baseline_head, more_heads): its figures replace the
+    # pair's; the third and fourth arms are its more_heads in order
+    os.utime(run / "eval" / "regen__base" / "step_000096" / "eval" / "acceptance.json", (1, 1))
+    _eval(run, "base__regen__layers4__wsd@96", 96, (1.41, 0.02, [0.31, 0.09, 0.01]), (1.31, 0.01, [0.26, 0.05, 0.0]),
+          more=[(1.45, 0.03, [0.35, 0.14, 0.02]), (1.38, 0.02, [0.28, 0.07, 0.0])])
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+                        f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [x for x in out.read_text().splitlines() if x.startswith("| ") and "| 96 |" in x]
+    assert len(rows) == 4  # base, regen, layers4, wsd: one row each
+    base, regen, layers4, wsd = rows
+    assert base.startswith("| base |") and base.endswith("| 96 | 2.00M | 1.410 ± 0.020 |  | 0.310 | 0.090 | 0.010 | 0.29 |")
+    assert regen.endswith("| 96 | ? | 1.310 ± 0.010 | -0.100 | 0.260 | 0.050 | 0.000 | 0.19 |")
+    assert layers4.startswith("| layers4 |") and layers4.endswith("| 1.450 ± 0.030 | +0.040 | 0.350 | 0.140 | 0.020 | 0.40 |")
+    assert wsd.startswith("| wsd |") and wsd.endswith("| 1.380 ± 0.020 | -0.030 | 0.280 | 0.070 | 0.000 | 0.25 |")
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
                           f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr

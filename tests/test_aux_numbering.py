@@ -14,10 +14,10 @@ from peagle_train.export.speculators import load_head
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.export.speculators import (ExportError, installed_vllm_problem, load_export, serve_commands,
                                              validate_export, write_export)
-from peagle_train.features.offline import OfflineFeatures
+from peagle_train.features.shards import OfflineFeatures
 from peagle_train.target.capture import (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, FeatureTarget,
                                           aux_ids_from_layer_outputs)
-from peagle_train.target.feature_shards import FORMAT_VERSION, FeatureShardError, write_features
+from peagle_train.features.shards import FORMAT_VERSION, FeatureShardError, write_features
 
 from .test_decoding import make_draft
 

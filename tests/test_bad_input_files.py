@@ -9,13 +9,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import peagle_train.target.feature_shards as offline
+import peagle_train.features.shards as offline
 from peagle_train.errors import CorruptFileError, UserError
 from peagle_train.export.speculators import ExportError, load_export, write_export
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.features.offline import OfflineFeatures
-from peagle_train.target.feature_shards import FeatureShardError, write_features
+from peagle_train.features.shards import OfflineFeatures
+from peagle_train.features.shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import check_output_dir, load_training_checkpoint, save_training_checkpoint
+from peagle_train.training.engines import DDPEngine
 from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
 
 from .test_decoding import make_draft
@@ -81,18 +82,18 @@ def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_fallback(tmp_pa
     gen = torch.Generator().manual_seed(0)
     root, fp = tmp_path / "checkpoints", {"training.lr": 1e-3}
     for step in (1, 2):
-        last = save_training_checkpoint(acc, root, step, draft, opt, sched, {"step": step}, gen, fp, keep_last=None)
-    assert load_training_checkpoint(acc, last, draft, opt, sched, gen)["step"] == 2
+        last = save_training_checkpoint(acc, root, step, draft, DDPEngine(draft, opt, acc, None), sched, {"step": step}, gen, fp, keep_last=None)
+    assert load_training_checkpoint(acc, last, DDPEngine(draft, opt, acc, None), sched, gen)["step"] == 2
     good = (last / "model.safetensors").read_bytes()
     cut(last / "model.safetensors")
     with pytest.raises(CorruptFileError, match=r"step_000002/model\.safetensors: cannot read the draft weights .*"
                                                r"Fix: delete .*step_000002 and resume again \(from the previous "
                                                r"checkpoint step_000001\)"):
-        load_training_checkpoint(acc, last, draft, opt, sched, gen)
+        load_training_checkpoint(acc, last, DDPEngine(draft, opt, acc, None), sched, gen)
     (last / "model.safetensors").write_bytes(good)
     cut(last / "state.pt")
     with pytest.raises(CorruptFileError, match=r"step_000002/state\.pt: cannot read the training state"):
-        load_training_checkpoint(acc, last, draft, opt, sched, gen)
+        load_training_checkpoint(acc, last, DDPEngine(draft, opt, acc, None), sched, gen)
     (last / "fingerprint.json").write_text('{"training.lr": ')
     with pytest.raises(CorruptFileError, match=r"step_000002/fingerprint\.json: the checkpoint fingerprint is not "
                                                r"valid JSON"):

@@ -93,7 +93,7 @@ def test_the_choices_are_the_ones_the_code_accepts():
     from them (one list of names each)."""
     from peagle_train.algorithms import OBJECTIVES
     from peagle_train.evaluation.benchmarks import BENCHMARKS
-    from peagle_train.target.feature_shards import INT8_SCALES, STORAGES
+    from peagle_train.features.shards import INT8_SCALES, STORAGES
     from peagle_train.algorithms.cod import ATTENTION_SETTINGS
     from peagle_train.training.engines import ENGINES
     from peagle_train.training.loss import LOSSES

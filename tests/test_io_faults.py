@@ -27,8 +27,9 @@ from peagle_train.errors import (RESUME_PREPARE, RESUME_TRAIN, CorruptFileError,
                                  io_failure, user_error_message)
 from peagle_train.export.speculators import load_export, write_export
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.target.feature_shards import FeatureShardError, write_features
+from peagle_train.features.shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import list_checkpoints, save_training_checkpoint
+from peagle_train.training.engines import DDPEngine
 
 from .conftest import REPO_ROOT
 from .test_data import QA, conv, prep, write_array
@@ -176,14 +177,14 @@ def test_full_disk_while_saving_a_resumable_checkpoint(tmp_path, draft, leave):
     gen = torch.Generator().manual_seed(0)
     with small_fs(tmp_path / "fs", "4m") as fs:
         root = fs / "checkpoints"
-        save_training_checkpoint(acc, root, 2, draft, opt, sched, {"step": 2}, gen, {}, keep_last=None)
+        save_training_checkpoint(acc, root, 2, draft, DDPEngine(draft, opt, acc, None), sched, {"step": 2}, gen, {}, keep_last=None)
         fill(fs, leave)
         with pytest.raises(WriteError, match=rf"^saving checkpoint {root / 'step_000004'} failed \((no space left on "
                                              rf"the device \(\d+ bytes free\)|No space left on device)\); the previous "
                                              rf"checkpoint {root / 'step_000002'} is intact\. Fix: free disk space in "
                                              rf"{root} \(or lower training.keep_last\) and resume with "
                                              rf"training.resume=true\.$") as info:
-            save_training_checkpoint(acc, root, 4, draft, opt, sched, {"step": 4}, gen, {}, keep_last=None)
+            save_training_checkpoint(acc, root, 4, draft, DDPEngine(draft, opt, acc, None), sched, {"step": 4}, gen, {}, keep_last=None)
         assert user_error_message(info.value, RESUME_TRAIN) == str(info.value)  # says how to resume already
         assert [p.name for p in root.iterdir()] == ["step_000002"]  # the temporary is gone
         assert [p.name for p in list_checkpoints(root)] == ["step_000002"]
@@ -198,14 +199,14 @@ def test_ctrl_c_during_a_resumable_save_leaves_the_previous_checkpoint(tmp_path,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     gen = torch.Generator().manual_seed(0)
     root = tmp_path / "checkpoints"
-    save_training_checkpoint(acc, root, 2, draft, opt, sched, {"step": 2}, gen, {}, keep_last=None)
+    save_training_checkpoint(acc, root, 2, draft, DDPEngine(draft, opt, acc, None), sched, {"step": 2}, gen, {}, keep_last=None)
 
     def ctrl_c(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ckpt_mod, "save_file", ctrl_c)  # Ctrl-C while the weights are written
     with pytest.raises(KeyboardInterrupt):
-        save_training_checkpoint(acc, root, 4, draft, opt, sched, {"step": 4}, gen, {}, keep_last=None)
+        save_training_checkpoint(acc, root, 4, draft, DDPEngine(draft, opt, acc, None), sched, {"step": 4}, gen, {}, keep_last=None)
     assert [p.name for p in root.iterdir()] == ["step_000002"]  # no .tmp-step_000004 left
     assert [p.name for p in list_checkpoints(root)] == ["step_000002"]
 

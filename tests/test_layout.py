@@ -1,7 +1,8 @@
-"""The house's import rules: nothing below the trainer imports it (or the old loop path), the
-feature side imports no training code, the trainer has no algorithm branch, the import graph has
-no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in (accel/), and no
-two modules or classes share a name."""
+"""The house's import rules: only the job runner drives the trainer, and `peagle train` and the dry
+run share it; the feature side imports no training code; the trainer has no algorithm branch and
+no engine branch (DDP is an engine like the others); one module owns the feature-shard format; the
+import graph has no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in
+(accel/), and no two modules or classes share a name."""
 
 import ast
 import subprocess
@@ -91,7 +92,7 @@ def test_import_circles_are_found_and_the_package_has_none():
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
     graph = import_graph()
-    assert "peagle_train.features.offline" in graph["peagle_train.features"]  # `from .offline import X`
+    assert "peagle_train.features.shards" in graph["peagle_train.features"]  # `from .shards import X`
     assert import_circles(graph) == []
 
 
@@ -133,8 +134,52 @@ def test_nothing_below_the_trainer_imports_it():
         if rel == "training/trainer.py":
             continue
         bad = {m for m in imported_modules(path) if m.startswith("peagle_train.training.trainer")}
-        if rel != "dryrun.py" and not rel.startswith("cli/"):  # the dry run and the commands drive the trainer
+        if rel != "pipeline.py":  # the job runner drives the trainer
             assert not bad, f"{rel} imports {bad}"
+
+
+def test_train_and_the_dry_run_share_one_job_runner():
+    """`peagle train` and the dry run reach training, evaluation and export only through the job
+    runner (pipeline.run_training_job), so the sequence exists once."""
+    stages = ("peagle_train.training.trainer", "peagle_train.evaluation.run", "peagle_train.export.speculators.write_export",
+              "peagle_train.draft.head_checkpoint.save_checkpoint")
+    for rel in ("cli/train.py", "dryrun.py"):
+        mods = imported_modules(PKG / rel)
+        assert "peagle_train.pipeline.run_training_job" in mods, rel
+        bad = {m for m in mods if m.startswith(stages)}
+        assert not bad, f"{rel} imports {bad}"
+
+
+def test_ddp_is_an_engine_like_the_others():
+    """The trainer holds one engine (training/engines.py: DDP, DeepSpeed or FSDP2) and never asks
+    which: no comparison with an engine's name and no test of whether an engine exists."""
+    tree = ast.parse((PKG / "training" / "trainer.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            consts = {getattr(x, "value", None) for x in [node.left, *node.comparators]}
+            assert not consts & {"ddp", "deepspeed", "fsdp"}, ast.unparse(node)
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            tests = node.test.values if isinstance(node.test, ast.BoolOp) else [node.test]
+            for t in tests:  # `if self.eng`, `if eng is None`, `if engine_kind ...`: a branch on which engine
+                t = t.operand if isinstance(t, ast.UnaryOp) else t
+                t = t.left if isinstance(t, ast.Compare) else t
+                assert getattr(t, "attr", getattr(t, "id", None)) not in ("eng", "engine", "engine_kind"), ast.unparse(node)
+
+
+def test_one_module_owns_the_feature_shard_format():
+    """features/shards.py writes, converts and reads offline features; no other module names a
+    shard file, its tensors or its quantisation."""
+    owner = PKG / "features" / "shards.py"
+    marks = ('"shard-', "shard-{", '"aux_scale"', '"final_scale"', '"offsets"', "safe_open(")
+    for path in PKG.rglob("*.py"):
+        if path == owner:
+            continue
+        text = path.read_text()
+        assert not [m for m in marks if m in text], f"{path.relative_to(PKG)} knows the shard format"
+        bad = {m for m in imported_modules(path) if m.startswith("peagle_train.features.shards.")
+               and m.rpartition(".")[2] in ("shard_name", "quantize_int8", "dequantize_int8", "MANIFEST", "_compare")}
+        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+    assert all(m in owner.read_text() for m in marks)
 
 
 def test_only_the_commands_import_the_cli():

@@ -152,7 +152,7 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
     import datasets
 
     from peagle_train.target.capture import FeatureTarget
-    from peagle_train.target.feature_shards import write_features
+    from peagle_train.features.shards import write_features
 
     rows = datasets.Dataset.from_dict({"input_ids": [list(range(5, 25)), list(range(30, 42))],
                                        "loss_mask": [[0] * 4 + [1] * 16, [0] * 4 + [1] * 8]})
@@ -162,7 +162,7 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
                            f"output_dir={tmp_path / 'i8'}", "storage=int8"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "converted" in x]
-    assert len(lines) == 1 and lines[0].startswith("[") and "[peagle_train.target.feature_shards][INFO] - converted " \
+    assert len(lines) == 1 and lines[0].startswith("[") and "[peagle_train.features.shards][INFO] - converted " \
         f"{tmp_path / 'f32'} → {tmp_path / 'i8'} (int8)" in lines[0], proc.stdout
 
 

@@ -9,14 +9,14 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train import provenance
-import peagle_train.target.feature_shards as offline
+import peagle_train.features.shards as offline
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.features.offline import OfflineFeatures
+from peagle_train.features.shards import OfflineFeatures
 from peagle_train.features.online import packed_row
-from peagle_train.target.feature_shards import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
+from peagle_train.features.shards import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
                                          write_features)
 from peagle_train.training.trainer import train
 

@@ -11,8 +11,8 @@ from peagle_train import provenance
 from peagle_train.data.manifest import build_manifest, check_manifest, ManifestMismatchError
 from peagle_train.io import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.features.offline import OfflineFeatures
-from peagle_train.target.feature_shards import FeatureShardError, features_fingerprint, write_features
+from peagle_train.features.shards import OfflineFeatures
+from peagle_train.features.shards import FeatureShardError, features_fingerprint, write_features
 
 ABC = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # sha256("abc"), FIPS 180-2 example
 

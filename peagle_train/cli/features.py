@@ -6,7 +6,7 @@
     peagle train recipe=smollm2-135m-demo features.source=offline features.dir=/tmp/feats
 
 Uses the target, data and features groups (same recipe = same rows as training, data.prepared_dir included).
-Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/target/feature_shards.py): the
+Writes features.dir/manifest.json + shard-*.safetensors (peagle_train/features/shards.py): the
 documents of a shard go through the target in forwards of up to training.tokens_per_step tokens.
 With N processes, process r writes shards r, r+N, ...; the shards equal a one-process run's. Killed
 and rerun with the same config, it resumes: finished shards are checked and skipped, only the
@@ -37,7 +37,7 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
 from peagle_train.precision import autocast_context, log_precision, resolve_precision
-from peagle_train.target.feature_shards import write_features_from_config
+from peagle_train.features.shards import write_features_from_config
 
 logger = logging.getLogger("peagle_train.features")
 

@@ -22,19 +22,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
-from peagle_train.draft.head_checkpoint import save_checkpoint
 from peagle_train.errors import ConfigError, RESUME_TRAIN, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
-from peagle_train.evaluation.run import evaluate_from_config
-from peagle_train.export.speculators import verifier_name, write_export
+from peagle_train.export.speculators import verifier_name
 from peagle_train.features import open_features
-from peagle_train.job import build_draft, build_target, dtype_of, run_metadata, write_json
+from peagle_train.job import build_target, run_metadata, write_json
+from peagle_train.pipeline import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import check_training_config
 from peagle_train.training.engines import check_distributed_config
-from peagle_train.training.tracking import eval_scalars, tracked_accelerator
-from peagle_train.training.trainer import train
+from peagle_train.training.tracking import tracked_accelerator
 
 logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
 
@@ -100,36 +98,14 @@ def main(cfg: DictConfig) -> dict:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))
 
-    # 2. the P-EAGLE head, trained with COD sampling and the KL loss on online features
-    #    (algorithm=eagle3: the EAGLE-3 baseline, trained with TTT steps on the same data and features)
-    draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id, cfg.algorithm)
+    # 2. the head trained (P-EAGLE: COD sampling; EAGLE-3: TTT steps; DFlash: blocks) on online or offline
+    #    features, 3. acceptance with the reference decoder, 4. export: the job runner (pipeline.py)
     features = open_features(cfg.features, target, tok, data.rows,  # online target or offline shards
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
-    result = train(acc, draft, target, data.rows, data.vocab.draft_ids, train_cfg, out, features=features)
-    draft = result.pop("draft")
-    summary = {"data": data.summary, "training": result}
-    log(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
-        f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
+    inputs = JobInputs(target, tok, data.rows, data.vocab, data.mask_token_id,
+                       prompts_from_config(cfg.eval) if cfg.eval.enabled else [], features, data.summary)
+    summary, _ = run_training_job(cfg, acc, out, inputs, train_cfg, verifier=verifier)
     if acc.is_main_process:
-        save_checkpoint(draft, out / "checkpoint", {
-            "target": cfg.target.path, "verifier_name_or_path": verifier,
-            "verifier_architectures": list(target.config.architectures or []), "train": result})
-
-        # 3. acceptance with the reference decoder, 4. export
-        draft.eval()
-        if cfg.eval.enabled:
-            summary["eval"] = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval),
-                                                   out_dir=out / "eval", precision=cfg.precision,
-                                                   benchmark="spec_bench", train_metrics={
-                                                       **result["last20_metrics"], "source": "last 20 training steps"})
-            acc.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
-        if cfg.export.enabled:
-            used = {t for ids in data.rows["input_ids"] for t in ids}
-            write_export(draft, out / "export", verifier_name_or_path=verifier,
-                         verifier_architectures=list(target.config.architectures or []),
-                         dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
-                         card={"data": data.summary, "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}})
-            log(f"export written and validated: {out / 'export'}")
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)
         log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")

@@ -4,7 +4,7 @@ rows with the one packing function `rows.pack_row`."""
 
 from ..errors import ConfigError
 from ..target.capture import FeatureTarget
-from .offline import OfflineFeatures
+from .shards import OfflineFeatures
 from .rows import PackedRow, pack_documents, pack_row
 from .online import PackedRowSource, OnlineFeatures
 

@@ -2,7 +2,7 @@
 
 A source maps data rows to a `PackedRow` with `packed_row(doc_indices, docs, draft_ids)`:
 `OnlineFeatures` runs the frozen target over the row's documents (one forward per packed row),
-`OfflineFeatures` (features/offline.py) reads the same rows from verified shards. Training and
+`OfflineFeatures` (features/shards.py) reads the same rows from verified shards. Training and
 validation read the same source, so a head trained on int8 shards is validated on int8 features.
 """
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..io import atomic_write_text
 from ..evaluation.report import ratio_stderr, speedup_or_reason
-from ..target.feature_shards import DocFeatures
+from ..features.shards import DocFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
 
 class VllmDocFeatures(DocFeatures):
     """Target features of data rows through vLLM's `extract_hidden_states` method, for
-    `write_features` (target/feature_shards.py DocFeatures): `prepare` runs every row in one vLLM job (one
+    `write_features` (features/shards.py DocFeatures): `prepare` runs every row in one vLLM job (one
     engine start), `__call__` reads the rows' files.
 
     vLLM is asked for the aux ids (vLLM's numbering, as ours) and id N, which vLLM collects after

@@ -102,9 +102,9 @@ def set_rng_state(st: dict, gen: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sched, state: dict, gen: torch.Generator,
-                             fingerprint: dict, keep_last: int | None, val_eal: float | None = None,
-                             engine=None) -> Path:
+def save_training_checkpoint(accelerator, root: Path, step: int, draft, engine, sched, state: dict,
+                             gen: torch.Generator, fingerprint: dict, keep_last: int | None,
+                             val_eal: float | None = None) -> Path:
     """Write checkpoint `root/step_{step:06d}` atomically (all processes call this).
 
     state: JSON-able/tensor loop state (step, tokens, running metric counts) stored in state.pt.
@@ -113,8 +113,9 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
     Raises WriteError (an OSError; rank 0) naming the folder when the save fails for an I/O reason of
     any library (a full disk makes torch.save and safetensors raise their own errors): the temp
     folder is removed and the previous checkpoints are untouched.
-    `engine` (training/engines.py, DeepSpeed or FSDP): the weights are gathered from the shards and
-    the engine writes its own optimizer state into `engine/` (DeepSpeed: one shard per rank).
+    `engine` (training/engines.py) gives the whole head's weights (DeepSpeed, FSDP: gathered from
+    the shards) and its optimizer state: DDP's into state.pt, DeepSpeed's and FSDP's into `engine/`
+    (DeepSpeed: one shard per rank). `draft` supplies the head's config.
     """
     root = Path(root)
     final = root / f"{CKPT_PREFIX}{step:06d}"
@@ -131,8 +132,9 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
         torch.save(rng_state(gen), rng_file)
         fsync_file(rng_file)
         accelerator.wait_for_everyone()
-        full = engine.full_state_dict() if engine is not None else draft.state_dict()  # collective under an engine
-        if engine is not None:
+        full = engine.full_state_dict()  # collective under a sharded engine
+        optimizer = engine.optimizer_state()  # None: written by the engine into engine/
+        if optimizer is None:
             engine.save(tmp / "engine", main)
             accelerator.wait_for_everyone()
         if main:
@@ -140,7 +142,7 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, opt, sch
             save_file(sd, str(tmp / "model.safetensors"))
             (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict()}, indent=2))
             (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
-            torch.save({**state, "optimizer": opt.state_dict() if engine is None else None,
+            torch.save({**state, "optimizer": optimizer,
                         "scheduler": sched.state_dict(), "num_processes": accelerator.num_processes}, tmp / "state.pt")
             for f in tmp.rglob("*"):
                 if f.is_file():
@@ -229,30 +231,19 @@ def _resume_fix(ckpt: Path, ckpts: list[Path]) -> str:
             else f"delete {ckpt} and start the run again")
 
 
-def load_training_checkpoint(accelerator, ckpt: Path, draft, opt, sched, gen: torch.Generator, engine=None) -> dict:
+def load_training_checkpoint(accelerator, ckpt: Path, engine, sched, gen: torch.Generator) -> dict:
     """Restore weights, optimizer, scheduler and this process's RNG from `ckpt`; return the loop
     state saved with it. Raises ConfigError (a ValueError) when the process count differs (the
     data cursor and RNG streams are per process), CorruptFileError naming a cut-off or corrupted file (and the
-    checkpoint to fall back to). `engine`: weights and optimizer come from its `engine/` folder."""
+    checkpoint to fall back to). The weights and the optimizer state are the engine's to restore
+    (training/engines.py: DDP from model.safetensors and state.pt, DeepSpeed and FSDP from engine/)."""
     ckpt = Path(ckpt)
     fix = _resume_fix(ckpt, list_checkpoints(ckpt.parent))
     state = load_torch_file(ckpt / "state.pt", "training state", fix)
     if state["num_processes"] != accelerator.num_processes:
         raise ConfigError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "
                           f"{accelerator.num_processes}. Fix: relaunch with --num_processes {state['num_processes']}.")
-    if engine is not None:
-        engine.load(ckpt / "engine")
-        state.pop("optimizer")
-    else:
-        missing, unexpected = draft.load_state_dict(load_safetensors(ckpt / "model.safetensors", "draft weights", fix),
-                                                    strict=False)
-        missing = [k for k in missing if not k.startswith("rotary_emb.")]
-        if missing or unexpected:
-            raise CorruptFileError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights. Fix: {fix}.")
-        if state["optimizer"] is None:
-            raise ConfigError(f"checkpoint {ckpt} was written by a DeepSpeed/FSDP run (optimizer state in engine/). "
-                              "Fix: resume with the run's distributed.engine.")
-        opt.load_state_dict(state.pop("optimizer"))
+    engine.load(ckpt, state, fix)  # weights and optimizer: training/engines.py
     sched.load_state_dict(state.pop("scheduler"))
     set_rng_state(load_torch_file(ckpt / f"rng_rank{accelerator.process_index}.pt", "RNG state", fix), gen)
     return state

@@ -1,5 +1,6 @@
-"""Distributed engines for the draft head: DDP (the loop's own gradient all-reduce), DeepSpeed ZeRO-2/3
-and FSDP2 — one small adapter (`ShardedEngine`) with backward / step / full state dict / save / load.
+"""Distributed engines for the draft head: DDP (`DDPEngine`: the head replicated, one flat gradient
+all-reduce per step), DeepSpeed ZeRO-2/3 and FSDP2 (`ShardedEngine`) — one small interface with
+backward / step / full state dict / save / load, so that the trainer has no branch per engine.
 
 Why an adapter and not `accelerator.prepare(model)`: a P-EAGLE step runs several backward passes
 per optimizer step (sequence partitioning: one per part plus one through the kept context; one per
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config import DistributedEngine
+from ..errors import ConfigError, CorruptFileError, load_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,12 @@ def resolve_engine(accelerator, engine: str, zero_stage: int) -> tuple[str, int]
     return engine, zero_stage
 
 
+def fused_optimizer(kind: str) -> bool:
+    """Whether the engine `kind` steps the plain optimizer the trainer builds, which can then be
+    torch's fused AdamW (DDP), or wraps or re-shards it (DeepSpeed, FSDP2: the default AdamW)."""
+    return kind == "ddp"
+
+
 def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_clip: float | None) -> dict:
     """The DeepSpeed config of a run: fp32 weights and optimizer (bf16 is the loop's autocast),
     batch sizes in packed rows (train_batch_size = world_size × grad_accum), caller-owned
@@ -89,9 +97,70 @@ def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_cli
     }
 
 
+class DDPEngine:
+    """The head replicated on every process (`distributed.engine=ddp`, and every single-process
+    run): `backward` is `loss.backward()`; `step` averages the gradients over processes in one flat
+    all-reduce (`average_gradients`), clips them (global norm) and steps the optimizer. The weights
+    are the module's own; the optimizer state goes into the checkpoint's state.pt (`optimizer_state`)."""
+
+    kind, name, lockstep = "ddp", "ddp", False
+
+    def __init__(self, model, opt, accelerator, grad_clip: float | None):
+        self.model = self.module = model
+        self.opt, self.accelerator, self.grad_clip = opt, accelerator, grad_clip
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        average_gradients(self.module, self.accelerator)
+        if self.grad_clip:
+            self.accelerator.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's state dict (its own tensors: every process holds all of them)."""
+        return self.module.state_dict()
+
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state dict, stored in the checkpoint's state.pt."""
+        return self.opt.state_dict()
+
+    def plain_module(self, draft_config):
+        """The trained head itself (it is not wrapped)."""
+        return self.module
+
+    def close(self) -> None:
+        pass
+
+    def save(self, folder: Path, is_main: bool) -> None:
+        """Nothing beside the checkpoint's model.safetensors and state.pt."""
+
+    def load(self, ckpt: Path, state: dict, fix: str) -> None:
+        """Restore the head's weights from `ckpt`/model.safetensors and the optimizer from `state`
+        (the checkpoint's state.pt, its "optimizer" popped). Raises CorruptFileError naming missing
+        or unexpected weights, ConfigError for a DeepSpeed/FSDP checkpoint (no optimizer state in
+        state.pt); `fix` is the fallback the errors name."""
+        ckpt = Path(ckpt)
+        weights = load_safetensors(ckpt / "model.safetensors", "draft weights", fix)
+        missing, unexpected = self.module.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary_emb.")]
+        if missing or unexpected:
+            raise CorruptFileError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights. Fix: {fix}.")
+        optimizer = state.pop("optimizer")
+        if optimizer is None:
+            raise ConfigError(f"checkpoint {ckpt} was written by a DeepSpeed/FSDP run (optimizer state in engine/). "
+                              "Fix: resume with the run's distributed.engine.")
+        self.opt.load_state_dict(optimizer)
+
+
 class ShardedEngine:
     """A draft head under DeepSpeed or FSDP2. `model` is what the loop calls (forward only);
-    `backward(loss)` per scalar loss; `step()` clips, updates and zeroes the gradients."""
+    `backward(loss)` per scalar loss; `step()` clips, updates and zeroes the gradients. Every
+    process runs every forward (`lockstep`: ZeRO-3 and FSDP gather shards collectively)."""
+
+    lockstep = True
 
     def __init__(self, kind: str, model, opt, module, grad_clip: float | None, zero_stage: int | None = None):
         self.kind, self.model, self.opt, self.module = kind, model, opt, module
@@ -130,6 +199,10 @@ class ShardedEngine:
             return {k: v.detach().clone().cpu() for k, v in sd.items()}
         return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
 
+    def optimizer_state(self) -> None:
+        """None: the engine writes its optimizer state into the checkpoint's engine/ (`save`)."""
+        return None
+
     def plain_module(self, draft_config):
         """A fresh unsharded head (make_draft_head) holding the trained weights, for eval and export."""
         from ..draft import make_draft_head
@@ -159,9 +232,12 @@ class ShardedEngine:
             folder.mkdir(parents=True, exist_ok=True)
             torch.save({"model": msd, "optimizer": osd}, folder / "fsdp_full_state.pt")
 
-    def load(self, folder: Path) -> None:
-        """Restore what `save` wrote (collective). Raises FileNotFoundError naming the missing file."""
-        folder = Path(folder)
+    def load(self, ckpt: Path, state: dict, fix: str) -> None:
+        """Restore what `save` wrote into `ckpt`/engine (collective; the checkpoint's unsharded
+        weights are not read, and `state`'s "optimizer", None here, is popped). Raises
+        FileNotFoundError naming the missing file."""
+        state.pop("optimizer", None)
+        folder = Path(ckpt) / "engine"
         if self.kind == "deepspeed":
             if not (folder / "engine").is_dir():
                 raise FileNotFoundError(f"{folder}/engine: no DeepSpeed state in this checkpoint (written by another "
@@ -181,13 +257,18 @@ class ShardedEngine:
                        options=StateDictOptions(full_state_dict=True))
 
 
-def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_accum: int,
-                grad_clip: float | None) -> ShardedEngine:
-    """Wrap `draft` (already on its device, identical on every process) and its optimizer `opt`
-    (built over its parameters) in DeepSpeed ZeRO-`zero_stage` or FSDP2. Returns the ShardedEngine; the
-    optimizer's param_groups stay the ones the caller's LR scheduler drives. A single process
-    without a process group (a plain `python train.py`, the dry run) gets a 1-process gloo group."""
+def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum: int,
+                grad_clip: float | None) -> DDPEngine | ShardedEngine:
+    """The engine of `draft` (already on its device, identical on every process) and its optimizer
+    `opt` (built over its parameters): DDP (the optimizer prepared by `accelerator`), or DeepSpeed
+    ZeRO-`zero_stage` or FSDP2 wrapping them. The optimizer's param_groups stay the ones the caller's
+    LR scheduler drives. A sharded engine in a single process without a process group (a plain
+    `python train.py`, the dry run) gets a 1-process gloo group. Raises ValueError for another kind."""
     import torch.distributed as dist
+
+    if kind == "ddp":
+        return DDPEngine(draft, accelerator.prepare(opt), accelerator, grad_clip)
+    world_size = accelerator.num_processes
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -214,7 +295,7 @@ def make_engine(kind: str, zero_stage: int, draft, opt, world_size: int, grad_ac
             raise ValueError("make_engine(fsdp): needs a fresh optimizer with one parameter group")
         opt.param_groups[0]["params"] = [p for p in draft.parameters() if p.requires_grad]
         return ShardedEngine("fsdp", draft, opt, draft, grad_clip)
-    raise ValueError(f"make_engine: {kind!r} is not an engine (deepspeed or fsdp)")
+    raise ValueError(f"make_engine: {kind!r} is not an engine ({', '.join(ENGINES)})")
 
 
 def average_gradients(model, accelerator) -> None:

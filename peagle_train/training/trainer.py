@@ -31,7 +31,7 @@ from ..target.capture import FeatureTarget
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
-from .engines import average_gradients, make_engine, resolve_engine
+from .engines import fused_optimizer, make_engine, resolve_engine
 from .loss import metrics_from_counts
 from .schedule import lr_lambda
 from .tracking import step_scalars, tracker_name
@@ -131,7 +131,7 @@ class Trainer:
         self.resume_from = check_output_dir(self.ckpt_root, bool(train_cfg.get("resume")), self.fingerprint)
         engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2)
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], train_cfg.lr, train_cfg.weight_decay,
-                         fused=engine_kind == "ddp")
+                         fused=fused_optimizer(engine_kind))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule,
                                                                          train_cfg.get("decay_fraction", 0.2)))
@@ -153,24 +153,18 @@ class Trainer:
         self.tokens_seen, self.start_step, self.t0 = 0, 0, time.perf_counter()
         self.log_path = self.out_dir / "train_log.jsonl"
         old_log = []
-        st = None
-        if self.resume_from is not None and engine_kind == "ddp":
-            st = load_training_checkpoint(acc, self.resume_from, draft, self.opt, self.sched, self.gen)
         if W > 1:  # every process starts from rank 0's weights
             import torch.distributed as dist
 
             for t in draft.state_dict().values():
                 dist.broadcast(t, 0)
-        self.eng, self.model = None, draft  # model: what the step calls (the engine's wrapper under DeepSpeed)
-        if engine_kind != "ddp":
-            self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, W, A, train_cfg.grad_clip)
-            self.model = self.eng.model
-            logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
-            if self.resume_from is not None:
-                st = load_training_checkpoint(acc, self.resume_from, draft, self.opt, self.sched, self.gen,
-                                              engine=self.eng)
-        else:
-            self.opt = acc.prepare(self.opt)
+        # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
+        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, train_cfg.grad_clip)
+        self.model = self.eng.model
+        logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
+        st = None
+        if self.resume_from is not None:
+            st = load_training_checkpoint(acc, self.resume_from, self.eng, self.sched, self.gen)
         if st is not None:
             self.start_step, self.tokens_seen = st["step"], st["tokens"]
             self.total_counts, self.window = st["total_counts"], list(st["window"])
@@ -211,17 +205,10 @@ class Trainer:
             n_docs, n_tok = n_docs + nd, n_tok + row.tokens.numel()
             micro.append((row, self.objective.sample(row, self.gen)))
         loss_value, counts = self.objective.step(self.model, micro, accelerator=acc, amp=self.amp,
-                                                 backward=self.eng.backward if self.eng else None)
+                                                 backward=self.eng.backward)
         # the step's loss over all processes (each process's share is already divided by the global count / W)
         loss_value = self.last_loss = float(acc.reduce(torch.tensor(loss_value, device=acc.device), "mean"))
-        if self.eng:  # the engine reduces, clips and steps
-            self.eng.step()
-        else:
-            average_gradients(self.draft, acc)
-            if train_cfg.grad_clip:
-                acc.clip_grad_norm_(self.draft.parameters(), train_cfg.grad_clip)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        self.eng.step()  # the engine reduces, clips and steps
         self.sched.step()
         counts = acc.reduce(counts.to(acc.device), "sum").cpu()
         ntok = acc.reduce(torch.tensor(float(n_tok + n_docs), device=acc.device), "sum")
@@ -251,7 +238,7 @@ class Trainer:
         model.eval()
         W, r = acc.num_processes, acc.process_index
         loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.train_cfg.num_depths, dtype=torch.float64)
-        n_iter = -(-len(val_batches) // W) * W if self.eng is not None else len(val_batches)
+        n_iter = -(-len(val_batches) // W) * W if self.eng.lockstep else len(val_batches)
         for i in range(r, n_iter, W):
             keep = i < len(val_batches)
             i = i if keep else i % len(val_batches)
@@ -273,9 +260,8 @@ class Trainer:
         self.val = self.validate() if self.val_batches else None
         val = self.val
         state = {"step": done, "tokens": self.tokens_seen, "total_counts": self.total_counts, "window": self.window}
-        save_training_checkpoint(self.accelerator, self.ckpt_root, done, self.draft, self.opt, self.sched, state,
-                                 self.gen, self.fingerprint, self.keep_last, val["val_eal"] if val else None,
-                                 engine=self.eng)
+        save_training_checkpoint(self.accelerator, self.ckpt_root, done, self.draft, self.eng, self.sched, state,
+                                 self.gen, self.fingerprint, self.keep_last, val["val_eal"] if val else None)
         if val and self.logf:
             self.logf.write(json.dumps({"step": done, **val}) + "\n")
             self.logf.flush()
@@ -314,16 +300,15 @@ class Trainer:
         final = metrics_from_counts(sum(self.window)) if self.window else metrics_from_counts(self.total_counts)
         ckpts = list_checkpoints(self.ckpt_root)
         eng = self.eng
-        plain = eng.plain_module(self.draft.config) if eng else self.draft  # unsharded, for evaluation and export
-        if eng:
-            eng.close()
+        plain = eng.plain_module(self.draft.config)  # unsharded, for evaluation and export
+        eng.close()
         t = time.perf_counter() - self.t0
         best = best_checkpoint(self.ckpt_root)
         return {"steps": step + 1, "tokens": self.tokens_seen, "seconds": t, "tokens_per_second": self.tokens_seen / t,
                 "last20_metrics": final, "all_metrics": metrics_from_counts(self.total_counts),
                 "validation": self.val, "final_loss": self.last_loss,
                 "best_checkpoint": str(best) if best else None,
-                "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name if eng else "ddp",
+                "last_checkpoint": str(ckpts[-1]) if ckpts else None, "engine": eng.name,
                 "precision": self.prec.name, "draft": plain}
 
 
@@ -331,5 +316,5 @@ def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tens
           features: PackedRowSource | None = None) -> dict:
     """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
     `features`: None = online (the step runs the target), or a feature source such as
-    features.offline.OfflineFeatures giving the same rows from shards (validation reads it too)."""
+    features.shards.OfflineFeatures giving the same rows from shards (validation reads it too)."""
     return Trainer(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir, features=features).fit()

@@ -1,0 +1,82 @@
+"""The training job: a head trained, saved, evaluated and exported, in the one sequence that
+`peagle train` (cli/train.py, on the recipe's target and data) and the dry run (dryrun.py, on a tiny
+stand-in target and random rows) both run."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .data.vocab import DraftVocab
+from .draft.head_checkpoint import save_checkpoint
+from .evaluation.run import evaluate_from_config
+from .export.speculators import write_export
+from .job import build_draft, dtype_of
+from .target.capture import FeatureTarget
+from .training.tracking import eval_scalars
+from .training.trainer import train
+
+logger = logging.getLogger("peagle_train.train")
+
+
+@dataclass
+class JobInputs:
+    """What a training job runs on.
+
+    target: the frozen target (its aux hidden states feed the head); tokenizer: its tokenizer (None
+    when the prompts are token ids); rows: a datasets.Dataset of packed-row documents
+    {input_ids, loss_mask}; vocab: the draft vocabulary (d2t, t2d); mask_token_id: the mask token;
+    prompts: the evaluation prompts (evaluation/run.py's forms); features: None (online: the step
+    runs the target) or a feature source such as features.shards.OfflineFeatures; data_summary:
+    the data preparation's summary (into summary.json and the export's model card)."""
+
+    target: FeatureTarget
+    tokenizer: object | None
+    rows: object
+    vocab: DraftVocab
+    mask_token_id: int
+    prompts: list[dict]
+    features: object | None = None
+    data_summary: dict = field(default_factory=dict)
+
+
+def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, *, verifier: str,
+                     eval_settings: dict | None = None) -> tuple[dict, object]:
+    """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (job.build_draft), train
+    it (training/trainer.py, `train_cfg`), then on the main process save it to `out`/checkpoint
+    (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`
+    (`evaluate_from_config` into `out`/eval, `eval_settings` overriding the eval group's keys; its
+    τ goes to the trackers) and export it when `cfg.export.enabled` (`out`/export, validated, with
+    the model card). Returns ({"data", "training", "eval"?, "export"?}, the trained unsharded head).
+    Raises what the stages raise (ConfigError, ExportError, WriteError, ...)."""
+    out = Path(out)
+    draft = build_draft(inputs.target, cfg.draft, inputs.vocab, inputs.mask_token_id, cfg.algorithm)
+    result = train(accelerator, draft, inputs.target, inputs.rows, inputs.vocab.draft_ids, train_cfg, out,
+                   features=inputs.features)
+    draft = result.pop("draft")
+    summary = {"data": inputs.data_summary, "training": result}
+    logger.info(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
+                f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
+    if not accelerator.is_main_process:
+        return summary, draft
+    architectures = list(inputs.target.config.architectures or [])
+    save_checkpoint(draft, out / "checkpoint", {"target": cfg.target.path, "verifier_name_or_path": verifier,
+                                                "verifier_architectures": architectures, "train": result})
+    draft.eval()
+    if cfg.eval.enabled:
+        summary["eval"] = evaluate_from_config(cfg.eval, inputs.target, draft, inputs.tokenizer, inputs.prompts,
+                                               out_dir=out / "eval", precision=cfg.precision, **{
+                                                   "benchmark": "spec_bench", "train_metrics": {
+                                                       **result["last20_metrics"], "source": "last 20 training steps"},
+                                                   **(eval_settings or {})})
+        accelerator.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
+    if cfg.export.enabled:
+        used = {t for ids in inputs.rows["input_ids"] for t in ids}
+        summary["export"] = str(write_export(
+            draft, out / "export", verifier_name_or_path=verifier, verifier_architectures=architectures,
+            dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
+            card={"data": inputs.data_summary,
+                  "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}}))
+        logger.info(f"export written and validated: {out / 'export'}")
+    return summary, draft

@@ -2,8 +2,8 @@
 
     python scripts/ablation_report.py run_dir=runs/ablations [out=docs/RESULTS.md]
 
-Reads RUN/eval/<arm>__<arm>/step_N/eval/acceptance.json (the first arm is the head, the second the
-baseline head of that evaluation) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
+Reads RUN/eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json (the first arm is the head, the
+second the baseline head of that evaluation, the others its more_heads in order) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
 replaces the section "## Quality ablations at equal token budget" of `out`. A row per arm and
 budget: τ ± its standard error, P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the acceptance of
 depth 1 given depth 0."""
@@ -79,26 +79,30 @@ def stderr_from_rows(csv_path: Path, prefix: str) -> float | None:
 
 
 def collect(run: Path) -> list[dict]:
-    """One record per (arm, budget) evaluated under `run`/eval. Raises UserError when none is."""
-    out = []
-    for path in sorted(run.glob("eval/*__*/step_*/eval/acceptance.json")):
-        pair, step = path.parent.parent.parent.name, int(path.parent.parent.name.split("_")[1])
+    """One record per (arm, budget) evaluated under `run`/eval; an arm evaluated at a budget by more
+    than one run keeps the latest run's figures. Raises UserError when none is."""
+    found = {}
+    paths = sorted(run.glob("eval/*__*/step_*/eval/acceptance.json"), key=lambda p: p.stat().st_mtime)
+    for path in paths:
+        group, step = path.parent.parent.parent.name, int(path.parent.parent.name.split("_")[1])
         acc = read_acceptance(path)
-        for arm, summary, col in zip(pair.split("__"), (acc, acc.get("baseline")), ("", "baseline_")):
+        more = acc.get("more_heads") or []
+        summaries = [acc, acc.get("baseline"), *more]
+        columns = ["", "baseline_", *(f"more{i}_" for i in range(1, len(more) + 1))]
+        for arm, summary, col in zip(group.split("__"), summaries, columns):
             if summary is None or arm == "none":
                 continue
             p = [float(x) for x in summary["per_position_acceptance"]]
             se = summary.get("acceptance_length_stderr")
             if se is None:  # an evaluation written before baseline summaries carried it
                 se = stderr_from_rows(path.parent / "per_prompt.csv", col)
-            out.append({"arm": arm, "family": re.sub(r"@\d+$", "", arm), "step": step,
-                        "tokens": tokens_at(run / arm, step), "tau": float(summary["acceptance_length"]),
-                        "se": se, "p": p,
-                        "c1": p[1] / p[0] if p[0] else 0.0})
-    if not out:
-        raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>/step_N/eval/acceptance.json). "
+            found[arm, step] = {"arm": arm, "family": re.sub(r"@\d+$", "", arm), "step": step,
+                                "tokens": tokens_at(run / arm, step), "tau": float(summary["acceptance_length"]),
+                                "se": se, "p": p, "c1": p[1] / p[0] if p[0] else 0.0}
+    if not found:
+        raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
                         f"Fix: bash scripts/ablations.sh {run}")
-    return out
+    return list(found.values())
 
 
 def table(records: list[dict]) -> str:

@@ -9,8 +9,10 @@
 #    2 layers, KL, mask_hidden N(0, 0.02²), COD r 0.7 / r_min 0.2, constant lr after 30 warm-up
 #    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
 #    schedule arms train one run per budget; the regenerated arm reads its features online;
-# 4. the heads of two arms per `peagle evaluate` run: 80 MT-Bench first turns, K = 5, 128 tokens.
-# TV=0 leaves out the total-variation loss arm; REGEN_EPOCHS=2 lets the regenerated arm repeat its rows
+# 4. every arm's head at a budget in one `peagle evaluate` run (head, baseline_head, more_heads): 80
+#    MT-Bench first turns, K = 5, 128 tokens, one target-alone pass.
+# LANES=1 trains the arms one after the other (one core left free); EVAL_THREADS sets the evaluations'
+# threads (default 2). TV=0 leaves out the total-variation loss arm; REGEN_EPOCHS=2 lets the regenerated arm repeat its rows
 # when fewer were regenerated than the largest budget needs.
 set -euo pipefail
 OUT=${1:?usage: ablations.sh OUTPUT_DIR}
@@ -43,7 +45,7 @@ arm() {  # arm NAME STEPS [overrides...]
         output_dir="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
 }
 offline=("${orig[@]}" features.source=offline features.dir="$OUT/features")
-stamp "3/4 training the arms in two lanes, one thread each"
+stamp "3/4 training the arms in ${LANES:-2} lane(s), one thread each"
 lane1() {
     arm base "$LAST" "${offline[@]}"
     arm regen "$LAST" "${regen[@]}" training.epochs="${REGEN_EPOCHS:-1}"
@@ -57,23 +59,26 @@ lane2() {
     arm oov_mask "$LAST" "${offline[@]}" training.mask_oov_targets=true
     for S in $BUDGETS; do arm "cosine@$S" "$S" "${offline[@]}" training.schedule=cosine; done
 }
-lane1 & lane2; wait
+if [ "${LANES:-2}" = 1 ]; then lane1; lane2; else lane1 & lane2; wait; fi
 
-stamp "4/4 evaluating two heads per run"
-pair() {  # pair ARM_A DIR_A ARM_B DIR_B STEP
-    local out="$OUT/eval/$1__${3:-none}/step_$(printf %06d "$5")"
+stamp "4/4 evaluating every arm of a budget in one run (one target-alone pass)"
+group() {  # group STEP ARM...: the first arm is head=, the second baseline_head=, the others more_heads
+    local S=$1; shift
+    local name; name=$(printf '%s__' "$@"); name=${name%__}
+    local out="$OUT/eval/$name/step_$(printf %06d "$S")"
     [ -f "$out/eval/acceptance.json" ] && return 0
     mkdir -p "$(dirname "$out")"
-    "$PY" -m peagle_train.cli evaluate head="$2" ${4:+baseline_head="$4"} eval.benchmark=spec_bench eval.num_prompts=null \
-        eval.max_new_tokens=128 eval.num_speculative_tokens=5 eval.batch_size=16 threads=2 output_dir="$out" \
-        > "$out.log" 2>&1
+    local more=() a
+    for a in "${@:3}"; do more+=("'$(ck "$a" "$S")'"); done
+    local list; list=$(IFS=,; echo "${more[*]}")
+    "$PY" -m peagle_train.cli evaluate head="$(ck "$1" "$S")" baseline_head="$(ck "$2" "$S")" "more_heads=[$list]" \
+        eval.benchmark=spec_bench eval.num_prompts=null eval.max_new_tokens=128 eval.num_speculative_tokens=5 \
+        eval.batch_size=16 threads="${EVAL_THREADS:-2}" output_dir="$out" > "$out.log" 2>&1
 }
 ck() { echo "$OUT/$1/checkpoints/step_$(printf %06d "$2")"; }
 for S in $BUDGETS; do
-    pair regen "$(ck regen "$S")" base "$(ck base "$S")" "$S"
-    pair layers4 "$(ck layers4 "$S")" mask_std1 "$(ck mask_std1 "$S")" "$S"
-    pair cod_r0.85 "$(ck cod_r0.85 "$S")" oov_mask "$(ck oov_mask "$S")" "$S"
-    pair "wsd@$S" "$(ck "wsd@$S" "$S")" "cosine@$S" "$(ck "cosine@$S" "$S")" "$S"
-    [ "${TV:-1}" = 0 ] || pair tv "$(ck tv "$S")" "" "" "$S"
+    arms=(base regen layers4 mask_std1 cod_r0.85 oov_mask "wsd@$S" "cosine@$S")
+    [ "${TV:-1}" = 0 ] || arms+=(tv)
+    group "$S" "${arms[@]}"
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -55,18 +56,26 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_eval"), help="where the runs write")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per code, alternating; the table gives medians")
     args = bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md", threads=os.cpu_count() or 1).parse_args()
     base = Path(args.base).resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=base, capture_output=True, text=True).stdout.strip()
     load0, t0 = os.getloadavg()[0], time.perf_counter()
+    runs = {f"base ({commit or base})": [], "this tree": []}
+    for r in range(args.rounds):  # the codes alternate, so that both see the same load
+        for name, tree in zip(runs, (base, ROOT)):
+            print(f"{name}, round {r + 1} ...", flush=True)
+            runs[name].append(run(tree, args.work / f"{name.split()[0].replace('this', 'new')}-{r}", args))
     res = {}
-    for name, tree in ((f"base ({commit or base})", base), ("this tree", ROOT)):
-        print(f"{name} ...", flush=True)
-        res[name] = run(tree, args.work / name.split()[0].replace("this", "new"), args)
+    for name, rs in runs.items():  # the run of median wall time, with every run's wall and tokens/s
+        med = sorted(rs, key=lambda x: x["wall"])[(len(rs) - 1) // 2]
+        res[name] = {**med, "walls": [x["wall"] for x in rs],
+                     "head_tps": statistics.median(x["acc"]["tokens_per_second"] for x in rs),
+                     "target_tps": statistics.median(x["acc"]["target_only_tokens_per_second"] for x in rs)}
     load1, minutes = os.getloadavg()[0], (time.perf_counter() - t0) / 60
     ref = next(iter(res.values()))["wall"]
-    rows = ["| code | precision | wall (s) | ÷ base | τ head | τ EAGLE-3 | head tokens/s | target alone tokens/s | lossless mismatches |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| code | precision | wall (s) | ÷ base | τ head | τ EAGLE-3 | head tokens/s | target alone tokens/s | lossless mismatches | walls of the runs (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         a = r["acc"]
         turns = a.get("num_turns", a["num_prompts"])
@@ -75,11 +84,13 @@ def main() -> None:
             mism = f"not checked ({a.get('turns_differing_from_target_alone')} differ)"
         rows.append(f"| {name} | {a.get('precision', 'fp32')} | {r['wall']:.1f} | {r['wall'] / ref:.2f}× | "
                     f"{a['acceptance_length']:.3f} | {a['baseline']['acceptance_length']:.3f} | "
-                    f"{a['tokens_per_second']:.1f} | {a['target_only_tokens_per_second']:.1f} | {mism}/{turns} |")
+                    f"{r['head_tps']:.1f} | {r['target_tps']:.1f} | {mism}/{turns} | "
+                    f"{', '.join(f'{w:.1f}' for w in r['walls'])} |")
     units = cpu_bf16_units() or "none"
     text = (f"{HEADING}\n\n`evaluate` of the target alone, a P-EAGLE head and an EAGLE-3 baseline head: "
             f"{args.num_prompts} MT-Bench first turns, {args.max_new_tokens} new tokens, K = {args.k}, greedy, "
-            f"batch {args.batch_size}, {args.threads} threads, each code with its default precision. {cpu_model()} "
+            f"batch {args.batch_size}, {args.threads} threads, each code with its default precision, {args.rounds} "
+            f"run(s) each, alternating (medians). {cpu_model()} "
             f"(bf16 unit: {units}); load average {load0:.1f} before / {load1:.1f} after ({minutes:.1f} min). "
             f"Wall = the whole process (loading included).\n\n" + "\n".join(rows) + "\n")
     print("\n" + text)

@@ -9,10 +9,8 @@ One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2)
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
 (peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
 and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
-on a CPU with AMX, for the AMX kernel, with its norms and rotary embedding fused and the target's
-lean decoding forward (`fuse_ops`, accel/cpu/fused_decoder.py) and the AMX attention, as `peagle evaluate` decodes; with
-AMX a third copy runs oneDNN's kernels only (transformers' forward) and a fourth the AMX kernels under
-transformers' forward (everything but the lean forward, which this row measures alone). The codes alternate prompt by prompt, so that a shared machine's load hits
+on a CPU with AMX, for the AMX kernel, with its norms fused (`fuse_ops`) and the AMX attention, as
+`peagle evaluate` decodes; with AMX a third copy runs oneDNN's kernels only. The codes alternate prompt by prompt, so that a shared machine's load hits
 all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
 per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
 target-alone step in the table (fp32 or bf16, whichever is faster here). Prints a table and
@@ -73,7 +71,6 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.decoding.engine import generate
     from peagle_train.accel.cpu import fuse_ops, pack_linears
     from peagle_train.accel.cpu.attention import use_amx_attention
-    from peagle_train.accel.cpu.fused_decoder import fuse_decoder
     from peagle_train.job import build_target
 
     from peagle_train.export.speculators import load_head
@@ -103,18 +100,8 @@ def measure(args, dtype, name: str) -> list[dict]:
         for m in [*dnn.model.modules(), *dnn_head.modules()]:
             if getattr(m, "amx", None) is not None:
                 m.amx = None
-        fuse_decoder(dnn.model)  # none now: its q/k/v and gate/up products would run on AMX
         codes["this tree (engine, oneDNN bf16 linears)"] = (lambda ids: generate(dnn, None, [ids], K, N, eos)[0],
                                                             lambda ids: generate(dnn, dnn_head, [ids], K, N, eos)[0])
-        # the lean forward alone: the same AMX kernels, norms and attention under transformers' forward
-        plain, plain_head = build_target(target_cfg, "cpu")[0], copy.deepcopy(head)
-        plain.model.to(dtype)
-        pack_linears(plain.model), pack_linears(plain_head), fuse_ops(plain.model), fuse_ops(plain_head)
-        use_amx_attention(plain.model)
-        plain.model.peagle_fused_decoder = None
-        codes["this tree (engine, AMX bf16 linears, transformers' forward)"] = (
-            lambda ids: generate(plain, None, [ids], K, N, eos)[0],
-            lambda ids: generate(plain, plain_head, [ids], K, N, eos)[0])
     if args.base:
         old = _old_decoder(Path(args.base))
         codes = {"main (per-sequence decoder)": (lambda ids: old.target_generate(target, ids, N, eos),

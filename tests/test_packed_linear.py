@@ -73,8 +73,8 @@ def test_fp32_modules_are_not_packed_and_decoding_preparation_packs_bf16_only():
 
 
 def test_peagle_amx_0_leaves_every_model_on_transformers(monkeypatch):
-    """With PEAGLE_AMX=0 decoding preparation swaps nothing in: no packed linear or fused norm, no
-    lean forward, and the target's decoding attention is the core's (so its bf16 cache is upcast);
+    """With PEAGLE_AMX=0 decoding preparation swaps nothing in: no packed linear or fused norm, and
+    the target's decoding attention is the core's (so its bf16 cache is upcast);
     a target the plug-in accelerated before gets its transformers modules back."""
     from peagle_train.accel.cpu.packed_linear import FusedRMSNorm
     from peagle_train.decoding.engine import target_cache
@@ -86,7 +86,7 @@ def test_peagle_amx_0_leaves_every_model_on_transformers(monkeypatch):
     monkeypatch.setenv("PEAGLE_AMX", "0")
     _, (head,) = prepare_for_decoding(t, [d], "bf16")
     assert [m for m in [*t.model.modules(), *head.modules()] if isinstance(m, (PackedLinear, FusedRMSNorm))] == []
-    assert t.model.peagle_fused_decoder is None and t.model.dtype == torch.bfloat16
+    assert t.model.dtype == torch.bfloat16
     assert decoding_attention(t.decoder.config) == DECODE_ATTENTION and target_cache(t).layer(0).upcast
 
 def _amx():
@@ -215,55 +215,24 @@ def test_fused_rms_norm_rounds_like_the_module_and_keeps_its_weight():
 
 
 @pytest.mark.skipif(_amx() is None, reason="no Intel AMX here (or the kernel did not build)")
-def test_fused_rotary_gives_transformers_bits_and_patches_nothing():
-    """The fused rotary embedding (csrc/amx_norm.cpp `rope`) equals transformers'
-    apply_rotary_pos_emb bit for bit on bf16 [B, heads, n, d] inputs (transposed views, as the
-    attention passes them; cos/sin of batch 1 broadcast); `fuse_ops` leaves transformers' function
-    in place (a fused model run through transformers' forward gives its logits and never calls the
-    kernel's rope), and the lean forward (fused_decoder.py) calls it once per layer."""
+def test_fused_ops_patch_nothing_and_keep_transformers_logits():
+    """`fuse_ops` and `pack_linears` are module swaps: transformers' apply_rotary_pos_emb stays in
+    place, and a packed and fused Llama run through transformers' forward gives its logits."""
     import transformers.models.llama.modeling_llama as llama
 
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from peagle_train.accel.cpu import amx_linear, fuse_ops, packed_linear
+    from peagle_train.accel.cpu import fuse_ops
 
-    g = torch.Generator().manual_seed(0)
     original = llama.apply_rotary_pos_emb
-    fused = packed_linear.fused_rotary(original)
-    for B, cb in ((2, 2), (3, 1)):
-        q = torch.randn(B, 5, 9, 64, generator=g).bfloat16().transpose(1, 2)  # [B, 9 heads, 5, 64]
-        k = torch.randn(B, 5, 3, 64, generator=g).bfloat16().transpose(1, 2)
-        cos, sin = torch.randn(cb, 5, 64, generator=g).bfloat16(), torch.randn(cb, 5, 64, generator=g).bfloat16()
-        want = original(q, k, cos, sin)
-        got = fused(q, k, cos, sin)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].is_contiguous()
-    calls = []
-    ext = amx_linear.kernel()
-
-    class Spy:  # the extension with its rope calls counted
-        def __getattr__(self, name):
-            return getattr(ext, name)
-
-        def rope(self, *a):
-            calls.append(a[0].shape)
-            return ext.rope(*a)
-
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False).to(torch.bfloat16)  # head_dim 32: the kernel takes it
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False).to(torch.bfloat16)
     x = torch.tensor([[5, 17, 33, 2]])
     plain = model(x).logits
     fuse_ops(model)
     assert llama.apply_rotary_pos_emb is original and torch.equal(model(x).logits, plain)
     pack_linears(model)
-    fuse_ops(model)  # packed and fused: the lean forward
-    saved = amx_linear._state["ext"]
-    amx_linear._state["ext"] = Spy()
-    try:
-        assert torch.equal(model(x).logits, plain) and calls == []  # transformers' code
-        with torch.no_grad():
-            model.peagle_fused_decoder.forward(x, DynamicCache())
-        assert len(calls) == 2  # one per layer
-    finally:
-        amx_linear._state["ext"] = saved
+    fuse_ops(model)
+    assert llama.apply_rotary_pos_emb is original and torch.equal(model(x).logits, plain)

@@ -1,5 +1,5 @@
 """Optional hardware plug-ins, hooked in from outside: nothing in the core imports them.
 
-cpu/: the Intel AMX kernels for bf16 decoding on CPU (packed linears, RMSNorm, attention and a
-lean decoding forward), installed on a model by `peagle_train.accel.cpu.accelerate_for_decoding`.
+cpu/: the Intel AMX kernels for bf16 decoding on CPU (packed linears, RMSNorm and attention),
+installed on a model by `peagle_train.accel.cpu.accelerate_for_decoding`.
 """

@@ -77,8 +77,8 @@ def prepare_for_decoding(target, heads: list, precision: str = "auto"):
     mix of target dtype and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
     stays None); the heads given are left as they are (a trained head keeps its fp32 weights).
     The target and the copies then go through the optional CPU plug-in (peagle_train/accel/cpu
-    `accelerate_for_decoding`: in bf16 on CPU, packed linears, fused norms, the AMX attention and a
-    lean forward; the same outputs, faster at decoding shapes; PEAGLE_AMX=0 leaves transformers')."""
+    `accelerate_for_decoding`: in bf16 on CPU, packed linears, fused norms and the AMX attention;
+    the same outputs, faster at decoding shapes; PEAGLE_AMX=0 leaves transformers')."""
     from ..accel.cpu import accelerate_for_decoding  # the CPU plug-in: loaded only when evaluation decodes
 
     dev = target.model.device

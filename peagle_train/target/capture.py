@@ -263,23 +263,14 @@ class FeatureTarget:
                 last_only: bool = False, float_logits: bool = True, **kw) -> TargetOutput:
         """last_only: logits of the last position only ([B, 1, V]; a decoding prefill needs no more).
         float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
-        needs no copy, and sampling converts the rows it uses). A decoding forward of a model that
-        a plug-in gave a lean forward (`model.peagle_fused_decoder`, an object with `takes(input_ids,
-        cache, kw)` and `forward(input_ids, cache, capture=..., **kw)`: accel/cpu/fused_decoder.py)
-        runs on it when it takes it: the same bits as transformers' forward, captured without the
-        hooks."""
+        needs no copy, and sampling converts the rows it uses)."""
         self._captured.clear()
         # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`, or a plug-in's)
         decoding = cache is not None and self.model.dtype != torch.float32
-        fused = getattr(self.model, "peagle_fused_decoder", None)  # a plug-in's lean forward, if any
-        if decoding and fused is not None and fused.takes(input_ids, cache, kw):
-            normed, captured = fused.forward(input_ids, cache, capture=self._capture_ids, **kw)
-            self._captured.update(captured)
-        else:
-            if cache is not None:
-                kw[self._cache_kw] = cache
-            with attention_implementation(self.decoder.config, decoding_attention(self.decoder.config) if decoding else None):
-                normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
+        if cache is not None:
+            kw[self._cache_kw] = cache
+        with attention_implementation(self.decoder.config, decoding_attention(self.decoder.config) if decoding else None):
+            normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
         aux = torch.cat([self._captured[k - 1] for k in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]
         hidden = normed[:, -1:] if last_only else normed

@@ -47,8 +47,7 @@ _state: dict = {}
 def kernel():
     """The compiled extension (functions `pack(weight [N, K] bf16) -> packed`,
     `linear(x [..., K] bf16, packed, N, bias [N] | None) -> [..., N] bf16`, `attention` (see
-    `amx_attention`), and `rms_norm` and `rope` (see packed_linear.py `FusedRMSNorm`,
-    `fused_rotary`)), or None where AMX cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
+    `amx_attention`), and `rms_norm` (see packed_linear.py `FusedRMSNorm`)), or None where AMX cannot be used (non-x86 or non-Linux, no amx_bf16 flag, PEAGLE_AMX=0, a failed build: logged
     once with the reason). Built once per process."""
     if "ext" in _state:
         return _state["ext"]

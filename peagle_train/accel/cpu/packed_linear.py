@@ -13,12 +13,9 @@ memory's speed where oneDNN's small-row kernels often take twice as long. Its ou
 `F.linear`'s bit for bit up to 16 rows (tested) and rounds each row alike whatever the row count.
 
 With the AMX extension built, `fuse_ops` (accel/cpu/__init__.py) also replaces the target's and
-heads' RMSNorms by `FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops),
-and the lean decoding forward (fused_decoder.py) runs the rotary embedding as one call
-(`fused_rotary`). The rotary embedding gives transformers' bits; a fused norm can differ from the
-module in the last bit (its own order for the sum of squares) and normalises each row by itself.
-Both are module swaps or calls of this package's own forward: transformers' functions are never
-patched.
+heads' RMSNorms by `FusedRMSNorm` (one AVX-512 call, csrc/amx_norm.cpp, instead of ~9 tensor ops).
+A fused norm can differ from the module in the last bit (its own order for the sum of squares) and
+normalises each row by itself. It is a module swap: transformers' functions are never patched.
 
 fp32 modules are left alone: the packed fp32 kernel is faster too but rounds differently from
 MKL's, and fp32 keeps the exact lossless check. The dense weight stays the module's parameter
@@ -114,32 +111,7 @@ def unpack_linears(model: nn.Module) -> int:
         lin.weight, lin.bias = child.weight, child.bias
         setattr(parent, name, lin)
         n += 1
-    if n:
-        model.peagle_fused_decoder = None  # its packed weights are the old ones
     return n
-
-
-def fused_rotary(original):
-    """`original` (a transformers `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`) with
-    bf16 CPU inputs computed by one kernel call (csrc/amx_norm.cpp `rope`) instead of ~14 tensor
-    ops: q, k [B, heads, n, d] (d a multiple of 32), cos, sin [B|1, n, d]; every element rounded
-    as transformers rounds it in bf16, so the outputs are the same bits. Inputs that need
-    gradients, other dtypes, shapes and devices go to `original`. It is called by this package's
-    lean forward (fused_decoder.py); transformers' own function is never replaced."""
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (unsqueeze_dim == 1 and q.device.type == "cpu" and q.dim() == k.dim() == 4 and cos.dim() == 3
-                and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
-                and q.stride(-1) == 1 and k.stride(-1) == 1
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
-            ext = amx_linear.kernel()
-            if ext is not None:
-                return tuple(ext.rope(q, k, cos, sin))
-        return original(q, k, cos, sin, unsqueeze_dim)
-
-    apply_rotary_pos_emb.fused = True
-    apply_rotary_pos_emb.original = original
-    return apply_rotary_pos_emb
 
 
 # transformers' RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`, by

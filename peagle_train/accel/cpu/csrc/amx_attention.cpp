@@ -1,6 +1,6 @@
 // Decoding attention of a bf16 target on Intel AMX: q·k in the AMX tiles (fp32 accumulation),
 // softmax and the weighted sum of values in fp32, the output rounded once to bf16. Built with
-// amx_linear.cpp by peagle_train/decoding/amx_linear.py.
+// amx_linear.cpp by peagle_train/accel/cpu/amx_linear.py.
 //
 // Every query's output depends only on its own query vector and on the keys and values of the
 // slots it may see, in slot order: scores come from one tile product per (key, query), the softmax

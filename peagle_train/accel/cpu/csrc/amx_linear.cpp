@@ -1,5 +1,5 @@
 // bf16 linear layers on Intel AMX for decoding: y = x @ w.T (+ bias), fp32 accumulation in the AMX
-// tiles, one rounding to bf16. Built at first use by peagle_train/decoding/amx_linear.py.
+// tiles, one rounding to bf16. Built at first use by peagle_train/accel/cpu/amx_linear.py.
 //
 // Weights are packed once into groups of 64 output features, k in VNNI pairs:
 //   packed[g, p, j, t] = w[64 g + j, 2 p + t]   (zero padded to 64 features and to k a multiple of 32)
@@ -134,8 +134,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 // csrc/amx_norm.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-std::vector<torch::Tensor> rope(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
-                                const torch::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
@@ -143,5 +141,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("attention", &attention);
   m.def("rms_norm", &rms_norm);
-  m.def("rope", &rope);
 }

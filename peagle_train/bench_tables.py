@@ -45,6 +45,14 @@ def bench_arguments(ap, docs: Path, threads: int | None = 1):
     return ap
 
 
+def machine_line() -> str:
+    """The CPU model and its bf16 unit, as every benchmark table names its machine:
+    "Intel(R) Xeon(R) Processor (bf16 unit: amx)"."""
+    from .precision import cpu_bf16_units
+
+    return f"{cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'})"
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("AMD EPYC", "Intel(R) Xeon(R) ..."), else the
     platform's processor or machine name. Every benchmark table records it with the bf16 unit

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from peagle_train.bench_tables import bench_arguments, publish
+from peagle_train.bench_tables import bench_arguments, machine_line, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 
@@ -103,7 +103,7 @@ def main():
     section = (f"{HEADING}\n\nProduced by `python scripts/bench_data.py --num-proc {args.num_proc} --max-length "
                f"{args.max_length}`: the whole recovered ShareGPT V3 (`pkg:sharegpt`) rendered with SmolLM2's chat "
                f"template, tokenised and masked with `num_proc={args.num_proc}`, draft vocabulary 8,192; cold = fresh "
-               f"Arrow cache, warm = the same inputs again (fingerprint-cache hits). CPU: {os.cpu_count()} cores. "
+               f"Arrow cache, warm = the same inputs again (fingerprint-cache hits). CPU: {machine_line()}, {os.cpu_count()} cores. "
                f"Load before the run (`uptime`): `{load}`; the machine is shared, so wall times are upper bounds; CPU seconds / 2 roughly estimates the wall "
                f"time on two idle cores.\n\n"
                f"{table}\n\nTargets: cold under 120 s, peak memory under 4 GiB.\n")

@@ -16,7 +16,6 @@ Measures, on the default target (SmolLM2-135M-Instruct, peagle_train/config.py; 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, publish
+from peagle_train.bench_tables import bench_arguments, machine_line, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
@@ -138,8 +137,8 @@ def main():
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     argv = " ".join(sys.argv[1:])
     header = (f"`python scripts/bench_features.py{' ' + argv if argv else ''}` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
-              f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-              f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype}, H = {H}.")
+              f"{machine_line()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+              f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype or 'float32'}, H = {H}.")
     table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     text = "\n".join([HEADING, "", header, "", *table, ""])
     publish(HEADING, text, args)

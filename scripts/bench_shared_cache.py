@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, write_section
+from peagle_train.bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
@@ -64,7 +63,7 @@ def main() -> None:
         HEADING, "",
         f"SmolLM2-135M-Instruct target, head `{args.head}`, greedy, K = 5, {args.max_new_tokens} new tokens, "
         f"{len(ids)} MT-Bench first turns in one batch (shared forwards), COMPACT_SLACK = {shared.COMPACT_SLACK}. "
-        f"CPU ({platform.machine()}, {args.threads} torch thread(s)), torch {torch.__version__}; load average "
+        f"CPU ({machine_line()}, {args.threads} torch thread(s)), torch {torch.__version__}; load average "
         f"{load_before[0]:.1f} before / {load_after[0]:.1f} after. Same tokens with and without compaction: {same}.", "",
         *table, "",
         f"Wall time with holes ÷ compacted: {rows[1][1] / rows[0][1]:.2f}×. Attention, the GQA key/value expansion "

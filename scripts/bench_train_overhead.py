@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, write_section
+from peagle_train.bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.config import default_config
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
@@ -90,7 +89,7 @@ def main():
     load = os.getloadavg()
     table = [f"SmolLM2-135M-Instruct target (fp32, online), demo head (1 layer, K = 8), {n - 1} timed steps of "
              f"~{args.tokens_per_step} tokens after 1 warm-up, {res['tokens']} tokens in all; "
-             f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; load average "
+             f"{machine_line()}, {torch.get_num_threads()} threads, torch {torch.__version__}; load average "
              f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (`uptime`, machine shared by other jobs). "
              f"{calls_per_step:.1f} target forwards per step (one per packed row).", "",
              "| part | seconds per step | share of step |", "|---|---|---|"]

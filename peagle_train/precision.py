@@ -134,7 +134,7 @@ def precision_record(resolved: ResolvedPrecision, device, target_weights: torch.
 def autocast_context(precision, device: torch.device):
     """torch.autocast for the compute precision on `device`: a `ResolvedPrecision` or a setting
     (auto | fp32 | bf16, resolved with `resolve_precision`; None = fp32). bf16 runs matmuls and
-    attention in bfloat16 on CUDA and on CPU; weights, optimizer state, the KL loss (training/loss.py
+    attention in bfloat16 on CUDA and on CPU; weights, optimizer state, the KL loss (algorithms/loss.py
     casts logits to fp32) and metrics stay fp32. Raises ValueError for another value, or bf16 on a
     CUDA device without bf16 support."""
     import contextlib

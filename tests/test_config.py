@@ -96,7 +96,7 @@ def test_the_choices_are_the_ones_the_code_accepts():
     from peagle_train.features.shards import INT8_SCALES, STORAGES
     from peagle_train.algorithms.cod import ATTENTION_SETTINGS
     from peagle_train.training.engines import ENGINES
-    from peagle_train.training.loss import LOSSES
+    from peagle_train.algorithms.loss import LOSSES
     from peagle_train.training.tracking import TRACKERS
 
     assert C.Algorithm.values() == list(OBJECTIVES)

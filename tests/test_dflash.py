@@ -16,7 +16,7 @@ from peagle_train.draft.dflash import DFlashDraft
 from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.features.rows import PackedRow
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.training.loss import LOSSES
+from peagle_train.algorithms.loss import LOSSES
 
 from .reference_decoder import target_generate
 from .test_training import random_row

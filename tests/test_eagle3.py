@@ -95,7 +95,7 @@ def test_eagle3_validation_counts_equal_the_training_step(target_model):
     from types import SimpleNamespace
 
     from peagle_train.algorithms.eagle3 import Eagle3Objective
-    from peagle_train.training.loss import LOSSES
+    from peagle_train.algorithms.loss import LOSSES
 
     _, d = make_eagle3(target_model, K=3, layers=1)
     row = random_row(target_model, seed=5)

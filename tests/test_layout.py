@@ -191,6 +191,14 @@ def test_only_the_commands_import_the_cli():
             assert not bad, f"{rel} imports {bad}"
 
 
+def test_algorithms_import_nothing_of_the_trainer_side():
+    """algorithms/ (objectives, COD sampling, losses) sits below training/: the trainer imports the
+    objectives, never the other way round."""
+    for path in (PKG / "algorithms").rglob("*.py"):
+        bad = {m for m in imported_modules(path) if m.startswith("peagle_train.training")}
+        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
 def test_feature_side_imports_no_training_code():
     for sub in ("target", "features", "draft"):
         for path in (PKG / sub).rglob("*.py"):

@@ -6,7 +6,7 @@ import math
 import torch
 
 from peagle_train.features.rows import PackedRow, mask_out_of_vocab
-from peagle_train.training.loss import LOSSES, tv_loss_sum
+from peagle_train.algorithms.loss import LOSSES, tv_loss_sum
 from peagle_train.training.schedule import lr_lambda
 
 

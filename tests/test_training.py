@@ -7,7 +7,7 @@ from torch.nn.attention.flex_attention import create_mask
 from peagle_train.algorithms.cod import cod_attention_mask, cod_block_mask, cod_sample
 from peagle_train.algorithms.peagle import draft_step
 from peagle_train.features.online import packed_row
-from peagle_train.training.loss import depth_counts, kl_loss_sum, metrics_from_counts
+from peagle_train.algorithms.loss import depth_counts, kl_loss_sum, metrics_from_counts
 
 from .test_decoding import make_draft
 

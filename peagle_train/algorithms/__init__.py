@@ -1,6 +1,7 @@
 """One `Objective` per training algorithm (sampling, step, metric counts): P-EAGLE (COD sampling,
 the P-EAGLE mask, the partitioned step), EAGLE-3 (TTT steps, the baseline) and DFlash (mask-token
-blocks over a shared context). The trainer (training/trainer.py) knows only the interface."""
+blocks over a shared context), with the losses and metric counts they share (loss.py). The trainer
+(training/trainer.py) knows only the interface."""
 
 from .base import Objective
 from .dflash import DFlashObjective

@@ -10,7 +10,7 @@ class Objective:
     backward) with its metric counts, and (where implemented) the validation forward.
 
     `train_cfg`: the training config (training/checks.py `check_training_config` checked it). Counts are
-    the [4, K] float64 tensors of training/loss.py (`depth_counts`, `chain_counts`), summable over
+    the [4, K] float64 tensors of algorithms/loss.py (`depth_counts`, `chain_counts`), summable over
     rows, steps and processes; `metrics_from_counts` turns them into accuracies and EAL.
     """
 

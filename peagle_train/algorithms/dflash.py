@@ -17,7 +17,7 @@ import torch
 
 from ..draft.peagle import DraftConfig
 from ..features.rows import PackedRow
-from ..training.loss import LOSSES, depth_counts
+from .loss import LOSSES, depth_counts
 from .base import Objective
 from .peagle import global_loss_norm
 

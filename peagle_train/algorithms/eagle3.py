@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cod import cod_attention_mask
-from ..training.loss import LOSSES, chain_counts
+from .loss import LOSSES, chain_counts
 from .base import Objective
 
 
@@ -62,7 +62,7 @@ def eagle3_forward(core, row, anchors: torch.Tensor, ttt_steps: int) -> list[tup
 
 def ttt_step_losses(draft, row, anchors: torch.Tensor, ttt_steps: int, loss_name: str):
     """The TTT forward's loss terms: per step j (Σ loss of its valid elements, their count as an
-    int), and the chain counts [4, ttt_steps] of all steps (training/loss.py `chain_counts`)."""
+    int), and the chain counts [4, ttt_steps] of all steps (algorithms/loss.py `chain_counts`)."""
     terms, rec = [], []
     for j, (a, d, logits) in enumerate(eagle3_forward(draft, row, anchors, ttt_steps)):
         tl, lm = row.target_logits[a + j], row.valid[a + j]

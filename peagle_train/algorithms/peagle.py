@@ -9,7 +9,7 @@ import torch
 
 from ..features.rows import PackedRow
 from .cod import CODElements, attention_kind, cod_mask, cod_sample
-from ..training.loss import LOSSES, chain_counts, depth_counts
+from .loss import LOSSES, chain_counts, depth_counts
 from .base import Objective
 
 

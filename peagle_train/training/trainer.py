@@ -32,7 +32,7 @@ from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, da
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
 from .engines import fused_optimizer, make_engine, resolve_engine
-from .loss import metrics_from_counts
+from ..algorithms.loss import metrics_from_counts
 from .schedule import lr_lambda
 from .tracking import step_scalars, tracker_name
 

@@ -262,6 +262,42 @@ def test_dflash_learns_and_validation_equals_the_step(target_model):
     assert all(torch.equal(v, before[k]) for k, v in d.state_dict().items())
 
 
+def test_a_row_without_blocks_still_runs_one_forward_and_backward(target_model):
+    """A row with no loss-valid position has no block to train; the step still runs one forward and
+    one backward through a block of invalid slots (loss exactly 0, every gradient it reaches exactly
+    0), so the collectives of DDP, DeepSpeed and FSDP see the same calls on every process;
+    validation runs its forward too and reports nothing."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    K = 3
+    _, d = make_dflash(target_model, K=K, layers=1)
+    row = random_row(target_model, seed=4)
+    row = dataclasses.replace(row, valid=torch.zeros_like(row.valid))
+    obj = DFlashObjective(SimpleNamespace(num_depths=K, max_anchors=None, loss="kl"))
+    assert obj.sample(row, torch.Generator().manual_seed(0)).anchors.numel() == 0
+
+    class One:
+        device = torch.device("cpu")
+        num_processes = 1
+
+        def reduce(self, x, op):
+            return x
+
+    calls = []
+    d.zero_grad()
+    loss, counts = obj.step(d, [(row, obj.sample(row, torch.Generator().manual_seed(0)))], accelerator=One(),
+                            amp=torch.autocast("cpu", enabled=False), backward=lambda x: (calls.append(1), x.backward()))
+    assert calls == [1] and loss == 0.0 and not counts.any()
+    grads = [p.grad for p in d.parameters() if p.grad is not None]
+    assert grads and all(not g.any() for g in grads)
+    forwards = []
+    hook = d.register_forward_hook(lambda *a: forwards.append(1))
+    vloss, vcount, vcounts = obj.validate_row(d, row, torch.Generator().manual_seed(0))
+    hook.remove()
+    assert forwards == [1] and (vloss, vcount) == (0.0, 0.0) and not vcounts.any()
+
+
 # ---- export ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -50,6 +50,17 @@ def dflash_blocks(valid: torch.Tensor, doc_ids: torch.Tensor, K: int, max_anchor
     return DFlashBlocks(a, lab[a], ok[a])
 
 
+def with_a_block(blocks: DFlashBlocks, K: int) -> DFlashBlocks:
+    """`blocks`, or for a row without any (no loss-valid position: nothing to learn) one block at
+    anchor 0 whose K slots are all invalid: its loss is an exact 0 with a graph, so the row still
+    runs one forward and one backward, as the collectives of DDP, DeepSpeed and FSDP expect of
+    every process."""
+    if blocks.anchors.numel():
+        return blocks
+    return DFlashBlocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, K, dtype=torch.long),
+                        torch.zeros(1, K, dtype=torch.bool))
+
+
 def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bool = False) -> torch.Tensor:
     """[N(K+1), n + N(K+1)] bool (True = attend): the queries of the blocks at `anchors` [N] over
     the keys [the row's n context entries, then every block's K + 1 entries, block-major].
@@ -123,8 +134,7 @@ class DFlashObjective(Objective):
         norm = global_loss_norm(accelerator, sum(int(b.valid.sum()) for _, b in micro))
         loss_value, counts = 0.0, torch.zeros(4, t.num_depths, dtype=torch.float64)
         for row, blocks in micro:
-            if blocks.anchors.numel() == 0:
-                continue
+            blocks = with_a_block(blocks, t.num_depths)  # every process runs one forward and backward per row
             with amp:
                 loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, norm)
             backward(loss)
@@ -134,8 +144,6 @@ class DFlashObjective(Objective):
     @torch.no_grad()
     def validate_row(self, model, row: PackedRow, generator: torch.Generator):
         t = self.train_cfg
-        blocks = self.sample(row, generator)
-        if blocks.anchors.numel() == 0:
-            return 0.0, 0.0, torch.zeros(4, t.num_depths, dtype=torch.float64)
+        blocks = with_a_block(self.sample(row, generator), t.num_depths)  # lockstep engines gather in forward
         loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, 1.0)
         return float(loss), float(blocks.valid.sum()), c

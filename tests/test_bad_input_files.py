@@ -132,3 +132,24 @@ def test_full_disk_keeps_finished_shards_and_says_how_to_resume(tmp_path, target
 
 def test_feature_shard_errors_are_user_errors():
     assert issubclass(FeatureShardError, UserError) and issubclass(ExportError, UserError)
+
+
+def test_resume_of_a_checkpoint_written_before_a_key_existed(tmp_path):
+    """A key added to the schema since a checkpoint was written is the same run when its value is
+    the key's default (what the earlier code did), and a different run otherwise, named."""
+    from peagle_train.errors import ConfigError
+    from peagle_train.training.checkpoint import fingerprint_defaults
+
+    root = tmp_path / "checkpoints"
+    old = {"training.lr": 1e-3, "draft.num_hidden_layers": 2}  # written before draft.block_causal existed
+    (root / "step_000096").mkdir(parents=True)
+    (root / "step_000096" / "fingerprint.json").write_text(json.dumps(old))
+    (root / "step_000096" / "state.pt").write_bytes(b"")  # a complete checkpoint holds one
+    assert fingerprint_defaults()["draft.block_causal"] is False
+    assert check_output_dir(root, True, {**old, "draft.block_causal": False}) == root / "step_000096"
+    with pytest.raises(ConfigError, match=r"different config \(draft\.block_causal: '<absent>' → True\)"):
+        check_output_dir(root, True, {**old, "draft.block_causal": True})
+    with pytest.raises(ConfigError, match=r"training\.lr: 0\.001 → 0\.002"):
+        check_output_dir(root, True, {**old, "training.lr": 2e-3, "draft.block_causal": False})
+    with pytest.raises(ConfigError, match=r"draft\.not_a_key: '<absent>' → 1"):  # no default known: differs
+        check_output_dir(root, True, {**old, "draft.not_a_key": 1})

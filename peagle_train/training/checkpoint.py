@@ -78,10 +78,38 @@ def flat_fingerprint(train_cfg, draft_config: dict, data_fingerprint: dict) -> d
     return json.loads(json.dumps(flat, default=str))
 
 
-def differing_keys(saved: dict, current: dict) -> list[str]:
-    """Keys whose values differ (or exist on one side only), ignoring RESUME_FREE_KEYS."""
+def fingerprint_defaults() -> dict:
+    """{"training.<key>": default, "draft.<key>": default} of the schema's training group and of
+    DraftConfig, JSON values: what a key added since a checkpoint was written means for that
+    checkpoint (a new key's default keeps the earlier behaviour)."""
+    import dataclasses
+
+    from ..config import TrainingConfig
+    from ..draft import DraftConfig
+
+    out = {}
+    for prefix, cls in (("training", TrainingConfig), ("draft", DraftConfig)):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f"{prefix}.{f.name}"] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f"{prefix}.{f.name}"] = f.default_factory()
+    return json.loads(json.dumps(out, default=str))
+
+
+def differing_keys(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """Keys whose values differ (or exist on one side only), ignoring RESUME_FREE_KEYS. A key the
+    saved fingerprint lacks (added to the schema since) is the same when its current value is its
+    default in `defaults` (`fingerprint_defaults`)."""
+    defaults = defaults or {}
     keys = (set(saved) | set(current)) - RESUME_FREE_KEYS
-    return sorted(k for k in keys if saved.get(k, "<absent>") != current.get(k, "<absent>"))
+
+    def same(k):
+        if k not in saved and k in current and k in defaults:
+            return current[k] == defaults[k]
+        return saved.get(k, "<absent>") == current.get(k, "<absent>")
+
+    return sorted(k for k in keys if not same(k))
 
 
 def rng_state(gen: torch.Generator) -> dict:
@@ -212,7 +240,7 @@ def check_output_dir(root: Path, resume: bool, fingerprint: dict) -> Path | None
                               "with training.resume=true, or choose a new output_dir.")
     latest = ckpts[-1]
     saved = read_json(latest / "fingerprint.json", "checkpoint fingerprint", fix=_resume_fix(latest, ckpts))
-    diff = differing_keys(saved, fingerprint)
+    diff = differing_keys(saved, fingerprint, fingerprint_defaults())
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k, '<absent>')!r} → {fingerprint.get(k, '<absent>')!r}" for k in diff)
         if any(k.endswith("aux_layer_numbering") for k in diff):  # written before the ids followed vLLM

@@ -34,6 +34,8 @@ WHAT = {  # arm -> what differs from the base
     "oov_mask": "labels outside the draft vocabulary masked",
     "wsd": "schedule: wsd (last 20% decays), one run per budget",
     "cosine": "schedule: cosine, one run per budget",
+    "vocab16k": "draft vocabulary 16,384 (base: 8,192)",
+    "vocab32k": "draft vocabulary 32,768",
 }
 
 

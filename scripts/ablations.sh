@@ -6,7 +6,7 @@
 #    in-process engine; REGENERATE=0 skips this stage and trains on the rows written so far);
 # 2. target features of ORIG_CONVS ShareGPT conversations with their own answers, once;
 # 3. one training per arm, one factor changed from the base (ShareGPT's answers, offline features,
-#    2 layers, KL, mask_hidden N(0, 0.02²), COD r 0.7 / r_min 0.2, constant lr after 30 warm-up
+#    2 layers, KL, mask_hidden N(0, 0.02²), COD r 0.7 / r_min 0.2, 8,192-token draft vocabulary, constant lr after 30 warm-up
 #    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
 #    schedule arms train one run per budget; the regenerated arm reads its features online;
 # 4. every arm's head at a budget in one `peagle evaluate` run (head, baseline_head, more_heads): 80
@@ -58,6 +58,8 @@ lane2() {
     arm cod_r0.85 "$LAST" "${offline[@]}" training.down_sample_ratio=0.85 training.down_sample_ratio_min=0.4
     arm oov_mask "$LAST" "${offline[@]}" training.mask_oov_targets=true
     for S in $BUDGETS; do arm "cosine@$S" "$S" "${offline[@]}" training.schedule=cosine; done
+    arm vocab16k "$LAST" "${offline[@]}" data.draft_vocab_size=16384
+    arm vocab32k "$LAST" "${offline[@]}" data.draft_vocab_size=32768
 }
 if [ "${LANES:-2}" = 1 ]; then lane1; lane2; else lane1 & lane2; wait; fi
 
@@ -80,5 +82,6 @@ for S in $BUDGETS; do
     arms=(base regen layers4 mask_std1 cod_r0.85 oov_mask "wsd@$S" "cosine@$S")
     [ "${TV:-1}" = 0 ] || arms+=(tv)
     group "$S" "${arms[@]}"
+    group "$S" vocab16k vocab32k
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

@@ -80,7 +80,7 @@ def dry_run(cfg, out_dir: Path) -> dict:
     check_training_config(train_cfg)
     job_cfg = OmegaConf.merge(cfg, {"eval": {"enabled": True}, "export": {"enabled": True}})
     acc = tracked_accelerator(train_cfg.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True), cpu=True)
-    res, _ = run_training_job(job_cfg, acc, out_dir, JobInputs(target, None, rows, vocab, V - 1, prompts), train_cfg,
+    res = run_training_job(job_cfg, acc, out_dir, JobInputs(target, None, rows, vocab, V - 1, prompts), train_cfg,
                               verifier=cfg.target.name_or_path, eval_settings={
                                   "max_new_tokens": 16, "plot": False, "benchmark": "random"})
     back, _ = load_checkpoint(out_dir / "checkpoint")  # the round trip

@@ -42,13 +42,13 @@ class JobInputs:
 
 
 def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, *, verifier: str,
-                     eval_settings: dict | None = None) -> tuple[dict, object]:
+                     eval_settings: dict | None = None) -> dict:
     """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (job.build_draft), train
     it (training/trainer.py, `train_cfg`), then on the main process save it to `out`/checkpoint
     (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`
     (`evaluate_from_config` into `out`/eval, `eval_settings` overriding the eval group's keys; its
     τ goes to the trackers) and export it when `cfg.export.enabled` (`out`/export, validated, with
-    the model card). Returns ({"data", "training", "eval"?, "export"?}, the trained unsharded head).
+    the model card). Returns {"data", "training", "eval"?, "export"?}.
     Raises what the stages raise (ConfigError, ExportError, WriteError, ...)."""
     out = Path(out)
     draft = build_draft(inputs.target, cfg.draft, inputs.vocab, inputs.mask_token_id, cfg.algorithm)
@@ -59,17 +59,17 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, 
     logger.info(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "
                 f"({result['tokens_per_second']:.0f} tok/s); last-20-step EAL {result['last20_metrics']['eal']:.3f}")
     if not accelerator.is_main_process:
-        return summary, draft
+        return summary
     architectures = list(inputs.target.config.architectures or [])
     save_checkpoint(draft, out / "checkpoint", {"target": cfg.target.path, "verifier_name_or_path": verifier,
                                                 "verifier_architectures": architectures, "train": result})
     draft.eval()
     if cfg.eval.enabled:
+        settings = {"benchmark": "spec_bench",
+                    "train_metrics": {**result["last20_metrics"], "source": "last 20 training steps"},
+                    **(eval_settings or {})}
         summary["eval"] = evaluate_from_config(cfg.eval, inputs.target, draft, inputs.tokenizer, inputs.prompts,
-                                               out_dir=out / "eval", precision=cfg.precision, **{
-                                                   "benchmark": "spec_bench", "train_metrics": {
-                                                       **result["last20_metrics"], "source": "last 20 training steps"},
-                                                   **(eval_settings or {})})
+                                               out_dir=out / "eval", precision=cfg.precision, **settings)
         accelerator.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
     if cfg.export.enabled:
         used = {t for ids in inputs.rows["input_ids"] for t in ids}
@@ -79,4 +79,4 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, 
             card={"data": inputs.data_summary,
                   "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}}))
         logger.info(f"export written and validated: {out / 'export'}")
-    return summary, draft
+    return summary

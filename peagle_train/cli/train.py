@@ -104,7 +104,7 @@ def main(cfg: DictConfig) -> dict:
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     inputs = JobInputs(target, tok, data.rows, data.vocab, data.mask_token_id,
                        prompts_from_config(cfg.eval) if cfg.eval.enabled else [], features, data.summary)
-    summary, _ = run_training_job(cfg, acc, out, inputs, train_cfg, verifier=verifier)
+    summary = run_training_job(cfg, acc, out, inputs, train_cfg, verifier=verifier)
     if acc.is_main_process:
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)

@@ -82,6 +82,6 @@ for S in $BUDGETS; do
     arms=(base regen layers4 mask_std1 cod_r0.85 oov_mask "wsd@$S" "cosine@$S")
     [ "${TV:-1}" = 0 ] || arms+=(tv)
     group "$S" "${arms[@]}"
-    group "$S" vocab16k vocab32k
+    group "$S" vocab16k vocab32k base   # the base again: Δτ against the base of the same run
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

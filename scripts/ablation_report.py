@@ -5,8 +5,9 @@
 Reads RUN/eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json (the first arm is the head, the
 second the baseline head of that evaluation, the others its more_heads in order) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
 replaces the section "## Quality ablations at equal token budget" of `out`. A row per arm and
-budget: τ ± its standard error, P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the acceptance of
-depth 1 given depth 0."""
+budget: τ ± its standard error, Δτ against the base decoded in the same evaluation run (the base of
+the largest run where the arm's own run has none), P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the
+acceptance of depth 1 given depth 0."""
 
 import json
 import re
@@ -81,8 +82,9 @@ def stderr_from_rows(csv_path: Path, prefix: str) -> float | None:
 
 
 def collect(run: Path) -> list[dict]:
-    """One record per (arm, budget) evaluated under `run`/eval; an arm evaluated at a budget by more
-    than one run keeps the latest run's figures. Raises UserError when none is."""
+    """One record per (arm, budget) evaluated under `run`/eval. An arm evaluated at a budget by more
+    than one run keeps the run that decoded the most heads (the latest of equals); its record holds the
+    base's τ of that same run ("run_base", None when the run had no base). Raises UserError when none is."""
     found = {}
     paths = sorted(run.glob("eval/*__*/step_*/eval/acceptance.json"), key=lambda p: p.stat().st_mtime)
     for path in paths:
@@ -91,8 +93,11 @@ def collect(run: Path) -> list[dict]:
         more = acc.get("more_heads") or []
         summaries = [acc, acc.get("baseline"), *more]
         columns = ["", "baseline_", *(f"more{i}_" for i in range(1, len(more) + 1))]
-        for arm, summary, col in zip(group.split("__"), summaries, columns):
-            if summary is None or arm == "none":
+        arms = group.split("__")
+        decoded = {arm: s for arm, s in zip(arms, summaries) if s is not None and arm != "none"}
+        run_base = float(decoded["base"]["acceptance_length"]) if "base" in decoded else None
+        for arm, summary, col in zip(arms, summaries, columns):
+            if arm not in decoded or len(decoded) < found.get((arm, step), {}).get("heads", 0):
                 continue
             p = [float(x) for x in summary["per_position_acceptance"]]
             se = summary.get("acceptance_length_stderr")
@@ -100,7 +105,8 @@ def collect(run: Path) -> list[dict]:
                 se = stderr_from_rows(path.parent / "per_prompt.csv", col)
             found[arm, step] = {"arm": arm, "family": re.sub(r"@\d+$", "", arm), "step": step,
                                 "tokens": tokens_at(run / arm, step), "tau": float(summary["acceptance_length"]),
-                                "se": se, "p": p, "c1": p[1] / p[0] if p[0] else 0.0}
+                                "se": se, "p": p, "c1": p[1] / p[0] if p[0] else 0.0,
+                                "heads": len(decoded), "run_base": run_base}
     if not found:
         raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
                         f"Fix: bash scripts/ablations.sh {run}")
@@ -108,15 +114,16 @@ def collect(run: Path) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    """The markdown table, arms in WHAT's order, budgets ascending; Δτ against the base (or the arm
-    REFERENCE names) at the same budget."""
+    """The markdown table, arms in WHAT's order, budgets ascending; Δτ against the base of the arm's
+    own evaluation run, else the base's row (or the arm REFERENCE names) at the same budget."""
     tau = {(r["family"], r["step"]): r["tau"] for r in records}
     order = {k: i for i, k in enumerate(WHAT)}
     lines = ["| arm | what differs | steps | token-passes | τ ± s.e. | Δτ | P(≥1) | P(≥2) | P(≥3) | c1 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (order.get(r["family"], 99), r["step"])):
         ref = (REFERENCE.get(r["family"], "base"), r["step"])
-        d = f"{r['tau'] - tau[ref]:+.3f}" if ref in tau and r["family"] != "base" else ""
+        ref_tau = r["run_base"] if ref[0] == "base" and r["run_base"] is not None else tau.get(ref)
+        d = f"{r['tau'] - ref_tau:+.3f}" if ref_tau is not None and r["family"] != "base" else ""
         tok = f"{r['tokens'] / 1e6:.2f}M" if r["tokens"] else "?"
         se = f" ± {r['se']:.3f}" if r["se"] is not None else ""
         lines.append(f"| {r['family']} | {WHAT.get(r['family'], '')} | {r['step']} | {tok} | {r['tau']:.3f}{se} | {d} | {r['p'][0]:.3f} | {r['p'][1]:.3f} | {r['p'][2]:.3f} | {r['c1']:.2f} |")

@@ -52,6 +52,18 @@ def test_ablation_table_hand_checked(tmp_path):
     assert regen.endswith("| 96 | ? | 1.310 ± 0.010 | -0.100 | 0.260 | 0.050 | 0.000 | 0.19 |")
     assert layers4.startswith("| layers4 |") and layers4.endswith("| 1.450 ± 0.030 | +0.040 | 0.350 | 0.140 | 0.020 | 0.40 |")
     assert wsd.startswith("| wsd |") and wsd.endswith("| 1.380 ± 0.020 | -0.030 | 0.280 | 0.070 | 0.000 | 0.25 |")
+    # a smaller, later run (two vocabulary arms and the base again, its τ 1.39 there): the base row keeps
+    # the four-head run's 1.410; the vocabulary arms' Δτ is against the 1.39 of their own run
+    _eval(run, "vocab16k__vocab32k__base", 96, (1.42, 0.02, [0.32, 0.09, 0.01]), (1.37, 0.02, [0.27, 0.09, 0.01]),
+          more=[(1.39, 0.02, [0.30, 0.08, 0.01])])
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+                        f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {x.split(" | ")[0][2:]: x for x in out.read_text().splitlines() if x.startswith("| ") and "| 96 |" in x}
+    assert rows["base"].endswith("| 96 | 2.00M | 1.410 ± 0.020 |  | 0.310 | 0.090 | 0.010 | 0.29 |")
+    assert rows["regen"].endswith("| 1.310 ± 0.010 | -0.100 | 0.260 | 0.050 | 0.000 | 0.19 |")
+    assert rows["vocab16k"].endswith("| 1.420 ± 0.020 | +0.030 | 0.320 | 0.090 | 0.010 | 0.28 |")
+    assert rows["vocab32k"].endswith("| 1.370 ± 0.020 | -0.020 | 0.270 | 0.090 | 0.010 | 0.33 |")
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
                           f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr

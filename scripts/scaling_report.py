@@ -1,9 +1,12 @@
 """The table, fit and plot of a scaling run (scripts/scaling_curve.sh) into docs/SCALING.md.
 
     python scripts/scaling_report.py run_dir=runs/scaling [budgets=[64,128,256,512,1024]] [out=docs/SCALING.md]
+    python scripts/scaling_report.py run_dir=runs/curve budgets=[48,96,192,384,768] title="A new curve" \
+        plot=curve.png reference=[[112000,1.185],[228000,1.228]] reference_label="P-EAGLE, 2026-12-01"
 
-Replaces the section "## Measured points" of `out` (the rest of the file is left as written) and
-writes the plot beside it (scaling.png)."""
+Replaces the section "## `title`" ("## Measured points") of `out` (the rest of the file is left as
+written) and writes the plot beside it (`plot`, scaling.png); `reference` adds earlier P-EAGLE points
+(token-passes, τ) and their fit to the plot, grey, for a curve beside an older one."""
 
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +27,11 @@ HEADING = "## Measured points"
 class Args:
     run_dir: str = MISSING  # the scaling run directory (scripts/scaling_curve.sh OUTPUT_DIR)
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])  # optimizer steps
-    out: str = str(ROOT / "docs" / "SCALING.md")  # the markdown file (its "## Measured points" section)
+    out: str = str(ROOT / "docs" / "SCALING.md")  # the markdown file (its "## title" section)
+    title: str = HEADING[3:]  # the section's heading; another title keeps the "## Measured points" section
+    plot: str = "scaling.png"  # the plot's file name, beside `out`
+    reference: list = field(default_factory=list)  # earlier points [[token-passes, τ], ...]
+    reference_label: str = "earlier P-EAGLE"  # their legend
 
 
 def main(argv):
@@ -33,9 +40,10 @@ def main(argv):
     fits = {alg: scaling.fit([p for p in points if p.algorithm == alg]) for alg in scaling.ALGORITHMS
             if any(p.algorithm == alg for p in points)}
     out = Path(a.out)
-    png = scaling.plot(points, fits, out.with_name("scaling.png"))
+    reference = [scaling.Point("peagle", 0, int(t), float(tau), [], None, 1.0) for t, tau in a.reference]
+    png = scaling.plot(points, fits, out.with_name(a.plot), reference=reference, reference_label=a.reference_label)
     text = "\n\n".join([
-        HEADING,
+        f"## {a.title}",
         f"Run directory `{a.run_dir}`; CPU {cpu_model()}. Written by `python scripts/scaling_report.py "
         f"run_dir={a.run_dir}`.",
         scaling.table(points),
@@ -45,7 +53,7 @@ def main(argv):
         f"![τ and P(≥ i accepted) against token-passes]({png.name})",
     ])
     print(text)
-    write_section(HEADING, text, out)
+    write_section(f"## {a.title}", text, out)
 
 
 if __name__ == "__main__":

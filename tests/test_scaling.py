@@ -3,6 +3,7 @@ directory, the power-law fit and its predictions, the table, and clear errors on
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -95,6 +96,21 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     text = doc.read_text()
     assert "hand-written intro" in text and "## Discussion\n\nkept" in text and "\nold\n" not in text
     assert "| 1024 |" in text and "α = 0.300" in text and (tmp_path / "scaling.png").stat().st_size > 10_000
+    # a P-EAGLE-only run written as a second curve beside the first: its own section and plot, the earlier
+    # points drawn from `reference`; the "## Measured points" section stays as it was
+    solo = _run_dir(tmp_path / "solo", c=0.02)
+    shutil.rmtree(solo / "eagle3")
+    assert [p.algorithm for p in scaling.collect(solo, STEPS)] == ["peagle"] * len(STEPS)
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={solo}",
+                        f"out={doc}", "title=The new curve", "plot=new.png",
+                        "reference=[[112000,1.185],[228000,1.228]]", "reference_label=old"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = doc.read_text()
+    measured, new = text.index("## Measured points"), text.index("## The new curve")
+    assert "α = 0.300" in text[measured:new] and "EAGLE-3" not in text[new:]
+    assert f"| 64 | 0.11M | {1 + 0.02 * 112000 ** 0.3:.3f} |" in text[new:] and "(new.png)" in text[new:]
+    assert (tmp_path / "new.png").stat().st_size > 10_000
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={tmp_path / 'none'}"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "train_log.jsonl" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,10 +1,10 @@
 """τ against training tokens: the points of a scaling run (scripts/scaling_curve.sh), a power-law
 fit per algorithm and its predictions, and the markdown table and plot of docs/SCALING.md.
 
-A run directory holds `peagle/` and `eagle3/` training runs, and optionally `dflash/` (train_log.jsonl
+A run directory holds a `peagle/` training run, and optionally `eagle3/` and `dflash/` ones (train_log.jsonl
 with cumulative `tokens` per step and `val_eal` at each checkpoint) and `eval/step_N/eval/acceptance.json`
 (`peagle evaluate output_dir=OUT/eval/step_N`), one evaluation per budget with the P-EAGLE checkpoint
-of step N as `head`, the EAGLE-3 checkpoint of the same step as `baseline_head` and the DFlash one
+of step N as `head`, the EAGLE-3 checkpoint of the same step (if any) as `baseline_head` and the DFlash one
 in `more_heads`.
 
 Fit: accepted drafts per verify step, τ − 1, as a power of the token-passes T,
@@ -24,7 +24,7 @@ from ..errors import UserError
 
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
-OPTIONAL = ("dflash",)  # read when the run directory holds its training run
+OPTIONAL = ("eagle3", "dflash")  # read when the run directory holds its training run
 
 
 class ScalingRunError(UserError, ValueError):
@@ -93,7 +93,7 @@ def head_summary(acc: dict, algorithm: str, path: Path, run_dir: Path, step: int
 
 def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
     """The points of a scaling run directory (module docstring), per algorithm and budget in order;
-    DFlash's when the directory holds a `dflash/` run.
+    EAGLE-3's and DFlash's when the directory holds an `eagle3/` or `dflash/` run.
 
     Raises FileNotFoundError naming a missing training log or acceptance.json, and ScalingRunError
     when a training log has no step of a budget or an evaluation lacks the baseline (EAGLE-3) head
@@ -185,8 +185,10 @@ def predictions(fits: dict[str, Fit], points: list[Point], taus=(2.0, 2.5, 3.0))
     return "\n".join(lines)
 
 
-def plot(points: list[Point], fits: dict[str, Fit], path: str | Path) -> Path:
-    """Two panels against token-passes (log scale): τ with each fit, and P(≥ i accepted), i = 1..3."""
+def plot(points: list[Point], fits: dict[str, Fit], path: str | Path, reference: list[Point] = (),
+         reference_label: str = "earlier P-EAGLE") -> Path:
+    """Two panels against token-passes (log scale): τ with each fit, and P(≥ i accepted), i = 1..3.
+    `reference`: earlier points of one head (τ only, ≥ 2 of them for its fit), drawn grey in the τ panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,6 +212,14 @@ def plot(points: list[Point], fits: dict[str, Fit], path: str | Path) -> Path:
             ax1.plot(*zip(*val), "x--", color=colors[a], alpha=0.6, label=f"{NAMES[a]} held-out EAL")
         for i, style in zip(range(3), ("-o", "--s", ":^")):
             ax2.plot(xs, [p.at_least[i] for p in ps], style, color=colors[a], label=f"{NAMES[a]} P(≥{i + 1})")
+    if reference:
+        xs = [p.tokens for p in reference]
+        ax1.plot(xs, [p.tau for p in reference], "s", color="grey", label=f"{reference_label} τ")
+        if len(reference) >= 2:
+            ref = fit(list(reference))
+            grid = [min(xs) * (max(xs) * 4 / min(xs)) ** (i / 49) for i in range(50)]
+            ax1.plot(grid, [ref.tau(x) for x in grid], "--", color="grey", alpha=0.7,
+                     label=f"{reference_label} fit, α = {ref.alpha:.2f}")
     for ax, title in ((ax1, "acceptance length τ (K=5, 80 MT-Bench first turns)"),
                       (ax2, "P(≥ i drafts accepted)")):
         ax.set_xscale("log")

@@ -7,7 +7,9 @@ second the baseline head of that evaluation, the others its more_heads in order)
 replaces the section "## Quality ablations at equal token budget" of `out`. A row per arm and
 budget: τ ± its standard error, Δτ against the base decoded in the same evaluation run (the base of
 the largest run where the arm's own run has none), P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the
-acceptance of depth 1 given depth 0."""
+acceptance of depth 1 given depth 0. With RUN/speed/<arm>/train_log.jsonl (ablations.sh stage 5), a
+second table compares those arms with the base at equal wall-clock: the base's τ at the token-passes it
+trains in the arm's time, from the base's power-law fit over its budgets (evaluation/scaling.py)."""
 
 import json
 import re
@@ -113,6 +115,50 @@ def collect(run: Path) -> list[dict]:
     return list(found.values())
 
 
+def speed(log: Path, skip: int = 8) -> float | None:
+    """Training tokens/s of a speed run from its train_log.jsonl, after the first `skip` steps (start-up):
+    (tokens_N − tokens_skip) / (elapsed_N − elapsed_skip), elapsed_i = tokens_i / tokens_per_second_i
+    (the trainer's running mean). None when the log is missing or has ≤ `skip` + 1 steps."""
+    if not log.is_file():
+        return None
+    rows = [r for r in map(json.loads, log.read_text().splitlines()) if "tokens_per_second" in r and "tokens" in r]
+    if len(rows) <= skip + 1:
+        return None
+    a, b = rows[skip], rows[-1]
+    elapsed = b["tokens"] / b["tokens_per_second"] - a["tokens"] / a["tokens_per_second"]
+    return (b["tokens"] - a["tokens"]) / elapsed
+
+
+def wall_clock_table(records: list[dict], speeds: dict[str, float]) -> str | None:
+    """Markdown: per arm with a measured speed and budget, its wall-clock at that budget, the token-passes
+    the base trains in that time and the base's τ there from its fit τ − 1 = c·T^α over its budgets.
+    None without a base speed or fewer than two base budgets."""
+    from peagle_train.evaluation.scaling import Point, fit
+
+    base = [r for r in records if r["family"] == "base" and r["tokens"]]
+    if "base" not in speeds or len(base) < 2:
+        return None
+    f = fit([Point("peagle", r["step"], r["tokens"], r["tau"], r["p"], None, speeds["base"]) for r in base])
+    lo, hi = min(r["tokens"] for r in base), max(r["tokens"] for r in base)
+    lines = [f"Base fit τ − 1 = {f.c:.3g}·T^{f.alpha:.3f} over its {len(base)} budgets. Training speed of each "
+             "arm alone on the machine (`speed/`), and the arm against the base at equal wall-clock:", "",
+             "| arm | tokens/s | time per token vs base | steps | minutes | τ ± s.e. | base token-passes in that time | base τ (fit) | Δτ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {k: i for i, k in enumerate(WHAT)}
+    for r in sorted(records, key=lambda r: (order.get(r["family"], 99), r["step"])):
+        arm = r["family"]
+        if arm == "base" or arm not in speeds or not r["tokens"]:
+            continue
+        seconds = r["tokens"] / speeds[arm]
+        t_base = seconds * speeds["base"]
+        tau_base = f.tau(t_base)
+        note = "" if lo <= t_base <= hi else " (extrapolated)"
+        se = f" ± {r['se']:.3f}" if r["se"] is not None else ""
+        lines.append(f"| {arm} | {speeds[arm]:,.0f} | {speeds['base'] / speeds[arm]:.2f}× | {r['step']} | {seconds / 60:.1f} | "
+                     f"{r['tau']:.3f}{se} | {t_base / 1e6:.2f}M | {tau_base:.3f}{note} | {r['tau'] - tau_base:+.3f} |")
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     """The markdown table, arms in WHAT's order, budgets ascending; Δτ against the base of the arm's
     own evaluation run, else the base's row (or the arm REFERENCE names) at the same budget."""
@@ -134,6 +180,8 @@ def main(argv):
     a = parse_pairs(argv, Args, __doc__)
     run = Path(a.run_dir)
     records = collect(run)
+    speeds = {d.name: v for d in sorted((run / "speed").glob("*")) if (v := speed(d / "train_log.jsonl"))}
+    wall = wall_clock_table(records, speeds)
     text = "\n\n".join([
         HEADING,
         f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash scripts/ablations.sh {run}`, then "
@@ -142,6 +190,7 @@ def main(argv):
         "clustered by prompt. Two arms whose τ differ by less than about twice the standard error are "
         "within noise.",
         table(records),
+        *([wall] if wall else []),
     ])
     print(text)
     write_section(HEADING, text, a.out)

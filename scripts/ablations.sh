@@ -10,7 +10,9 @@
 #    steps), checkpoints at the budgets (a constant lr makes step N the run stopped at N); the
 #    schedule arms train one run per budget; the regenerated arm reads its features online;
 # 4. every arm's head at a budget in one `peagle evaluate` run (head, baseline_head, more_heads): 80
-#    MT-Bench first turns, K = 5, 128 tokens, one target-alone pass.
+#    MT-Bench first turns, K = 5, 128 tokens, one target-alone pass;
+# 5. the training speed of the arms whose step costs differ (SPEED_ARMS), each alone on the machine
+#    (EVAL_THREADS threads, SPEED_STEPS steps), for the comparison at equal wall-clock.
 # LANES=1 trains the arms one after the other (one core left free); EVAL_THREADS sets the evaluations'
 # threads (default 2). TV=0 leaves out the total-variation loss arm; REGEN_EPOCHS=2 lets the regenerated arm repeat its rows
 # when fewer were regenerated than the largest budget needs.
@@ -45,21 +47,24 @@ arm() {  # arm NAME STEPS [overrides...]
         output_dir="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
 }
 offline=("${orig[@]}" features.source=offline features.dir="$OUT/features")
+declare -A OVR=(  # arm -> its overrides of the base (one factor each)
+    [base]="" [layers4]="draft.num_layers=4" [mask_std1]="draft.mask_hidden_std=1.0"
+    [cod_r0.85]="training.down_sample_ratio=0.85 training.down_sample_ratio_min=0.4"
+    [oov_mask]="training.mask_oov_targets=true" [tv]="training.loss=tv"
+    [vocab16k]="data.draft_vocab_size=16384" [vocab32k]="data.draft_vocab_size=32768")
 stamp "3/4 training the arms in ${LANES:-2} lane(s), one thread each"
 lane1() {
     arm base "$LAST" "${offline[@]}"
     arm regen "$LAST" "${regen[@]}" training.epochs="${REGEN_EPOCHS:-1}"
-    arm mask_std1 "$LAST" "${offline[@]}" draft.mask_hidden_std=1.0
+    arm mask_std1 "$LAST" "${offline[@]}" ${OVR[mask_std1]}
     for S in $BUDGETS; do arm "wsd@$S" "$S" "${offline[@]}" training.schedule=wsd; done
-    [ "${TV:-1}" = 0 ] || arm tv "$LAST" "${offline[@]}" training.loss=tv
+    [ "${TV:-1}" = 0 ] || arm tv "$LAST" "${offline[@]}" ${OVR[tv]}
 }
 lane2() {
-    arm layers4 "$LAST" "${offline[@]}" draft.num_layers=4
-    arm cod_r0.85 "$LAST" "${offline[@]}" training.down_sample_ratio=0.85 training.down_sample_ratio_min=0.4
-    arm oov_mask "$LAST" "${offline[@]}" training.mask_oov_targets=true
+    local a
+    for a in layers4 cod_r0.85 oov_mask; do arm "$a" "$LAST" "${offline[@]}" ${OVR[$a]}; done
     for S in $BUDGETS; do arm "cosine@$S" "$S" "${offline[@]}" training.schedule=cosine; done
-    arm vocab16k "$LAST" "${offline[@]}" data.draft_vocab_size=16384
-    arm vocab32k "$LAST" "${offline[@]}" data.draft_vocab_size=32768
+    for a in vocab16k vocab32k; do arm "$a" "$LAST" "${offline[@]}" ${OVR[$a]}; done
 }
 if [ "${LANES:-2}" = 1 ]; then lane1; lane2; else lane1 & lane2; wait; fi
 
@@ -83,5 +88,16 @@ for S in $BUDGETS; do
     [ "${TV:-1}" = 0 ] || arms+=(tv)
     group "$S" "${arms[@]}"
     group "$S" vocab16k vocab32k base   # the base again: Δτ against the base of the same run
+done
+stamp "5/5 training speed of ${SPEED_ARMS:=base layers4 cod_r0.85 tv vocab16k vocab32k}, each alone"
+for a in $SPEED_ARMS; do
+    log="$OUT/speed/$a/train_log.jsonl"
+    [ -f "$log" ] && [ "$(grep -c '"tokens_per_second"' "$log")" -ge "${SPEED_STEPS:-40}" ] && continue
+    rm -rf "$OUT/speed/$a"
+    "$PY" -m peagle_train.cli train "${offline[@]}" ${OVR[$a]} threads="${EVAL_THREADS:-2}" eval.enabled=false \
+        export.enabled=false training.schedule=constant training.warmup_steps=30 training.max_steps="${SPEED_STEPS:-40}" \
+        training.max_minutes=null training.save_every=null training.val_conversations=0 output_dir="$OUT/speed/$a" \
+        > "$OUT/speed-$a.log" 2>&1
+    rm -rf "$OUT/speed/$a/checkpoint" "$OUT/speed/$a/checkpoints"  # only the log is read
 done
 stamp "done: python scripts/ablation_report.py run_dir=$OUT"

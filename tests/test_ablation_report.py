@@ -103,3 +103,31 @@ def test_baseline_stderr_recovered_from_per_prompt_rows(tmp_path):
     assert math.isclose(stderr_from_rows(csv_path, "baseline_"), ratio_stderr([2.0, 0.0], [4.0, 6.0]))
     assert math.isclose(stderr_from_rows(csv_path, ""), ratio_stderr([2.0, 0.0], [4.0, 6.0]))
     assert stderr_from_rows(tmp_path / "none.csv", "") is None
+
+
+def test_equal_wall_clock_table_hand_checked(tmp_path):
+    """Base at 96 / 192 steps (0.2M / 0.4M token-passes, τ 1.2 / 1.3), 4 layers at half the base's speed:
+    at 192 steps it trains 0.4M token-passes in 400 s, when the base trains 0.8M; the base's fit through
+    its two points, τ − 1 = 0.2·(T / 0.2M)^log2(1.5), gives 1 + 0.3·1.5 = 1.45 there."""
+    run = tmp_path / "run"
+    for arm in ("base", "layers4"):
+        (run / arm).mkdir(parents=True)
+        (run / arm / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "tokens": s * 125_000 // 60})
+                                                           + "\n" for s in (96, 192)))
+    for arm, tps in (("base", 2000.0), ("layers4", 1000.0)):  # running means: a constant speed
+        (run / "speed" / arm).mkdir(parents=True)
+        (run / "speed" / arm / "train_log.jsonl").write_text("".join(
+            json.dumps({"step": s, "tokens": 1000 * s, "tokens_per_second": tps}) + "\n" for s in range(1, 41)))
+    (run / "speed" / "vocab16k").mkdir()  # a speed run cut before its ninth step: no speed, no row
+    (run / "speed" / "vocab16k" / "train_log.jsonl").write_text(json.dumps({"step": 1, "tokens": 9, "tokens_per_second": 1.0}))
+    _eval(run, "base__layers4", 96, (1.2, 0.01, [0.2, 0.02, 0.0]), (1.25, 0.01, [0.22, 0.03, 0.0]))
+    _eval(run, "base__layers4", 192, (1.3, 0.01, [0.28, 0.02, 0.0]), (1.33, 0.01, [0.3, 0.03, 0.0]))
+    out = tmp_path / "R.md"
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+                        f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    rows = [x for x in text.splitlines() if x.startswith("| layers4 | 1,000 |")]
+    assert "T^0.585" in text and "vocab16k | " not in text
+    assert rows[0] == "| layers4 | 1,000 | 2.00× | 96 | 3.3 | 1.250 ± 0.010 | 0.40M | 1.300 | -0.050 |"
+    assert rows[1] == "| layers4 | 1,000 | 2.00× | 192 | 6.7 | 1.330 ± 0.010 | 0.80M | 1.450 (extrapolated) | -0.120 |"

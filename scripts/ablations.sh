@@ -91,6 +91,7 @@ for S in $BUDGETS; do
 done
 stamp "5/5 training speed of ${SPEED_ARMS:=base layers4 cod_r0.85 tv vocab16k vocab32k}, each alone"
 for a in $SPEED_ARMS; do
+    [ -v "OVR[$a]" ] || { stamp "SPEED_ARMS: $a is not an arm of one factor (one of: ${!OVR[*]})"; exit 2; }
     log="$OUT/speed/$a/train_log.jsonl"
     [ -f "$log" ] && [ "$(grep -c '"tokens_per_second"' "$log")" -ge "${SPEED_STEPS:-40}" ] && continue
     rm -rf "$OUT/speed/$a"

@@ -23,6 +23,7 @@ CONVS=${CONVS:-4000}            # ≈ 2.2M tokens at max_length 640: one epoch c
 BUDGETS=${BUDGETS:-"64 128 256 512 1024"}  # optimizer steps of ≈ 1,750 tokens each (16×)
 SAVE_EVERY=${SAVE_EVERY:-64}
 VAL=${VAL:-40}                  # held-out conversations (the same for both heads)
+EPOCHS=${EPOCHS:-1}             # passes over the documents: budgets past one epoch repeat them
 EVAL_THREADS=${EVAL_THREADS:-2}
 PY=${PYTHON:-python}
 FEATURES=${FEATURES:-$OUT/features}
@@ -39,7 +40,7 @@ stamp "1/4 target features of $CONVS ShareGPT conversations"
 stamp "2/4 training ${ALGOS[*]} side by side to step $LAST (constant lr, checkpoint every $SAVE_EVERY)"
 common=("${data[@]}" features.source=offline features.dir="$FEATURES" threads=1 eval.enabled=false
         training.schedule=constant training.warmup_steps=30 training.max_steps="$LAST" training.max_minutes=null
-        training.epochs=1 training.save_every="$SAVE_EVERY" training.keep_last=null training.val_conversations="$VAL"
+        training.epochs="$EPOCHS" training.save_every="$SAVE_EVERY" training.keep_last=null training.val_conversations="$VAL"
         training.resume=true)
 pids=()
 for A in "${ALGOS[@]}"; do
@@ -52,7 +53,7 @@ for S in $BUDGETS; do
     step=$(printf "step_%06d" "$S")
     have() { local A; for A in "${ALGOS[@]}"; do [ -d "$OUT/$A/checkpoints/$step" ] || return 1; done; }
     until have; do
-        [ "$(alive)" -gt 0 ] || { stamp "a training ended before $step: see the logs $OUT/<algorithm>.log"; exit 1; }
+        [ "$(alive)" -gt 0 ] || { stamp "a training ended before $step (past its $EPOCHS epoch(s)? EPOCHS=2 repeats the documents): see $OUT/<algorithm>.log"; exit 1; }
         sleep 20
     done
     # a third process beside two trainings would share their two cores: wait for one to end

@@ -48,7 +48,7 @@ def main(argv):
         f"run_dir={a.run_dir}`.",
         scaling.table(points),
         "Fit per head, and where it reaches τ 2.0, 2.5 and 3.0 (training hours at that run's own "
-        "measured throughput, one thread beside the other run):",
+        "measured throughput: the tokens/s its training log gives at the last budget, one thread each):",
         scaling.predictions(fits, points),
         f"![τ and P(≥ i accepted) against token-passes]({png.name})",
     ])

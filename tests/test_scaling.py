@@ -100,6 +100,8 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     # points drawn from `reference`; the "## Measured points" section stays as it was
     solo = _run_dir(tmp_path / "solo", c=0.02)
     shutil.rmtree(solo / "eagle3")
+    for path in solo.glob("eval/step_*/eval/acceptance.json"):  # τ's standard error, where given, beside τ
+        path.write_text(json.dumps({**json.loads(path.read_text()), "acceptance_length_stderr": 0.0125}))
     assert [p.algorithm for p in scaling.collect(solo, STEPS)] == ["peagle"] * len(STEPS)
     r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={solo}",
                         f"out={doc}", "title=The new curve", "plot=new.png",
@@ -109,7 +111,7 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     text = doc.read_text()
     measured, new = text.index("## Measured points"), text.index("## The new curve")
     assert "α = 0.300" in text[measured:new] and "EAGLE-3" not in text[new:]
-    assert f"| 64 | 0.11M | {1 + 0.02 * 112000 ** 0.3:.3f} |" in text[new:] and "(new.png)" in text[new:]
+    assert f"| 64 | 0.11M | {1 + 0.02 * 112000 ** 0.3:.3f} ± 0.013 |" in text[new:] and "(new.png)" in text[new:]
     assert (tmp_path / "new.png").stat().st_size > 10_000
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={tmp_path / 'none'}"],
                          capture_output=True, text=True, cwd=tmp_path)

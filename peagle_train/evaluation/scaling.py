@@ -36,7 +36,8 @@ class Point:
     """One head at one budget: `step` optimizer steps, `tokens` token-passes (tokens trained, with
     repeats), τ on the evaluation, P(≥ i accepted) for i = 1..K (`at_least`, the unconditional
     per-position acceptance), the held-out EAL at that step (None without validation) and the
-    run's training throughput (tokens/s, the mean up to that step)."""
+    run's training throughput (tokens/s, the mean up to that step); `tau_se`, τ's standard error over
+    prompts where the evaluation gives it."""
 
     algorithm: str
     step: int
@@ -45,6 +46,7 @@ class Point:
     at_least: list[float]
     val_eal: float | None
     tokens_per_second: float
+    tau_se: float | None = None
 
 
 @dataclass
@@ -120,7 +122,7 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
             val = [r["val_eal"] for r in rows if r.get("step") == step and "val_eal" in r]
             points.append(Point(algorithm, step, int(at[-1]["tokens"]), float(summary["acceptance_length"]),
                                 [float(x) for x in summary["per_position_acceptance"]], val[-1] if val else None,
-                                float(at[-1]["tokens_per_second"])))
+                                float(at[-1]["tokens_per_second"]), summary.get("acceptance_length_stderr")))
     return points
 
 
@@ -164,7 +166,8 @@ def table(points: list[Point]) -> str:
         qs = [by[(a, s)] for a in algos]
         cells = [str(s), " / ".join(_tokens(q.tokens) for q in qs)]
         for q in qs:
-            cells += [f"{q.tau:.3f}"] + [f"{x:.3f}" for x in q.at_least[:3]]
+            se = "" if q.tau_se is None else f" ± {q.tau_se:.3f}"
+            cells += [f"{q.tau:.3f}{se}"] + [f"{x:.3f}" for x in q.at_least[:3]]
             cells.append("—" if q.val_eal is None else f"{q.val_eal:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -39,11 +39,11 @@ def main(argv):
     points = scaling.collect(a.run_dir, list(a.budgets))
     fits = {alg: scaling.fit([p for p in points if p.algorithm == alg]) for alg in scaling.ALGORITHMS
             if any(p.algorithm == alg for p in points)}
-    out = Path(a.out)
+    out, heading = Path(a.out), f"## {a.title}"
     reference = [scaling.Point("peagle", 0, int(t), float(tau), [], None, 1.0) for t, tau in a.reference]
     png = scaling.plot(points, fits, out.with_name(a.plot), reference=reference, reference_label=a.reference_label)
     text = "\n\n".join([
-        f"## {a.title}",
+        heading,
         f"Run directory `{a.run_dir}`; CPU {cpu_model()}. Written by `python scripts/scaling_report.py "
         f"run_dir={a.run_dir}`.",
         scaling.table(points),
@@ -53,7 +53,7 @@ def main(argv):
         f"![τ and P(≥ i accepted) against token-passes]({png.name})",
     ])
     print(text)
-    write_section(f"## {a.title}", text, out)
+    write_section(heading, text, out)
 
 
 if __name__ == "__main__":

@@ -212,6 +212,10 @@ def test_k_table_rows_per_k_from_acceptance_dicts():
                        "1.04× / 0.80× (50.0 tok/s) | 8/8 / 7/8 |")
     with pytest.raises(KeyError, match="K = 7 run has no baseline"):
         k_table({7: acc(1.4, [0.3], 0.003, 1.0, 0)})
+    # τ carries its standard error over prompts where the run recorded it (the baseline's too)
+    with_se = {**acc(1.4, [0.3, 0.08, 0.02], 0.0031, 1.04, 0), "acceptance_length_stderr": 0.0126,
+               "baseline": {**e3, "acceptance_length_stderr": 0.011}}
+    assert k_table({5: with_se}).splitlines()[2].startswith("| 5 | 1.400 ± 0.013 | 1.300 ± 0.011 | 0.300, 0.080, 0.020 |")
 
 
 # ---- evaluation tells the truth: unique ids, measured speed-ups, lossless checked like with like ----

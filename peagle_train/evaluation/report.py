@@ -408,9 +408,16 @@ def _tau(accepted: list[int]) -> float:
     return sum(a + 1 for a in accepted) / len(accepted) if accepted else 0.0
 
 
+def _tau_text(r: dict) -> str:
+    """τ to 3 decimals, with its standard error over prompts where the run recorded one."""
+    se = r.get("acceptance_length_stderr")
+    return f"{r['acceptance_length']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+
 def k_table(results: dict[int, dict]) -> str:
     """Markdown: one row per K of the acceptance dicts `results` {K: acceptance.json} of runs with
-    a `baseline` head (the head and the baseline decoded in the same run): τ, P(≥ i accepted) for
+    a `baseline` head (the head and the baseline decoded in the same run): τ (± its standard error
+    over prompts, `acceptance_length_stderr`, where recorded), P(≥ i accepted) for
     i = 1..3, drafting ms per verify step, speedup over the target alone (its tokens/s) and the
     lossless counts. The table of docs/RESULTS.md, "K = 3, 5, 7 per benchmark".
 
@@ -426,7 +433,7 @@ def k_table(results: dict[int, dict]) -> str:
         acc = [", ".join(f"{a:.3f}" for a in x["per_position_acceptance"][:3]) for x in (r, b)]
         lossless = ["not checked" if x.get("lossless_mismatches") is None else
                     f"{turns - x['lossless_mismatches']}/{turns}" for x in (r, b)]
-        lines.append(f"| {K} | {r['acceptance_length']:.3f} | {b['acceptance_length']:.3f} | {acc[0]} | {acc[1]} | "
+        lines.append(f"| {K} | {_tau_text(r)} | {_tau_text(b)} | {acc[0]} | {acc[1]} | "
                      f"{1000 * r['draft_seconds_per_step']:.1f} / {1000 * b['draft_seconds_per_step']:.1f} ms | "
                      f"{speedup_text(r, True)} / {speedup_text(b, True)} ({r['target_only_tokens_per_second']:.1f} tok/s) | "
                      f"{lossless[0]} / {lossless[1]} |")

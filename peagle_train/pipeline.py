@@ -14,6 +14,7 @@ from .evaluation.run import evaluate_from_config
 from .export.speculators import write_export
 from .job import build_draft, dtype_of
 from .target.capture import FeatureTarget
+from .training.engines import end_distributed
 from .training.tracking import eval_scalars
 from .training.trainer import train
 
@@ -44,7 +45,8 @@ class JobInputs:
 def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, *, verifier: str,
                      eval_settings: dict | None = None) -> dict:
     """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (job.build_draft), train
-    it (training/trainer.py, `train_cfg`), then on the main process save it to `out`/checkpoint
+    it (training/trainer.py, `train_cfg`), release the process group (`end_distributed`: the other
+    processes return at once), then on the main process alone save it to `out`/checkpoint
     (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`
     (`evaluate_from_config` into `out`/eval, `eval_settings` overriding the eval group's keys; its
     τ goes to the trackers) and export it when `cfg.export.enabled` (`out`/export, validated, with
@@ -54,6 +56,9 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, 
     draft = build_draft(inputs.target, cfg.draft, inputs.vocab, inputs.mask_token_id, cfg.algorithm)
     result = train(accelerator, draft, inputs.target, inputs.rows, inputs.vocab.draft_ids, train_cfg, out,
                    features=inputs.features)
+    # the last collective: from here the main process works alone (evaluation and export can take longer
+    # than any process-group timeout), the other processes return
+    end_distributed(accelerator)
     draft = result.pop("draft")
     summary = {"data": inputs.data_summary, "training": result}
     logger.info(f"trained {result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.0f}s "

@@ -25,7 +25,9 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     own loss at once, accumulating gradients into the weights and into the kept keys/values; one
     final backward takes the depth-0 loss and those key/value gradients through the context.
     Every element sees what it sees unpartitioned, so the gradients equal the unpartitioned
-    step's (chain rule), while attention over the chains never spans more than one part: memory
+    step's (chain rule). A part with no chain runs one padding element with a zero loss, so the
+    number of backward passes is always partitions + 1 (collectives under ZeRO and FSDP).
+    Attention over the chains never spans more than one part: memory
     grows with the row, not with the row times the COD axis (≈ K×).
     `attention`: dense | sparse | flex | auto (algorithms/cod.py `attention_kind`; sparse builds no
     M×M mask, algorithms/cod_attention.py). Gradients are local: with
@@ -78,6 +80,12 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     for p in range(partitions):
         own = ~ctx & (a_all >= bounds[p]) & (a_all < bounds[p + 1])
         if not own.any():
+            # no chain anchored in this part: one depth-1 element through the same layers with a zero loss, so
+            # that every process runs partitions + 1 backward passes whatever its row (under ZeRO and FSDP each
+            # backward is a collective: a process that skipped one would leave the others waiting)
+            a_pad = torch.full((1,), min(bounds[p], n - 1), dtype=a0.dtype, device=dev)
+            logits, _ = run(torch.cat([a0, a_pad]), torch.cat([d0, torch.ones_like(a_pad)]), q_start=n, cache=leaves)
+            backward(logits.sum() * 0.0)
             continue
         a, d = torch.cat([a0, a_all[own]]), torch.cat([d0, d_all[own]])
         logits, _ = run(a, d, q_start=n, cache=leaves)

@@ -38,6 +38,7 @@ from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target
 from peagle_train.precision import autocast_context, log_precision, resolve_precision
 from peagle_train.features.shards import write_features_from_config
+from peagle_train.training.engines import process_group_kwargs
 
 logger = logging.getLogger("peagle_train.features")
 
@@ -50,7 +51,7 @@ def main(cfg: DictConfig) -> dict:
     if not cfg.features.dir:
         raise SystemExit("Give the output directory: features.dir=/path/to/features (kept out of git).")
     torch.manual_seed(cfg.seed)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world != acc.num_processes:
         raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "

@@ -34,12 +34,16 @@ RESUME_FREE_KEYS = {"training.resume", "training.max_minutes", "training.save_ev
 
 
 def load_torch_file(path: Path, what: str, fix: str):
-    """torch.load(path) of a checkpoint's own pickle (state.pt, rng_rank*.pt); CorruptFileError naming a
-    missing, cut-off or corrupted file."""
+    """torch.load(path, map_location="cpu") of a checkpoint's own pickle (state.pt, rng_rank*.pt);
+    CorruptFileError naming a missing, cut-off or corrupted file.
+
+    Read onto the host: a state.pt written from CUDA tensors would otherwise come back on the device
+    it was saved from (cuda:0) on every rank. The optimizer's `load_state_dict` then moves each state
+    tensor to its parameter's device."""
     if not Path(path).is_file():
         raise CorruptFileError(f"{path}: missing ({what}). Fix: {fix}.")
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a cut pickle/zip raises RuntimeError, EOFError, UnpicklingError...
         first = str(e).splitlines()[0] if str(e) else ""
         raise CorruptFileError(f"{path}: cannot read the {what} ({type(e).__name__}: {first}): the file is cut off "

@@ -76,12 +76,25 @@ def fused_optimizer(kind: str) -> bool:
     return kind == "ddp"
 
 
-def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_clip: float | None) -> dict:
+def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_clip: float | None,
+                     autocast_dtype: torch.dtype | None = None) -> dict:
     """The DeepSpeed config of a run: fp32 weights and optimizer (bf16 is the loop's autocast),
     batch sizes in packed rows (train_batch_size = world_size × grad_accum), caller-owned
     accumulation boundary (`managed_gradient_accumulation: false`), no communication overlap
-    (DeepSpeed allows it only with ZeRO-2 in that mode; the step is compute-bound anyway)."""
-    return {
+    (DeepSpeed allows it only with ZeRO-2 in that mode; the step is compute-bound anyway).
+
+    `autocast_dtype` (the loop's autocast: torch.bfloat16 under `precision: bf16`, None for fp32)
+    goes into a `torch_autocast` section. It must: DeepSpeed ≥ 0.17.2 runs `engine.forward` inside
+    `runtime/torch_autocast.py` `autocast_if_enabled`, which, when an outer autocast is on
+    (`torch.is_autocast_enabled()`, which on CUDA sees the loop's autocast) and the config has no
+    `torch_autocast`, turns autocast *off* for the forward: the head would run in fp32. With the
+    section it re-enters autocast in that dtype. `lower_precision_safe_modules: []` keeps gradient
+    communication in fp32 (DeepSpeed would otherwise reduce the Linear gradients in bf16), so the
+    engines' updates stay those of DDP."""
+    autocast = ({"torch_autocast": {"enabled": True, "dtype": str(autocast_dtype).removeprefix("torch."),
+                                    "lower_precision_safe_modules": []}}
+                if autocast_dtype is not None and autocast_dtype != torch.float32 else {})
+    return {**autocast,
         "train_batch_size": world_size * grad_accum,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": grad_accum,
@@ -252,18 +265,29 @@ class ShardedEngine:
             raise FileNotFoundError(f"{f}: no FSDP state in this checkpoint. Fix: resume with the run's distributed.engine.")
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        st = torch.load(f, weights_only=False)
+        # rank 0 reads the full state (on the host) and broadcasts it: not every rank a full copy in RAM
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        st = torch.load(f, weights_only=False, map_location="cpu") if rank0 else {"model": {}, "optimizer": {}}
         set_state_dict(self.module, self.opt, model_state_dict=st["model"], optim_state_dict=st["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def single_process_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend of the 1-process group a sharded engine makes when none exists:
+    gloo for CPU tensors, and NCCL for CUDA ones on a CUDA device ("cpu:gloo,cuda:nccl"): FSDP2
+    needs `all_gather_into_tensor` and `reduce_scatter_tensor` on CUDA tensors, which gloo lacks."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum: int,
-                grad_clip: float | None) -> DDPEngine | ShardedEngine:
+                grad_clip: float | None, autocast_dtype: torch.dtype | None = None) -> DDPEngine | ShardedEngine:
     """The engine of `draft` (already on its device, identical on every process) and its optimizer
     `opt` (built over its parameters): DDP (the optimizer prepared by `accelerator`), or DeepSpeed
     ZeRO-`zero_stage` or FSDP2 wrapping them. The optimizer's param_groups stay the ones the caller's
     LR scheduler drives. A sharded engine in a single process without a process group (a plain
-    `python train.py`, the dry run) gets a 1-process gloo group. Raises ValueError for another kind."""
+    `python train.py`, the dry run) gets a 1-process group (`single_process_backend`).
+    `autocast_dtype`: the loop's autocast dtype (None or fp32: none), which DeepSpeed must be told
+    (`deepspeed_config`). Raises ValueError for another kind."""
     import torch.distributed as dist
 
     if kind == "ddp":
@@ -271,7 +295,8 @@ def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum:
     world_size = accelerator.num_processes
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(single_process_backend(accelerator.device), store=dist.HashStore(), rank=0,
+                                world_size=1)
     if kind == "deepspeed":
         import deepspeed
 
@@ -279,7 +304,7 @@ def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum:
         if set_local_rank:
             os.environ["LOCAL_RANK"] = "0"
         engine, ds_opt, _, _ = deepspeed.initialize(
-            model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip),
+            model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip, autocast_dtype),
             dist_init_required=False)
         eng = ShardedEngine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
         eng.set_local_rank = set_local_rank
@@ -311,3 +336,35 @@ def average_gradients(model, accelerator) -> None:
     for g in grads:
         g.copy_(flat[i:i + g.numel()].view_as(g))
         i += g.numel()
+
+
+def process_group_kwargs(timeout_minutes: float) -> list:
+    """Accelerate's `kwargs_handlers` that set the process-group timeout (`distributed.timeout_minutes`):
+    how long a collective waits for the slowest process (rank 0 preparing the data, saving a
+    checkpoint) before the run is aborted. NCCL's own default is 10 minutes."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=float(timeout_minutes)))]
+
+
+def end_distributed(accelerator) -> None:
+    """The end of the collective part of a job: every process meets in one last barrier, then the
+    process group is destroyed (a no-op in a single process without one).
+
+    After it the main process evaluates and exports alone while the others exit (a launcher waits
+    for every worker that exits cleanly): no process is left inside a collective that the
+    process-group timeout would abort while rank 0 works for longer than it. Collective: all
+    processes call it, after the engine's last collective (`Trainer.fit` gathers the unsharded
+    head first). A 1-process group (`make_engine`'s, in a plain `python train.py`) is kept: nothing
+    waits on it, and the next job of a sweep in this process reuses it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    logger.info("training done on %d processes: the process group is released; the main process evaluates "
+                "and exports alone", dist.get_world_size())
+    dist.barrier()
+    dist.destroy_process_group()
+

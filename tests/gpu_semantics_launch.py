@@ -1,0 +1,70 @@
+"""`peagle train` (the real command, cli/train.py) with the drifts of a GPU world injected, for
+tests/test_gpu_semantics.py. Run under `accelerate launch --multi_gpu --num_processes 2` (gloo on
+a CPU machine); the recipe's `distributed.timeout_minutes` makes the process-group timeout short.
+
+    PYTHONPATH=. python tests/gpu_semantics_launch.py key=value ...
+
+Injected, from the environment (all optional):
+  PEAGLE_TEST_STEP_SLEEP_S      every target forward sleeps this long (so steps take wall-clock time)
+  PEAGLE_TEST_RANK0_DELAY_S     rank 0 sleeps this long before the trainer's set-up, as rank 0 does
+                                when it prepares and saves the data first: the ranks' clocks start apart
+  PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
+                                longer than the process-group timeout)
+Each process prints "RANK r STEPS n" when its training returns.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+
+def inject() -> None:
+    from peagle_train import pipeline
+    from peagle_train.target.capture import FeatureTarget
+    from peagle_train.training import trainer
+
+    step_sleep = float(os.environ.get("PEAGLE_TEST_STEP_SLEEP_S", "0"))
+    rank0_delay = float(os.environ.get("PEAGLE_TEST_RANK0_DELAY_S", "0"))
+    slow_eval = float(os.environ.get("PEAGLE_TEST_SLOW_EVAL_S", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+
+    call = FeatureTarget.__call__
+
+    def slow_call(self, *a, **k):
+        time.sleep(step_sleep)
+        return call(self, *a, **k)
+
+    if step_sleep:
+        FeatureTarget.__call__ = slow_call
+
+    setup, fit = trainer.Trainer.setup, trainer.Trainer.fit
+
+    def late_setup(self):
+        if rank == 0:
+            time.sleep(rank0_delay)
+        return setup(self)
+
+    def reporting_fit(self):
+        out = fit(self)
+        print(f"RANK {rank} STEPS {out['steps']}", flush=True)
+        return out
+
+    trainer.Trainer.setup, trainer.Trainer.fit = late_setup, reporting_fit
+
+    evaluate = pipeline.evaluate_from_config
+
+    def slow_evaluate(*a, **k):
+        time.sleep(slow_eval)
+        return evaluate(*a, **k)
+
+    pipeline.evaluate_from_config = slow_evaluate
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    inject()
+    from peagle_train.cli.train import run
+
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,194 @@
+"""What a GPU run does that a CPU run does not, modelled on CPU (docs/TRAINING.md "What only a GPU
+shows"): each test fails on a trainer that ignores it.
+
+- DeepSpeed runs `engine.forward` inside its own autocast switch, which on CUDA sees the loop's
+  autocast and turns it off unless the config has a `torch_autocast` section: the head must still
+  compute in bf16 (driven here as under CUDA: `torch.is_autocast_enabled()` made to see the CPU
+  autocast, as it sees the CUDA one on a GPU).
+- A checkpoint's state.pt written from CUDA tensors must load on every rank onto the host, not onto
+  the device it was saved from (a pickle tagged cuda:0, which a CPU-only torch refuses to load
+  unless the loader maps it).
+- `training.max_minutes` with ranks whose clocks start apart (rank 0 prepares the data first): the
+  ranks stop at the same step, 2 real processes over gloo with a short process-group timeout.
+- Rank 0's evaluation longer than the process-group timeout: the run still ends with evaluation,
+  export and summary.json.
+- A partitioned P-EAGLE row whose part holds no chain still runs partitions + 1 backward passes
+  (collectives under ZeRO and FSDP).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .conftest import REPO_ROOT, tiny_llama
+from .test_decoding import make_draft
+from .test_engines import _free_port
+from .test_packed_features import _conversations
+from .test_training import random_row
+from peagle_train.algorithms.cod import cod_sample
+from peagle_train.algorithms.peagle import draft_step
+
+LAUNCH = str(REPO_ROOT / "tests" / "gpu_semantics_launch.py")
+
+
+# ---------------------------------------------------------------------------------------------- A1
+def test_deepspeed_forward_keeps_the_loops_bf16_autocast_as_under_cuda(monkeypatch, tmp_path):
+    """A 1-process DeepSpeed ZeRO-2 training step (the trainer's own engine set-up) with precision
+    bf16: every Linear of the head outputs bf16 inside `engine.forward`."""
+    pytest.importorskip("deepspeed")
+    from accelerate import Accelerator
+    from omegaconf import OmegaConf
+
+    from deepspeed.runtime import torch_autocast as ds_autocast
+    from peagle_train.config import default_config
+    from peagle_train.data.vocab import DraftVocab
+    from peagle_train.job import build_draft
+    from peagle_train.target.capture import FeatureTarget
+    from peagle_train.training.trainer import train
+    from .test_loop import tiny_rows
+
+    real = torch.is_autocast_enabled
+    # on CUDA, DeepSpeed's argument-less call sees the loop's (CUDA) autocast; here it is the CPU one
+    monkeypatch.setattr(ds_autocast.torch, "is_autocast_enabled", lambda *a: real(*a) if a else real("cpu"))
+    t = FeatureTarget(tiny_llama())
+    vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False})
+    draft = build_draft(t, dcfg, vocab, 127, algorithm="peagle")
+    seen = []
+    for m in draft.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    train_cfg = OmegaConf.merge(default_config().training, {
+        "num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "max_steps": 1, "warmup_steps": 1,
+        "max_anchors": 16, "precision": "bf16", "engine": "deepspeed", "zero_stage": 2, "partitions": 2})
+    out = train(Accelerator(cpu=True), draft, t, tiny_rows(n=6), vocab.draft_ids, train_cfg, tmp_path)
+    assert out["steps"] == 1 and out["engine"] == "deepspeed ZeRO-2"
+    assert seen and set(seen) == {torch.bfloat16}, f"head Linear outputs inside engine.forward: {set(seen)}"
+
+
+# ---------------------------------------------------------------------------------------------- A2
+def test_state_saved_from_cuda_loads_onto_each_parameters_device(monkeypatch, tmp_path):
+    """state.pt whose tensors are tagged cuda:0 (as a GPU run writes it) loads on a CPU-only rank
+    through the checkpoint loader, and the optimizer state lands on its parameter's device."""
+    import torch.serialization as ser
+
+    from peagle_train.training.checkpoint import load_torch_file
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    want = {k: v.clone() for k, v in opt.state[p].items()}
+    real_tag = ser.location_tag
+    monkeypatch.setattr(ser, "location_tag", lambda storage: "cuda:0")  # what torch.save records on a GPU
+    torch.save({"optimizer": opt.state_dict(), "step": 1}, tmp_path / "state.pt")
+    monkeypatch.setattr(ser, "location_tag", real_tag)
+    state = load_torch_file(tmp_path / "state.pt", "training state", "start again")
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = torch.optim.AdamW([q], lr=0.1)
+    fresh.load_state_dict(state["optimizer"])
+    for k, v in want.items():
+        assert fresh.state[q][k].device == q.device
+        assert torch.equal(fresh.state[q][k], v), k
+
+
+# ---------------------------------------------------------------------------------------------- B1
+def test_a_part_without_chains_still_runs_its_backward(target_model):
+    """Four anchors, 8 parts: most parts hold no chain. Still 8 + 1 backward passes, the padding
+    ones with a zero loss, and the gradients those of the unpartitioned step."""
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    d.train()
+    row = random_row(target_model)
+    el = cod_sample(row.valid, row.doc_ids, 4, 0.8, 0.2, 4, torch.Generator().manual_seed(1))
+    bounds = torch.linspace(0, row.tokens.numel(), 9).round().long()
+    chain_anchors = el.anchors[el.depths > 0]
+    busy = {int(torch.searchsorted(bounds, a, right=True)) - 1 for a in chain_anchors.tolist()}
+    assert 0 < len(busy) < 8, busy
+    d.zero_grad()
+    draft_step(d, row, el, "kl", 4, partitions=1)
+    ref = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    d.zero_grad()
+    calls = []
+    draft_step(d, row, el, "kl", 4, partitions=8, backward=lambda loss: (calls.append(float(loss.detach())), loss.backward()))
+    assert len(calls) == 9
+    assert [c == 0.0 for c in calls[:8]] == [p not in busy for p in range(8)]  # the padding passes carry no loss
+    for k, p in d.named_parameters():
+        if k in ref:
+            torch.testing.assert_close(p.grad, ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+# ------------------------------------------------------------------------------------- A3, A4
+@pytest.fixture
+def tiny_recipe(tmp_path, chatml_tokenizer):
+    """A recipe of a tiny local target (ChatML tokenizer) and 16 conversations, found on the
+    hydra.searchpath; returns (folder, command prefix for 2 processes)."""
+    root, tok = tmp_path, chatml_tokenizer
+    target = root / "target"
+    tiny_llama(vocab_size=len(tok)).save_pretrained(str(target))
+    tok.save_pretrained(str(target))
+    (root / "convs.json").write_text(json.dumps(_conversations(n=16)))
+    (root / "conf" / "recipe").mkdir(parents=True)
+    (root / "conf" / "recipe" / "tiny.yaml").write_text(f"""# @package _global_
+threads: 1
+precision: fp32
+target: {{path: {target}, name_or_path: tiny/llama}}
+data: {{path: {root / 'convs.json'}, num_conversations: null, max_length: 64, min_supervised_tokens: 1,
+        draft_vocab_size: 32, num_proc: 1}}
+draft: {{num_depths: 2}}
+training: {{tokens_per_step: 64, warmup_steps: 1, max_anchors: 16}}
+eval: {{num_prompts: 2, max_new_tokens: 8, num_speculative_tokens: 2}}
+export: {{enabled: true}}
+""")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2"]
+    return root, cmd
+
+
+def _launch(recipe, out, env_extra, *overrides, timeout=300):
+    root, cmd = recipe
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(root / "c"),
+           **env_extra}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, "recipe=tiny",
+                           f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *overrides],
+                          cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _steps_per_rank(stdout: str) -> dict[int, int]:
+    return {int(x.split()[1]): int(x.split()[3]) for x in stdout.splitlines() if x.startswith("RANK ")}
+
+
+def test_max_minutes_stops_every_rank_at_the_same_step(tiny_recipe):
+    """Rank 0 starts its clock 3 s after rank 1 (it prepared the data first); steps take ≥ 0.3 s;
+    max_minutes 0.1 with checkpoints every 2 steps and a 20 s process-group timeout. Rank 1's own
+    clock runs out ~10 steps before rank 0's: stopping on it alone sends rank 1 into the checkpoint's
+    barriers while rank 0 all-reduces its next step."""
+    out = tiny_recipe[0] / "skew"
+    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_STEP_SLEEP_S": "0.3", "PEAGLE_TEST_RANK0_DELAY_S": "3"},
+                "training.max_minutes=0.1", "training.epochs=20", "training.save_every=2",
+                "distributed.timeout_minutes=0.34", "eval.enabled=false", "export.enabled=false")
+    steps = _steps_per_rank(p.stdout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert len(steps) == 2 and steps[0] == steps[1], steps
+    done = json.loads((out / "summary.json").read_text())["training"]
+    assert done["steps"] == steps[0] < 20 * 4  # stopped by the clock, not by the data
+    assert (out / "checkpoints" / f"step_{steps[0]:06d}").is_dir()  # the last step's checkpoint, by both ranks
+
+
+def test_rank0_evaluation_longer_than_the_timeout_still_ends_the_run(tiny_recipe):
+    """A 6 s process-group timeout and a rank-0 evaluation of more than 12 s: both processes exit
+    0, and eval/acceptance.json, the export and summary.json are written."""
+    out = tiny_recipe[0] / "slow-eval"
+    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_SLOW_EVAL_S": "12"}, "training.max_steps=2",
+                "distributed.timeout_minutes=0.1")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert _steps_per_rank(p.stdout) == {0: 2, 1: 2}
+    done = json.loads((out / "summary.json").read_text())
+    assert done["training"]["steps"] == 2 and done["eval"]["lossless"] is True
+    assert (out / "eval" / "acceptance.json").is_file()
+    assert (out / "export" / "config.json").is_file() and (out / "export" / "model.safetensors").is_file()

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The prepared GPU check: about 8 minutes on one GPU, then one summary.
-#   1. the CUDA-only tests (tests/test_cuda.py: FlexAttention and the sparse plan, forward and
-#      backward, equal the dense path; a bf16 step close to fp32 with fp32 master weights; a short
-#      1-GPU training run that learns) and the attention/step equality tests      (≤ 150 s)
-#   2. scripts/bench_draft.py on CUDA: today's path (fp32, FlexAttention) and the new one (bf16
-#      autocast, FlexAttention) at 2048 and 8192 tokens, 1 and 4 layers, all anchors; speculators'
-#      step too where its venv exists (SPECULATORS_VENV or .venv-speculators)            (≤ 180 s)
-#   3. the demo recipe (recipes/smollm2-135m-demo.yaml), cut to 2 minutes of training and
-#      5 evaluation prompts                                                               (≤ 150 s)
-# Usage: bash scripts/gpu_check.sh [OUT_DIR]       (default /tmp/gpu_check; PYTHON=... picks the
-# interpreter, default .venv/bin/python or python3, with peagle-train installed: scripts/install.sh
-# test, PEAGLE_TORCH set to a CUDA torch). Logs and the benchmark table go to OUT_DIR.
-# Without a CUDA GPU, step 1 still runs (the CUDA tests skip) and steps 2-3 are skipped; exit 2.
+# The prepared check for a lent GPU: about 10 minutes on one GPU, one JSON line per step on stdout
+# (docs/TRAINING.md "What only a GPU shows"; results go to docs/BENCHMARKS.md).
+#   1. versions                  torch, CUDA, NCCL, GPU, transformers, accelerate, deepspeed        (≤ 60 s)
+#   2. cuda_tests                tests/test_cuda.py (FlexAttention and the sparse plan equal dense,
+#                                forward and backward; partitioned flex with few queries against a long
+#                                kept context; bf16 close to fp32; a 1-GPU run learns) and the GPU
+#                                semantics modelled on CPU (tests/test_gpu_semantics.py)            (≤ 200 s)
+#   3. step8b                    an 8B-shaped step (Llama-3.1-8B architecture, random bf16 weights, the
+#                                recipe's 4-layer head) at 2k, 8k and 16k tokens: tokens/s, peak memory
+#                                against the planner's estimate, Dynamo recompiles                   (≤ 240 s)
+#   4. engines                   DDP, DeepSpeed ZeRO-2 and FSDP2 for 4 steps each as an NCCL world of
+#                                1: bf16 asserted inside the engine's forward, losses against DDP's  (≤ 120 s)
+#   5. cpu_vs_gpu                the same fp32 step on CPU and on the GPU: equal loss and gradients  (≤ 60 s)
+#   6. eval8b                    decoding ms/token on the 8B-shaped target and head, the recipe's
+#                                evaluation time extrapolated against NCCL's 10-minute timeout      (≤ 120 s)
+# Usage: bash scripts/gpu_check.sh [OUT_DIR]    (default /tmp/gpu_check; PYTHON=... picks the interpreter,
+# default .venv/bin/python or python3, with peagle-train installed: PEAGLE_TORCH="torch>=2.6" bash
+# scripts/install.sh test). Logs go to OUT_DIR; exit 0 when every step passed, 1 otherwise, 2 without CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/gpu_check}
@@ -20,89 +25,64 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="$OUT/inductor_cache"   # FlexAttention compiles once, later processes reuse it
 T0=$(date +%s)
-RESULTS=()
+FAILED=0
 
-# run NAME LIMIT_S CMD...: runs CMD with a time limit, its output in $OUT/NAME.log
-run() {
+# json STEP KEY=VALUE...: one JSON line (values are strings unless numbers or true/false)
+json() {
+  "$PY" - "$@" <<'EOF'
+import json, sys
+step, kv = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
+def val(v):
+    if v in ("true", "false"): return v == "true"
+    try: return int(v)
+    except ValueError:
+        try: return float(v)
+        except ValueError: return v
+print(json.dumps({"step": step, **{k: val(v) for k, v in kv.items()}}), flush=True)
+EOF
+}
+
+# pytest_step NAME LIMIT_S ARGS...: a pytest run as one JSON line (passed, failed, skipped, seconds)
+pytest_step() {
+  local name=$1 limit=$2 start rc line
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/$name.log" | tail -1)
+  count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE '[0-9]+' || echo 0; }
+  [ $rc -eq 0 ] || FAILED=1
+  json "$name" ok=$([ $rc -eq 0 ] && echo true || echo false) exit=$rc seconds=$(( $(date +%s) - start )) \
+    passed="$(count passed)" failed="$(count failed)" skipped="$(count skipped)" \
+    timed_out=$([ $rc -eq 124 ] && echo true || echo false) log="$OUT/$name.log"
+}
+
+# py_step NAME LIMIT_S ARGS...: scripts/gpu_check.py's own JSON lines, or one line saying why none came
+py_step() {
   local name=$1 limit=$2 start rc
   shift 2
   start=$(date +%s)
-  echo "== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$PY" scripts/gpu_check.py "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.log"
   rc=$?
-  RESULTS+=("$name: exit $rc in $(( $(date +%s) - start )) s$([ $rc -eq 124 ] && echo ' (time limit)')")
-  return $rc
+  grep '^{' "$OUT/$name.jsonl"
+  if [ $rc -ne 0 ] || grep -q '"ok": false' "$OUT/$name.jsonl"; then FAILED=1; fi
+  [ $rc -eq 0 ] || json "$name" ok=false exit=$rc seconds=$(( $(date +%s) - start )) \
+    timed_out=$([ $rc -eq 124 ] && echo true || echo false) last_error="$(tail -1 "$OUT/$name.log" | tr -d '"=' | cut -c1-300)"
 }
 
 if ! "$PY" -c "import torch, peagle_train" > "$OUT/python.log" 2>&1; then
-  echo "gpu_check: $PY cannot import torch and peagle_train (see $OUT/python.log). Fix: bash scripts/install.sh test"
+  json setup ok=false error="$PY cannot import torch and peagle_train (see $OUT/python.log). Fix: bash scripts/install.sh test"
   exit 1
 fi
-if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then HAVE_CUDA=1; else HAVE_CUDA=0; fi
-"$PY" - > "$OUT/device.txt" 2>&1 <<'EOF'
-import torch
-if torch.cuda.is_available():
-    p = torch.cuda.get_device_properties(0)
-    print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}, bf16 {torch.cuda.is_bf16_supported()}, torch {torch.__version__}")
-else:
-    print(f"no CUDA device (torch {torch.__version__})")
-EOF
-
-# 1. tests
-run tests 150 "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_cod_attention.py tests/test_training.py
-
-# 2. the draft step benchmark on CUDA
-if [ $HAVE_CUDA -eq 1 ]; then
-  paths=today,new
-  if [ -x "${SPECULATORS_VENV:-.venv-speculators}/bin/python" ]; then paths=$paths,speculators; fi
-  run bench_draft 180 "$PY" scripts/bench_draft.py --device cuda --sizes 2048,8192 --layers 1,4 --anchors all \
-    --paths "$paths" --no-drafting --out "$OUT/BENCHMARKS.md"
-else
-  RESULTS+=("bench_draft: skipped (no CUDA)")
+py_step versions 60 versions
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  json summary ok=false error="no CUDA device: the GPU steps did not run" seconds=$(( $(date +%s) - T0 ))
+  exit 2
 fi
-
-# 3. the demo recipe, shortened
-if [ $HAVE_CUDA -eq 1 ]; then
-  rm -rf "$OUT/demo"
-  run demo 150 "$PY" train.py recipe=smollm2-135m-demo output_dir="$OUT/demo" training.max_minutes=2 \
-    eval.num_prompts=5 eval.max_new_tokens=64
-else
-  RESULTS+=("demo: skipped (no CUDA)")
-fi
-
-# one summary
-echo
-echo "================ gpu_check summary ($(( $(date +%s) - T0 )) s) ================"
-echo "device: $(cat "$OUT/device.txt")"
-for r in "${RESULTS[@]}"; do echo "  $r"; done
-echo "tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)"
-"$PY" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-log = out / "bench_draft.log"
-if log.is_file():
-    rows = [{"path": "speculators", **json.loads(x)} for x in log.read_text().splitlines() if x.startswith("{")]
-    print("bench_draft (tokens/s, peak MB):")
-    for r in rows:
-        what = r.get("error") or f"{r['tokens_per_s']:.0f} tok/s, {r['peak_mb']:.0f} MB"
-        print(f"  {r['path']:<12} n={r['n']:<5} layers={r['layers']} anchors={r['max_anchors'] or 'all'}: {what}")
-    by = {(r["path"], r["n"], r["layers"], r["max_anchors"] or 0): r for r in rows if "error" not in r}
-    for (p, n, L, a), r in sorted(by.items()):
-        for peer in ("today", "speculators"):
-            if p == "new" and (peer, n, L, a) in by:
-                print(f"  new / {peer} at n={n}, {L} layer(s), anchors {a or 'all'}: "
-                      f"{r['tokens_per_s'] / by[(peer, n, L, a)]['tokens_per_s']:.2f}x")
-summary = out / "demo" / "summary.json"
-if summary.is_file():
-    s = json.loads(summary.read_text())
-    t, e = s.get("training", {}), s.get("eval", {})
-    print(f"demo: {t.get('steps')} steps, {t.get('tokens_per_second', 0):.0f} training tok/s, "
-          f"tau {e.get('acceptance_length')}, lossless {e.get('lossless')}")
-elif (out / "demo.log").is_file():
-    print("demo: no summary.json; last lines of demo.log:")
-    print("  " + "\n  ".join((out / "demo.log").read_text().splitlines()[-5:]))
-EOF
-echo "logs: $OUT"
-[ $HAVE_CUDA -eq 1 ] || { echo "no CUDA GPU: the GPU steps did not run"; exit 2; }
+pytest_step cuda_tests 200 tests/test_cuda.py tests/test_gpu_semantics.py -k "not each_engine and not cpu_and_gpu"
+py_step step8b 240 step8b --tokens 2048,8192,16384
+pytest_step engines 120 tests/test_cuda.py -k each_engine
+pytest_step cpu_vs_gpu 60 tests/test_cuda.py -k cpu_and_gpu
+py_step eval8b 120 eval8b --prompts 4 --new-tokens 64
+json summary ok=$([ $FAILED -eq 0 ] && echo true || echo false) seconds=$(( $(date +%s) - T0 )) logs="$OUT"
+exit $FAILED

@@ -1,6 +1,10 @@
 """CUDA-only checks (skipped without a GPU; scripts/gpu_check.sh runs them): FlexAttention forward
-and backward equal the dense path, the sparse SDPA plan equals it too, a bf16 step stays close to
-fp32 with fp32 master weights, and a short 1-GPU training run learns."""
+and backward equal the dense path, the sparse SDPA plan equals it too, also partitioned with a few
+queries against a long kept context; a bf16 step stays close to fp32 with fp32 master weights; a
+short 1-GPU training run learns; the same fp32 step on CPU and GPU agrees; each engine as an NCCL
+world of 1 computes in bf16 inside its forward and follows DDP's losses."""
+
+import copy
 
 import pytest
 import torch
@@ -72,3 +76,63 @@ def test_one_gpu_training_learns(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-3:]) / 3
     assert last < 0.8 * first, (first, last)
+
+
+def test_partitioned_flex_with_small_queries_against_a_long_context(cuda_setup):
+    """A 1,800-token row, 16 anchors, 8 parts: each part's chains are a few queries against the
+    kept context of every row position (FlexAttention with Q ≪ KV); gradients equal the dense
+    unpartitioned step's."""
+    target, d, _, _ = cuda_setup
+    row = random_row(target, seed=2, lengths=(700, 600, 500))
+    el = cod_sample(row.valid.cpu(), row.doc_ids.cpu(), 4, 0.8, 0.2, 16, torch.Generator().manual_seed(5))
+    loss_d, c_d, g_d = grads_of(d, row, el, partitions=1, attention="dense")
+    loss_x, c_x, g_x = grads_of(d, row, el, partitions=8, attention="flex")
+    assert abs(loss_x - loss_d) < 1e-4 * max(1.0, abs(loss_d)) and torch.equal(c_x, c_d)
+    for k in g_d:
+        torch.testing.assert_close(g_x[k], g_d[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_cpu_and_gpu_give_the_same_fp32_step(cuda_setup):
+    """The same row, elements and weights: the fp32 loss and gradients on CPU (sparse attention)
+    and on CUDA (FlexAttention) agree."""
+    target, d, row, el = cuda_setup
+    loss_g, c_g, g_g = grads_of(d, row, el, partitions=2, attention="flex")
+    d_cpu = copy.deepcopy(d).cpu()
+    row_cpu = random_row(target.cpu(), seed=1, lengths=(40, 33))
+    target.cuda()
+    loss_c, c_c, g_c = grads_of(d_cpu, row_cpu, el, partitions=2, attention="sparse")
+    assert abs(loss_c - loss_g) < 1e-4 * max(1.0, abs(loss_g)) and torch.equal(c_c, c_g)
+    for k in g_g:
+        torch.testing.assert_close(g_c[k], g_g[k].cpu(), rtol=1e-3, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp"])
+def test_each_engine_as_a_world_of_one_trains_in_bf16_with_ddps_losses(tmp_path, engine):
+    """Each engine for 4 steps on one GPU (a sharded engine makes its own 1-process NCCL group),
+    precision bf16, partitions 2: every Linear of the head outputs bf16 inside the engine's forward,
+    and the losses follow DDP's."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from .test_loop import tiny_rows
+
+    def run(kind, out):
+        target = tiny_llama().cuda()
+        t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
+        seen = set()
+        for m in d.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda mod, a, o: seen.add(o.dtype))
+        cfg = OmegaConf.merge(default_config().training, {
+            "num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "bf16", "tokens_per_step": 64,
+            "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2, "engine": kind,
+            "zero_stage": 2})
+        train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), cfg, out)
+        import json
+
+        return seen, [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
+
+    seen, losses = run(engine, tmp_path / engine)
+    assert seen == {torch.bfloat16}, seen
+    if engine != "ddp":
+        _, ref = run("ddp", tmp_path / "ddp")
+        assert losses == pytest.approx(ref, rel=2e-2), (losses, ref)

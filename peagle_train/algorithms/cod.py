@@ -92,7 +92,8 @@ def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: tor
 def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0):
     """The same mask as a FlexAttention BlockMask ([1, 1, M - q_start, M]: queries are the
     elements from q_start on, keys all elements); fully masked 128×128 blocks are skipped by the
-    kernel, so cost and memory follow the number of visible blocks, not M²."""
+    kernel, so cost and memory follow the number of visible blocks, not M². Built compiled on CUDA
+    (block by block), eagerly elsewhere."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = doc_ids[anchors]
@@ -102,7 +103,10 @@ def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.T
         return _cod_rule(anchors[qi], depths[qi], docs[qi], anchors[k], depths[k], docs[k])
 
     M = anchors.numel()
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device)
+    # on CUDA the build is compiled: uncompiled, create_block_mask evaluates mask_mod on all (Mq, M) pairs at
+    # once (≈ 10 bytes a pair transient: 21 GB at 16k-token rows with all anchors); compiled, block by block
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device,
+                             _compile=anchors.device.type == "cuda")
 
 
 def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, kind: str | bool = "dense",

@@ -27,12 +27,13 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer_and_vocab_size(target_cfg):
     """(tokenizer, target vocabulary size) of the `target` config group without loading the weights
-    where possible (an HF directory or hub cache id); a GGUF file goes through `load_target`'s cache."""
+    where possible (an HF directory, or a hub id: its config and tokenizer files only, downloaded if
+    missing); a GGUF file goes through `load_target`'s cache."""
     from transformers import AutoTokenizer
 
     from peagle_train.target.load import load_target_config, model_source
 
-    tok = AutoTokenizer.from_pretrained(model_source(target_cfg.path), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model_source(target_cfg.path, weights=False), local_files_only=True)
     return tok, load_target_config(target_cfg.path).vocab_size
 
 

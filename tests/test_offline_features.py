@@ -1,6 +1,7 @@
 """Issue 4: offline feature shards equal online features, resume, 8-bit storage, bad input, Gemma-3."""
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -263,3 +264,80 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
 
     assert val["val_loss"] == pytest.approx(val_loss(reader), rel=1e-6)
     assert abs(val_loss(OnlineFeatures(t)) - val["val_loss"]) > 1e-6  # int8 features differ from the target's
+
+
+def test_each_process_hashes_its_share_of_the_shards(setup, monkeypatch):
+    """Rank 1 of 2 hashes shard 1 only (shards k with k mod 2 = 1), not all three."""
+    import peagle_train.features.shards as shards
+
+    t, tok, data, d = setup
+    hashed, real = [], shards.provenance.sha256_file
+    monkeypatch.setattr(shards.provenance, "sha256_file", lambda p: (hashed.append(Path(p).name), real(p))[1])
+    monkeypatch.setattr(shards, "process_share", lambda: (1, 2))
+    monkeypatch.setattr(shards, "agree_on_shards", lambda problem: None)
+    OfflineFeatures(d, t, tok, data)
+    assert hashed == ["shard-00001.safetensors"]
+
+
+def test_a_damaged_shard_stops_every_process(setup, tmp_path):
+    """Shard 1 altered (same size): only rank 1 hashes it, and both ranks of a 2-process gloo group
+    refuse the features, rank 0 naming rank 1's finding, instead of rank 0 training alone."""
+    import torch.multiprocessing as mp
+
+    t, tok, data, d = setup
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(str(tok_dir))
+    shard = d / "shard-00001.safetensors"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    mp.spawn(_open_with_saved_tokenizer, args=(2, str(tmp_path / "store"), str(d), str(tmp_path), str(tok_dir)),
+             nprocs=2, join=True)
+    r0, r1 = (tmp_path / "rank0.txt").read_text(), (tmp_path / "rank1.txt").read_text()
+    assert "shard-00001.safetensors: altered" in r1 and "sha256" in r1
+    assert r0.startswith("process 1 found a damaged feature shard: ") and "shard-00001.safetensors: altered" in r0
+
+
+def _open_with_saved_tokenizer(rank, world, store_file, d, out, tok_dir):
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    t = FeatureTarget(tiny_llama(), [1, 3, 5])
+    try:
+        OfflineFeatures(d, t, AutoTokenizer.from_pretrained(tok_dir), rows())
+        msg = "opened"
+    except FeatureShardError as e:
+        msg = str(e)
+    Path(out, f"rank{rank}.txt").write_text(msg)
+    dist.destroy_process_group()
+
+
+def test_an_engine_prepares_the_shards_a_job_at_a_time(tmp_path, setup):
+    """An external engine (DocFeatures) is asked for at most tokens_per_job tokens of rows per job,
+    shard by shard in order, each job before its shards' rows are read; the shards equal the
+    in-process target's bit for bit."""
+    from peagle_train.features.shards import DocFeatures
+
+    t, tok, data, d = setup
+    lengths = [len(x) for x in data["input_ids"]]
+    events = []
+
+    class Engine(DocFeatures):
+        def prepare(self, indices):
+            events.append(("prepare", list(indices)))
+
+        def __call__(self, indices):
+            events.append(("read", list(indices)))
+            return [(o.aux[0], o.final[0]) for o in
+                    t.forward_documents([torch.tensor(data[i]["input_ids"]) for i in indices], logits=False)]
+
+    budget = sum(lengths[:6])  # shards 0 and 1 (rows 0-5) fit, shard 2 (row 6) starts a second job
+    write_features(t, tok, data, tmp_path / "eng", storage="float32", docs_per_shard=3, doc_features=Engine(),
+                   tokens_per_job=budget)
+    jobs = [e[1] for e in events if e[0] == "prepare"]
+    assert jobs == [[0, 1, 2, 3, 4, 5], [6]]
+    assert events.index(("prepare", [6])) > max(i for i, e in enumerate(events) if e[0] == "read" and 5 in e[1])
+    for k in range(3):
+        name = f"shard-0000{k}.safetensors"
+        assert (tmp_path / "eng" / name).read_bytes() == (d / name).read_bytes()

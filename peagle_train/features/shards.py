@@ -183,18 +183,35 @@ def _fold_parts(out_dir: Path, manifest: dict) -> int:
 
 def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> dict:
     """`write_features` for the `features` config group: features.dir, storage, int8_scale and
-    docs_per_shard passed by name; `kw` = the rest (template_kwargs, tokens_per_forward, rank, ...).
-    Raises what `write_features` raises."""
+    docs_per_shard (and tokens_per_job) passed by name; `kw` = the rest (template_kwargs,
+    tokens_per_forward, rank, ...). Raises what `write_features` raises."""
     return write_features(target, tok, rows, fcfg.dir, storage=str(fcfg.storage), int8_scale=str(fcfg.int8_scale),
-                          docs_per_shard=fcfg.docs_per_shard, **kw)
+                          docs_per_shard=fcfg.docs_per_shard, tokens_per_job=fcfg.get("tokens_per_job"), **kw)
+
+
+def _prepare_jobs(shards: list[int], lengths: list[int], docs_per_shard: int,
+                  tokens_per_job: int | None) -> dict[int, list[int]]:
+    """{first shard of a job: the row indices of the job}: `shards` (in order) cut into consecutive
+    runs of at most `tokens_per_job` tokens of rows (a shard above it is a job alone; None = one job)."""
+    jobs, start, tokens = {}, None, 0
+    for k in shards:
+        rows = list(range(k * docs_per_shard, min(len(lengths), (k + 1) * docs_per_shard)))
+        size = sum(lengths[i] for i in rows)
+        if start is None or (tokens_per_job is not None and tokens + size > tokens_per_job):
+            start, tokens = k, 0
+            jobs[k] = []
+        jobs[start] += rows
+        tokens += size
+    return jobs
 
 
 class DocFeatures:
     """What computes the features of data rows for `write_features` when not the in-process target
     (e.g. vLLM, peagle_train/serving/vllm_engine.py `VllmDocFeatures`).
 
-    `prepare(indices)` is called once with every row index this process will write (an engine can
-    run them in one pass); `__call__(indices)` returns [(aux [T, 3H], final [T, H])] per row, in the
+    `prepare(indices)` is called with the row indices of the next shards this process will write,
+    at most `tokens_per_job` tokens of rows at a time (at least one shard), before their
+    `__call__`s (an engine runs each batch in one pass); `__call__(indices)` returns [(aux [T, 3H], final [T, H])] per row, in the
     aux numbering of target/capture.py, on any device."""
 
     def prepare(self, indices: list[int]) -> None:
@@ -207,7 +224,7 @@ class DocFeatures:
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
                    int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
                    tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None,
-                   doc_features: DocFeatures | None = None) -> dict:
+                   doc_features: DocFeatures | None = None, tokens_per_job: int | None = None) -> dict:
     """Run the frozen target over every data row and write verified feature shards (resumable).
 
     doc_features: computes the rows' features instead of the in-process target (e.g. vLLM); the
@@ -283,12 +300,13 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     records = {}  # what this process wrote (merged into the manifest by process 0 when world > 1)
     dev = target.model.device
     t0, tokens_run = time.perf_counter(), 0
-    if doc_features is not None:
-        doc_features.prepare([i for k in mine for i in range(k * docs_per_shard, min(n, (k + 1) * docs_per_shard))])
+    jobs = _prepare_jobs(mine, [len(x) for x in rows["input_ids"]], docs_per_shard, tokens_per_job)
     bar = tqdm(total=sum(min(docs_per_shard, n - k * docs_per_shard) for k in mine), desc="target features",
                unit="doc", disable=rank != 0)
     for k in mine:
         first, last = k * docs_per_shard, min(n, (k + 1) * docs_per_shard)
+        if doc_features is not None and k in jobs:  # the engine's next job: these shards' rows, in one pass
+            doc_features.prepare(jobs[k])
         ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
         aux_l, fin_l = [], []
         for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
@@ -428,7 +446,8 @@ class OfflineFeatures(PackedRowSource):
     Checks at open (each failure raises FeatureShardError naming the file and the check): the
     manifest's fingerprint equals this run's (target, tokenizer, template, aux layer ids, storage,
     data rows; on a data mismatch the first differing row and its shard are named), every shard is
-    present and complete with its recorded size and sha256 (`verify=True`), and every shard's
+    present and complete with its recorded size and sha256 (`verify=True`; with a process group each
+    process hashes its share, shard k on rank k mod W, and all agree on the outcome), and every shard's
     token ids equal the data rows. At read: each document's features are finite (no NaN/Inf).
 
     `target` supplies the final norm and lm_head (logits = lm_head(norm(final)) over the draft
@@ -459,6 +478,17 @@ class OfflineFeatures(PackedRowSource):
         n = manifest["fingerprint"]["num_docs"]
         per = manifest["docs_per_shard"]
         self._files, self._offsets, self._scales = [], [], []
+        rank, world = process_share()
+        try:
+            self._open_each(manifest, verify, n, per, rank, world)
+        except FeatureShardError as e:
+            agree_on_shards(str(e))
+            raise
+        agree_on_shards(None)
+
+    def _open_each(self, manifest: dict, verify: bool, n: int, per: int, rank: int, world: int) -> None:
+        """Open every shard (presence, size, format); with `verify`, sha256 only of the shards k with
+        k % world == rank: the processes share the reads (an 8B run's shards are terabytes)."""
         for k in range((n + per - 1) // per):
             rec = manifest["shards"].get(str(k))
             path = self.dir / shard_name(k)
@@ -471,7 +501,7 @@ class OfflineFeatures(PackedRowSource):
                 raise FeatureShardError(f"{path}: truncated or altered after writing (check: size, {size} bytes, "
                                         f"manifest says {rec['bytes']}). Fix: delete the shard and rerun "
                                         "`peagle features` (it recomputes only missing shards).")
-            if verify and provenance.sha256_file(path) != rec["sha256"]:
+            if verify and k % world == rank and provenance.sha256_file(path) != rec["sha256"]:
                 raise FeatureShardError(f"{path}: altered after writing (check: sha256 differs from the manifest). "
                                         "Fix: delete the shard and rerun `peagle features`.")
             try:
@@ -537,3 +567,31 @@ class OfflineFeatures(PackedRowSource):
                                         "shard's (check: token ids). Fix: regenerate the features for this data.")
             parts.append((ids_t, torch.tensor(mask, device=dev), aux, self.target.logits_from_final(final, draft_ids)))
         return pack_row(parts)
+
+
+def process_share() -> tuple[int, int]:
+    """(rank, world size) of this process in the default process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agree_on_shards(problem: str | None) -> None:
+    """Every process learns whether any found a damaged shard (collective with a process group:
+    all processes call it once, after their checks). Raises FeatureShardError on the processes that
+    found none, naming another's finding, so that no process goes on into training alone; returns
+    when none did, or without a process group."""
+    import torch.distributed as dist
+
+    rank, world = process_share()
+    if world == 1:
+        return
+    found = [None] * world
+    dist.all_gather_object(found, problem)
+    others = [(r, p) for r, p in enumerate(found) if p and r != rank]
+    if others and problem is None:
+        r, p = others[0]
+        raise FeatureShardError(f"process {r} found a damaged feature shard: {p}")
+

@@ -286,12 +286,13 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
 
 class VllmDocFeatures(DocFeatures):
     """Target features of data rows through vLLM's `extract_hidden_states` method, for
-    `write_features` (features/shards.py DocFeatures): `prepare` runs every row in one vLLM job (one
-    engine start), `__call__` reads the rows' files.
+    `write_features` (features/shards.py DocFeatures): `prepare` runs the rows of the next shards in
+    one vLLM job (one engine start, `features.tokens_per_job` tokens of rows at most, so the files
+    waiting on disk stay bounded), `__call__` reads the rows' files.
 
     vLLM is asked for the aux ids (vLLM's numbering, as ours) and id N, which vLLM collects after
     the last layer, before the final norm: our pre-norm final state. Files go to `storage_dir`
-    and are removed once read. The job's response (version, seconds, tokens) is `self.response`."""
+    and are removed once read. The jobs' response (version; seconds, tokens and jobs summed) is `self.response`."""
 
     def __init__(self, rows, target_dir: str, aux_layer_ids: list[int], num_layers: int, *, python: str,
                  storage_dir: str | Path, dtype: str = "bfloat16", threads: int | None = None):
@@ -317,6 +318,10 @@ class VllmDocFeatures(DocFeatures):
                 raise VllmError(f"vLLM returned no hidden states for data row {i}. Full log: "
                                 f"{self.storage_dir / 'vllm_features.log'}.")
             self.paths[i] = o["hidden_states_path"]
+        # summed over the jobs of the pass (write_features prepares tokens_per_job at a time)
+        for key in ("load_seconds", "generate_seconds", "prompt_tokens"):
+            resp[key] = (resp.get(key) or 0) + (self.response.get(key) or 0)
+        resp["jobs"] = self.response.get("jobs", 0) + 1
         self.response = resp
 
     def __call__(self, indices: list[int]) -> list[tuple]:

@@ -50,6 +50,39 @@ def load_torch_file(path: Path, what: str, fix: str):
                                f"or corrupted. Fix: {fix}.") from e
 
 
+def check_shared_folder(root: Path) -> None:
+    """Refuse a checkpoint folder that the processes do not all see (collective under a process group
+    of more than one process; a no-op otherwise).
+
+    Rank 0 writes a file named by a random number it broadcasts; every process looks for it. The
+    checkpoints are written by rank 0 and each process's RNG state into the same folder, and resume
+    reads them back on every process, so on several nodes `output_dir` must be on a filesystem all
+    nodes share. Raises ConfigError (a ValueError) on every process, naming the folder, when one
+    does not see the file."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
+    nonce = [random.SystemRandom().getrandbits(62) if rank == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    probe = root / f".shared-check-{nonce[0]}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_text(str(nonce[0]))
+    dist.barrier()
+    seen = [None] * world
+    dist.all_gather_object(seen, probe.is_file())
+    dist.barrier()
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"{root}: process(es) {blind} of {world} cannot see a file that process 0 wrote there. "
+                          "Checkpoints and resume need one folder that every node sees. Fix: put output_dir on a "
+                          "filesystem shared by all nodes (NFS, Lustre, ...).")
+
+
 def checkpoints_root(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 

@@ -221,7 +221,11 @@ class ShardedEngine:
         from ..draft import make_draft_head
 
         plain = make_draft_head(draft_config)
-        plain.load_state_dict(self.full_state_dict(), strict=False)
+        missing, unexpected = plain.load_state_dict(self.full_state_dict(), strict=False)
+        missing = [k for k in missing if not k.startswith("rotary_emb.")]  # buffers rebuilt from the config
+        if missing or unexpected:
+            raise RuntimeError(f"the gathered head does not match its config: missing {missing}, unexpected "
+                               f"{unexpected} weights")
         return plain
 
     def close(self) -> None:
@@ -265,11 +269,11 @@ class ShardedEngine:
             raise FileNotFoundError(f"{f}: no FSDP state in this checkpoint. Fix: resume with the run's distributed.engine.")
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        # rank 0 reads the full state (on the host) and broadcasts it: not every rank a full copy in RAM
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        st = torch.load(f, weights_only=False, map_location="cpu") if rank0 else {"model": {}, "optimizer": {}}
+        # memory-mapped onto the host: the processes of a node share the file's pages (the page cache) instead
+        # of each holding a full copy, and nothing lands on the device the state was saved from
+        st = torch.load(f, weights_only=False, map_location="cpu", mmap=True)
         set_state_dict(self.module, self.opt, model_state_dict=st["model"], optim_state_dict=st["optimizer"],
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                       options=StateDictOptions(full_state_dict=True))
 
 
 def single_process_backend(device: torch.device | str) -> str:

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 RECIPE = "llama-3.1-8b-instruct"
 DEVICE = "cuda"   # --device cpu with --config tiny.json: a rehearsal of the script on a CPU machine
 CONFIG = None     # --config: a config.json instead of the recipe target's
@@ -70,18 +67,15 @@ def recipe_cfg():
 
 
 def target_config(cfg):
-    """The recipe target's config.json: the HF cache's, else the one shipped with the recipes."""
+    """The recipe target's config.json (`plan.target_config`: the HF cache's, else the one shipped
+    with the recipes), or --config's."""
     from transformers import AutoConfig
+
+    from peagle_train.plan import target_config as recipe_target_config
 
     if CONFIG:
         return AutoConfig.from_pretrained(CONFIG)
-    try:
-        return AutoConfig.from_pretrained(cfg.target.path, local_files_only=True)
-    except OSError:
-        for p in (REPO / "peagle_train").rglob("*.json"):
-            if "llama-3.1-8b" in p.name.lower():
-                return AutoConfig.from_pretrained(str(p))
-        raise
+    return recipe_target_config(cfg.target)[0]
 
 
 def build_8b(cfg):

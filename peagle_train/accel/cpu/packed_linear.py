@@ -38,9 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 def packing_available() -> bool:
-    """Whether this torch build has the oneDNN linear ops that `PackedLinear` calls."""
+    """Whether this torch build has the oneDNN linear ops that `PackedLinear` calls, and this CPU
+    oneDNN's bf16 path (AVX512BW/VL/DQ or AVX-NE-CONVERT: a CPU with AVX2 alone has none, and the
+    weight reorder raises there)."""
     return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class PackedLinear(nn.Module):

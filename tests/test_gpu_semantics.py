@@ -36,10 +36,11 @@ LAUNCH = str(REPO_ROOT / "tests" / "gpu_semantics_launch.py")
 
 
 # ---------------------------------------------------------------------------------------------- A1
-def test_deepspeed_forward_keeps_the_loops_bf16_autocast_as_under_cuda(monkeypatch, tmp_path):
-    """A 1-process DeepSpeed ZeRO-2 training step (the trainer's own engine set-up) with precision
-    bf16: every Linear of the head outputs bf16 inside `engine.forward`."""
-    pytest.importorskip("deepspeed")
+def deepspeed_step_output_dtypes(out_dir: str) -> list[str]:
+    """A 1-process DeepSpeed ZeRO-2 training step (the trainer's own engine set-up), precision bf16,
+    with DeepSpeed's autocast check made to see the CPU autocast as it sees the CUDA one on a GPU:
+    the dtypes the head's Linears output inside `engine.forward`. Run in its own process by the test
+    (DeepSpeed keeps process-wide state)."""
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
@@ -49,26 +50,40 @@ def test_deepspeed_forward_keeps_the_loops_bf16_autocast_as_under_cuda(monkeypat
     from peagle_train.job import build_draft
     from peagle_train.target.capture import FeatureTarget
     from peagle_train.training.trainer import train
-    from .test_loop import tiny_rows
+    from tests.test_loop import tiny_rows
 
     real = torch.is_autocast_enabled
     # on CUDA, DeepSpeed's argument-less call sees the loop's (CUDA) autocast; here it is the CPU one
-    monkeypatch.setattr(ds_autocast.torch, "is_autocast_enabled", lambda *a: real(*a) if a else real("cpu"))
+    ds_autocast.torch.is_autocast_enabled = lambda *a: real(*a) if a else real("cpu")
+    torch.set_num_threads(1)
     t = FeatureTarget(tiny_llama())
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127, algorithm="peagle")
-    seen = []
+    seen = set()
     for m in draft.modules():
         if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+            m.register_forward_hook(lambda mod, args, out: seen.add(str(out.dtype)))
     train_cfg = OmegaConf.merge(default_config().training, {
         "num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "max_steps": 1, "warmup_steps": 1,
         "max_anchors": 16, "precision": "bf16", "engine": "deepspeed", "zero_stage": 2, "partitions": 2})
-    out = train(Accelerator(cpu=True), draft, t, tiny_rows(n=6), vocab.draft_ids, train_cfg, tmp_path)
+    out = train(Accelerator(cpu=True), draft, t, tiny_rows(n=6), vocab.draft_ids, train_cfg, out_dir)
     assert out["steps"] == 1 and out["engine"] == "deepspeed ZeRO-2"
-    assert seen and set(seen) == {torch.bfloat16}, f"head Linear outputs inside engine.forward: {set(seen)}"
+    return sorted(seen)
+
+
+def test_deepspeed_forward_keeps_the_loops_bf16_autocast_as_under_cuda(tmp_path):
+    """Every Linear of the head outputs bf16 inside DeepSpeed's `engine.forward` (before the fix:
+    fp32, DeepSpeed having switched the loop's autocast off)."""
+    pytest.importorskip("deepspeed")
+    code = ("import json, sys; from tests.test_gpu_semantics import deepspeed_step_output_dtypes as f; "
+            "print('DTYPES', json.dumps(f(sys.argv[1])))")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    dtypes = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("DTYPES "))[7:])
+    assert dtypes == ["torch.bfloat16"], dtypes
 
 
 # ---------------------------------------------------------------------------------------------- A2

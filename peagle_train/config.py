@@ -8,8 +8,9 @@ Hydra's settings; a recipe (recipes/<name>.yaml, `recipe=<name>`) overrides keys
 line wins over both.
 
 Entry points (`SCHEMAS`): train, prepare and features read `Config` (conf/train.yaml, stored as
-`peagle_schema`); evaluate, export, regenerate and recommend-k read `Config` plus their own keys
-(`EvaluateCommand`, `ExportCommand`, `RegenerateCommand`, `RecommendKCommand`; conf/<name>.yaml).
+`peagle_schema`); evaluate, export, regenerate, recommend-k and plan read `Config` plus their own keys
+(`EvaluateCommand`, `ExportCommand`, `RegenerateCommand`, `RecommendKCommand`, `PlanCommand`;
+conf/<name>.yaml).
 `register()` stores them in Hydra's ConfigStore, so Hydra type-checks every value and refuses a
 key the schema does not have. The one validator lives here too: `config_problems` refuses a number
 outside its range and a breach of a rule between keys (data.mix entries, aux layer ids, K ≤
@@ -466,6 +467,22 @@ class RecommendKCommand(Config):
     recommend: RecommendConfig = group(RecommendConfig, "the K recommendation")
 
 
+@dataclass
+class PlanCommand(Config):
+    """Plan a GPU run without loading weights: memory per GPU, steps, warm-up, checkpoint cadence and
+    evaluation time of a config at world_size GPUs (conf/plan.yaml; peagle_train/plan.py)."""
+
+    world_size: int = opt(1, "GPUs (processes) the run is planned for", ge=1)
+    gpu_memory_gb: float = opt(80.0, "memory of one GPU in GiB (an 80 GB H100/A100: 80)", gt=0)
+    data_tokens: Optional[int] = opt(None, "tokens of the training data (all rows, prompt and answer); null = "
+                                           "data.prepared_dir's summary.json, else the count shipped for "
+                                           "data.path (pkg:sharegpt)", ge=1)
+    gpu_tflops: float = opt(400.0, "bf16 matmul throughput assumed for the evaluation's time, TFLOP/s (H100 "
+                                   "SXM peaks at 989 dense)", gt=0)
+    gpu_bandwidth_gbs: float = opt(2000.0, "memory bandwidth assumed for the evaluation's time, GB/s (H100 SXM "
+                                           "peaks at 3350)", gt=0)
+
+
 # entry point -> (schema, primary config in conf/, name in Hydra's ConfigStore)
 SCHEMAS: dict[str, tuple[type, str, str]] = {
     "train": (Config, "train", "peagle_schema"),
@@ -475,6 +492,7 @@ SCHEMAS: dict[str, tuple[type, str, str]] = {
     "export": (ExportCommand, "export", "peagle_export_schema"),
     "regenerate": (RegenerateCommand, "regenerate", "peagle_regenerate_schema"),
     "recommend-k": (RecommendKCommand, "recommend_k", "peagle_recommend_k_schema"),
+    "plan": (PlanCommand, "plan", "peagle_plan_schema"),
 }
 
 _MIXED_PRECISION = ("training.mixed_precision was removed: `precision` (auto | fp32 | bf16) alone sets the compute "

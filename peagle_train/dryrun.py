@@ -76,7 +76,9 @@ def dry_run(cfg, out_dir: Path) -> dict:
     train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
                                                     "save_every": None, "val_conversations": 0, "resume": False,
                                                     "grad_accum": 1, "max_anchors": 32,
-                                                    "attention": "dense"})
+                                                    "attention": "dense",
+                                                    # 2 steps: the recipe's warm-up is sized for its data (peagle plan)
+                                                    "warmup_steps": min(int(cfg.training.warmup_steps), 1)})
     check_training_config(train_cfg)
     job_cfg = OmegaConf.merge(cfg, {"eval": {"enabled": True}, "export": {"enabled": True}})
     acc = tracked_accelerator(train_cfg.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True), cpu=True)

@@ -3,7 +3,8 @@
 The Hydra configs (`conf/`), the recipes (`recipes/`) and the Spec-Bench questions (`spec_bench/`)
 ship inside the package (package data; in a checkout `peagle_train/conf`, `recipes` and
 `spec_bench` are links to the top-level `conf/`, `recipes/` and `data/spec_bench/`), so a
-non-editable install finds them from any working directory. The package neither reads nor writes
+non-editable install finds them from any working directory; so do the config.json files of the
+GPU recipes' targets (`target/configs/`, read by `peagle plan` when the HF cache has none). The package neither reads nor writes
 the checkout it may have been installed from. The target and the training data are
 found inside their own installed PyPI packages, without importing them. Nothing here downloads.
 """
@@ -17,6 +18,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"                             # Hydra config groups (train.yaml, config.yaml, ...)
 RECIPES_DIR = PACKAGE_DIR / "recipes"                       # one file per (target, purpose)
 SPEC_BENCH = PACKAGE_DIR / "spec_bench" / "question.jsonl"  # Spec-Bench questions (its LICENSE beside it)
+TARGET_CONFIGS_DIR = PACKAGE_DIR / "target" / "configs"    # config.json of the GPU recipes' targets (peagle plan)
 
 
 def package_dir(module: str, pip_name: str) -> Path:

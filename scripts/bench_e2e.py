@@ -69,7 +69,7 @@ def main():
     common = ["recipe=smollm2-135m-demo", f"data.num_conversations={args.conversations}", "data.num_proc=1",
               f"threads={args.threads}", "features.storage=bfloat16", "features.docs_per_shard=16",
               f"precision={args.precision}"]
-    train_args = [f"training.max_steps={args.steps}", "training.max_minutes=null", "eval.enabled=false",
+    train_args = [f"training.max_steps={args.steps}", "training.warmup_steps=1", "training.max_minutes=null", "eval.enabled=false",
                   "export.enabled=false"]
     res = {k: {"generation": [], "online": [], "offline": []} for k in trees}
     load0 = os.getloadavg()

@@ -64,7 +64,7 @@ def main():
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
     train_cfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
                                   "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
-                                  "max_minutes": None})
+                                  "max_minutes": None, "warmup_steps": 1})  # a few timed steps: no warm-up
     t_target, t_draft, t_opt = [], [], []
     FeatureTarget.__call__ = timed(FeatureTarget.__call__, t_target)
     peagle.draft_step = timed(peagle.draft_step, t_draft)

@@ -55,7 +55,7 @@ PY
 
 stage "peagle train (demo recipe, shrunk) from $RUN"
 "$VENV/bin/peagle" train recipe=smollm2-135m-demo output_dir="$RUN/demo" threads=1 data.num_proc=1 \
-  data.num_conversations=8 training.max_steps=4 eval.num_prompts=2 eval.max_new_tokens=16 > "$RUN/demo.log" 2>&1 \
+  data.num_conversations=8 training.max_steps=4 training.warmup_steps=1 eval.num_prompts=2 eval.max_new_tokens=16 > "$RUN/demo.log" 2>&1 \
   || { tail -30 "$RUN/demo.log"; exit 1; }
 T_TRAIN=$((SECONDS - T0 - T_INSTALL))
 stage "peagle train done in ${T_TRAIN} s"

@@ -36,7 +36,7 @@ def test_bare_command_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["prepare", "regenerate", "features", "train", "evaluate", "export", "recommend-k", "sweep"]
+    assert listed == ["prepare", "regenerate", "features", "train", "evaluate", "export", "recommend-k", "plan", "sweep"]
     assert main([]) == 2 and "usage: peagle <command>" in capsys.readouterr().out
     assert main(["trian"]) == 2
     assert "peagle: error: unknown command 'trian'. Did you mean train?" in capsys.readouterr().err
@@ -51,6 +51,7 @@ HELP = {
     "evaluate": ("Measure acceptance length", "  baseline_head "),
     "export": ("Export a training checkpoint", "  head "),
     "recommend-k": ("Recommend K (num_speculative_tokens)", "  recommend.batch_sizes "),
+    "plan": ("Plan a GPU run before renting the GPUs", "  gpu_memory_gb "),
     "sweep": ("`peagle sweep`: rewrite the table", "Keys: output_dir, jobs"),
 }
 
@@ -76,6 +77,7 @@ INVALID = {
     "evaluate": ([], "peagle evaluate: error: Give the head to evaluate: head="),
     "export": ([], "peagle export: error: Give head=runs/<run>/checkpoint"),
     "recommend-k": ([], "peagle recommend-k: error: recommend_k: Nothing to measure with: give head="),
+    "plan": (["world_size=0"], "peagle plan: error: world_size=0 is out of range: it must be an integer ≥ 1"),
     "sweep": (["jbos=[a]"], "peagle sweep: error: unknown key 'jbos' on the command line. Did you mean jobs?"),
 }
 

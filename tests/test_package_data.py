@@ -49,7 +49,7 @@ def test_the_wheel_carries_configs_recipes_and_spec_bench(tmp_path):
             "peagle_train/conf/recipe/smollm2-135m-demo.yaml", "peagle_train/recipes/smollm2-135m-demo.yaml",
             "peagle_train/recipes/qwen3-8b.yaml", "peagle_train/spec_bench/question.jsonl",
             "peagle_train/spec_bench/LICENSE", "peagle_train/provenance.py", "peagle_train/io.py",
-            "peagle_train/accel/cpu/csrc/amx_linear.cpp"}
+            "peagle_train/accel/cpu/csrc/amx_linear.cpp", "peagle_train/target/configs/openai--gpt-oss-20b.json"}
     assert want <= names, sorted(want - names)
     size = zipfile.ZipFile(wheel).getinfo("peagle_train/spec_bench/question.jsonl").file_size
     assert size == paths.SPEC_BENCH.stat().st_size  # the file itself, not a link

@@ -15,7 +15,7 @@ def test_demo_recipe_shrunk_end_to_end(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", "train.py",
            "recipe=smollm2-135m-demo", f"output_dir={out}", "data.num_conversations=6", "training.tokens_per_step=512",
-           "training.max_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=16", "eval.num_speculative_tokens=5"]
+           "training.max_steps=2", "training.warmup_steps=1", "eval.num_prompts=2", "eval.max_new_tokens=16", "eval.num_speculative_tokens=5"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     acc = json.loads((out / "eval" / "acceptance.json").read_text())

@@ -99,7 +99,7 @@ def test_vllm_features_equal_ours_and_train(tmp_path):
     assert summary["engine"] == "vllm" and summary["vllm"]["vllm_version"].startswith("0.32")
     assert not list((theirs / ".vllm-hidden-states").glob("*.safetensors"))  # read and removed
     run = tmp_path / "train"
-    _peagle("train", *common, "features.source=offline", f"features.dir={theirs}", "training.max_steps=2",
+    _peagle("train", *common, "features.source=offline", f"features.dir={theirs}", "training.max_steps=2", "training.warmup_steps=1",
             "eval.enabled=false", "export.enabled=false", f"output_dir={run}")
     assert (run / "checkpoint" / "model.safetensors").is_file()
 

@@ -28,6 +28,7 @@ COMMANDS = {
     "evaluate": ("evaluate", "acceptance length τ, speed and latency of a head with the reference decoder"),
     "export": ("export", "export a checkpoint in the speculators / vLLM format, or validate an export"),
     "recommend-k": ("recommend_k", "K (num_speculative_tokens) per batch size from measured acceptance and step costs"),
+    "plan": ("plan", "memory per GPU, steps, warm-up and checkpoint cadence of a config at N GPUs, without weights"),
     "sweep": ("sweep", "table and plot over the jobs of a `peagle train -m` sweep (or of several sweeps)"),
 }
 HELP_FLAGS = ("-h", "--help")

@@ -28,6 +28,8 @@ from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.online import PackedRowSource, OnlineFeatures
 from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
+from .checks import check_schedule
+from .memory import check_step_memory
 from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
                          list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
@@ -120,6 +122,11 @@ class Trainer:
             raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
                              "Fix: more data.num_conversations.")
         self.steps = steps
+        # a warm-up or checkpoint cadence sized for another run (data, processes) is refused, naming the fix
+        check_schedule(steps, train_cfg, world_size=W, rows=len(self.batches))
+        if n_val and not self.save_every:
+            logger.warning("training.val_conversations=%d are held out, but training.save_every is null: validation "
+                           "runs only at checkpoints, so never. Fix: set training.save_every", n_val)
         # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
         if "mixed_precision" in train_cfg:  # removed: refused, not silently ignored
             raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
@@ -136,6 +143,10 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule,
                                                                          train_cfg.get("decay_fraction", 0.2)))
         attention_kind(train_cfg.attention, acc.device)  # raises now, not at the first backward
+        # on a CUDA device, a step that cannot fit its memory is refused now (the estimate `peagle plan` prints)
+        check_step_memory(acc.device, self.target.model, self.target.config, draft.config, train_cfg, W, engine_kind,
+                          zero_stage, attention=attention_kind(train_cfg.attention, acc.device),
+                          act_bytes=2 if self.prec.is_bf16 else 4, online=isinstance(self.features, OnlineFeatures))
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
             raise NotImplementedError(f"distributed type {acc.distributed_type.value} is not supported; "

@@ -102,8 +102,11 @@ def planner_estimate(tcfg, draft, cfg, tokens: int) -> dict | None:
     try:
         from peagle_train.training.memory import estimate_step_memory
 
+        # the step as step8b runs it: one row (grad_accum 1), the recipe's partitions, FlexAttention, online
         est = estimate_step_memory(tcfg, draft.config, tokens=tokens, max_anchors=cfg.training.max_anchors,
-                                   num_depths=cfg.draft.num_depths, world_size=1, engine="ddp")
+                                   num_depths=cfg.draft.num_depths, world_size=1, engine="ddp", grad_accum=1,
+                                   partitions=cfg.training.partitions, attention="flex", online=True,
+                                   mask_compiled=DEVICE == "cuda")
         return {k: round(v / 2**30, 2) for k, v in est.items() if isinstance(v, (int, float)) and not k.startswith("elements")}
     except Exception as e:  # noqa: BLE001 - the measurement stands without it
         return {"error": f"{type(e).__name__}: {e}"}

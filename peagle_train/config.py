@@ -257,7 +257,9 @@ class FeaturesConfig:
     docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)", ge=1)
     verify: bool = opt(True, "sha256 of every shard at open (sizes, token ids and NaN/Inf are always checked)")
     engine: FeatureEngine = opt(FeatureEngine.target, "features: target (in-process forwards) | vllm (vLLM's "
-                                                      "extract_hidden_states, one engine for the whole pass)")
+                                                      "extract_hidden_states, one engine job per tokens_per_job)")
+    tokens_per_job: int = opt(4_000_000, "engine=vllm: tokens of rows per vLLM job; its hidden-state files wait on "
+                                         "disk until their shard is written (≈ 32 KB a token at 8B)", ge=1)
     vllm_python: Optional[str] = opt(None, "engine=vllm: python of the environment with vLLM; null = as "
                                            "eval.vllm_python")
 
@@ -321,6 +323,9 @@ class DistributedConfig:
                                      "--multi_gpu --num_processes N ...")
     zero_stage: int = opt(2, "deepspeed only: 2 (optimizer state + gradients sharded) | 3 (+ parameters)",
                           one_of=(2, 3))
+    timeout_minutes: float = opt(60.0, "process-group timeout: how long a collective (a barrier while rank 0 "
+                                       "prepares data or saves a checkpoint) may wait before the run is aborted "
+                                       "(NCCL's own default is 10)", gt=0)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from peagle_train.job import build_target, run_metadata, write_json
 from peagle_train.pipeline import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import check_training_config
-from peagle_train.training.engines import check_distributed_config
+from peagle_train.training.engines import check_distributed_config, process_group_kwargs
 from peagle_train.training.tracking import tracked_accelerator
 
 logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
@@ -75,7 +75,8 @@ def main(cfg: DictConfig) -> dict:
         return res
     out = run_dir(cfg)
     acc = tracked_accelerator(cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True),
-                              cpu=not torch.cuda.is_available())  # Accelerate's trackers: training.tracker
+                              cpu=not torch.cuda.is_available(),  # Accelerate's trackers: training.tracker
+                              kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
     log = logger.info
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
@@ -84,9 +85,9 @@ def main(cfg: DictConfig) -> dict:
     log_precision(prec)
     logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
                 prec_rec["bf16_unit"], prec.name, prec_rec["target_weights"], prec.name)
-    write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
-                                  "config": OmegaConf.to_container(cfg, resolve=True)})
     if acc.is_main_process:
+        write_json(out / "run.json", {**run_metadata(), "precision": prec_rec,
+                                      "config": OmegaConf.to_container(cfg, resolve=True)})
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)  # the resolved config, re-runnable
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
@@ -109,8 +110,9 @@ def main(cfg: DictConfig) -> dict:
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)
         log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")
-    acc.wait_for_everyone()
-    acc.end_training()  # trackers closed, process group destroyed before the interpreter exits
+    # no barrier here: the process group was released after training (pipeline.py, `end_distributed`), and
+    # the other processes have returned while the main process evaluated and exported
+    acc.end_training()  # trackers closed (and a process group still alive destroyed) before the interpreter exits
     return summary
 
 

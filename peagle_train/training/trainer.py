@@ -30,8 +30,8 @@ from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
 from .checks import check_schedule
 from .memory import check_step_memory
-from .checkpoint import (best_checkpoint, check_output_dir, checkpoints_root, data_fingerprint, flat_fingerprint,
-                         list_checkpoints, load_training_checkpoint, save_training_checkpoint)
+from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
+                         flat_fingerprint, list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
 from .engines import fused_optimizer, make_engine, resolve_engine
 from ..algorithms.loss import metrics_from_counts
@@ -130,11 +130,17 @@ class Trainer:
         # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
         if "mixed_precision" in train_cfg:  # removed: refused, not silently ignored
             raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
+        if getattr(acc, "mixed_precision", "no") == "fp16":  # Accelerate's fp16 + GradScaler: never applied here
+            raise ConfigError("accelerate launch --mixed_precision fp16: peagle-train does not train in fp16 (its loop "
+                              "autocasts to `precision`, and Accelerate's GradScaler would never run). Fix: "
+                              "accelerate launch --mixed_precision no ... precision=bf16.")
         self.prec = resolve_precision(train_cfg.get("precision") or "fp32", acc.device)
         self.amp = autocast_context(self.prec, acc.device)
         self.target_amp = autocast_context(self.prec, acc.device)
         self.fingerprint = flat_fingerprint(train_cfg, draft.config.to_dict(), data_fingerprint(all_lengths))
         self.ckpt_root = checkpoints_root(self.out_dir)
+        if self.save_every or train_cfg.get("resume"):  # every process writes and reads the same checkpoint folder
+            check_shared_folder(self.ckpt_root)
         self.resume_from = check_output_dir(self.ckpt_root, bool(train_cfg.get("resume")), self.fingerprint)
         engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2)
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], train_cfg.lr, train_cfg.weight_decay,
@@ -167,10 +173,11 @@ class Trainer:
         if W > 1:  # every process starts from rank 0's weights
             import torch.distributed as dist
 
-            for t in draft.state_dict().values():
-                dist.broadcast(t, 0)
+            for t in [*draft.parameters(), *draft.buffers()]:  # the tensors themselves: a state dict may hold
+                dist.broadcast(t.data, 0)                     # merged copies (draft/embedding.py)
         # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
-        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, train_cfg.grad_clip)
+        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, train_cfg.grad_clip,
+                               autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None)
         self.model = self.eng.model
         logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
         st = None
@@ -192,7 +199,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.logf = open(self.log_path, "w")
             self.logf.write("".join(x + "\n" for x in old_log))
-        self.val, self.last_loss = None, None
+        self.val, self.last_loss, self.stop_now = None, None, False
+        self.last_saved = self.start_step if st is not None else None  # the step of the latest checkpoint
 
     def _row(self, doc_indices: list[int]):
         docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
@@ -222,7 +230,11 @@ class Trainer:
         self.eng.step()  # the engine reduces, clips and steps
         self.sched.step()
         counts = acc.reduce(counts.to(acc.device), "sum").cpu()
-        ntok = acc.reduce(torch.tensor(float(n_tok + n_docs), device=acc.device), "sum")
+        # tokens of all processes, and how many processes are past training.max_minutes: the ranks' clocks
+        # and start times differ, so the stop is decided together (`past_deadline` of each), never by one rank alone
+        ntok, late = acc.reduce(torch.tensor([float(n_tok + n_docs), float(self.past_deadline())], device=acc.device),
+                                "sum").tolist()
+        self.stop_now = late > 0
         self.tokens_seen += int(ntok)
         self.total_counts += counts
         self.window.append(counts)
@@ -232,6 +244,12 @@ class Trainer:
         return {"step": step + 1, "loss": loss_value, "lr": self.sched.get_last_lr()[0], "tokens": self.tokens_seen,
                 "tokens_per_second": self.tokens_seen / elapsed, "eal": m["eal"], "acc": m["acc"],
                 "cond_acc": m["cond_acc"]}
+
+    def past_deadline(self) -> bool:
+        """Whether this process's own clock is past training.max_minutes (False when unset). Only an
+        input to the collective decision in `step` (`stop_now`): a process never stops on it alone."""
+        limit = self.train_cfg.max_minutes
+        return bool(limit) and time.perf_counter() - self.t0 > 60 * limit
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -271,6 +289,7 @@ class Trainer:
         self.val = self.validate() if self.val_batches else None
         val = self.val
         state = {"step": done, "tokens": self.tokens_seen, "total_counts": self.total_counts, "window": self.window}
+        self.last_saved = done
         save_training_checkpoint(self.accelerator, self.ckpt_root, done, self.draft, self.eng, self.sched, state,
                                  self.gen, self.fingerprint, self.keep_last, val["val_eal"] if val else None)
         if val and self.logf:
@@ -301,10 +320,10 @@ class Trainer:
                                 tok_s=f"{rec['tokens_per_second']:.0f}")
                 if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
                     self.checkpoint(step + 1)
-                if train_cfg.max_minutes and time.perf_counter() - self.t0 > 60 * train_cfg.max_minutes:
+                if self.stop_now:  # agreed by all processes in the step's reduction: they stop at the same step
                     logger.info("stopping after %d steps: max_minutes=%s reached", step + 1, train_cfg.max_minutes)
                     break
-        if self.save_every and not (self.ckpt_root / f"step_{step + 1:06d}").is_dir():
+        if self.save_every and self.last_saved != step + 1:  # the same on every rank (not a file check)
             self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
         if self.logf:
             self.logf.close()

@@ -151,6 +151,20 @@ class Extrapolate(Choice):
     zero = "zero"
 
 
+class TrainEmbeddings(Choice):
+    """The `draft.train_embeddings` key: which rows of the head's `embed_tokens` train
+    (peagle_train/draft/embedding.py)."""
+
+    all = "all"            # every row: the target's embeddings move too
+    mask_row = "mask_row"  # the mask token's row only; the target's rows frozen (no gradient, no optimizer state)
+
+
+# draft.train_embeddings=null, per algorithm: peagle mask_row (τ level with all at equal tokens, the
+# paired difference −0.003 ± 0.004: docs/RESULTS.md); eagle3 has no mask token, so no row of its own to learn
+TRAIN_EMBEDDINGS_DEFAULT = {"peagle": TrainEmbeddings.mask_row, "eagle3": TrainEmbeddings.all,
+                            "dflash": TrainEmbeddings.all}
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key admits (each item of a list key, which must not be empty): finite,
@@ -274,6 +288,10 @@ class DraftSchema:
     gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
     mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden", gt=0)
     block_causal: bool = opt(False, "dflash: the block attends to itself causally (else all of it, DFlash's default)")
+    train_embeddings: Optional[TrainEmbeddings] = opt(None, "rows of embed_tokens that train: all | mask_row (the "
+                                                            "mask token's row only; the target's rows frozen, no "
+                                                            "gradient or optimizer state for them); null = mask_row "
+                                                            "for peagle, all for eagle3 and dflash")
     init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
                                          ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 
@@ -726,6 +744,21 @@ def mix_problems(mix: Any) -> list[str]:
     return problems
 
 
+def train_embeddings_of(value: Any, algorithm: Any) -> str:
+    """`draft.train_embeddings` resolved to "all" or "mask_row": `value`, or for null the default of
+    `algorithm` (TRAIN_EMBEDDINGS_DEFAULT)."""
+    return str(value if value is not None else TRAIN_EMBEDDINGS_DEFAULT[str(algorithm)])
+
+
+def train_embeddings_problem(value: Any, algorithm: Any) -> str | None:
+    """None unless draft.train_embeddings=`value` cannot apply to a head of `algorithm` (mask_row on an
+    EAGLE-3 head, which has no mask token); then why, and the fix."""
+    if value is None or str(value) != "mask_row" or str(algorithm) != "eagle3":
+        return None
+    return ("draft.train_embeddings=mask_row with algorithm=eagle3: an EAGLE-3 head has no mask token, so no row "
+            "would train. Fix: draft.train_embeddings=all, or null (the algorithm's default).")
+
+
 def k_beyond_k_train_problem(K: int, k_train: int, head: str) -> str | None:
     """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
     K > K_train is refused and the fix."""
@@ -773,8 +806,9 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     key, the value, what it admits and the fix: a number outside the range written with its key
     (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
     (`mix_problems`); target.aux_layer_ids 3 (DFlash: 1 or more) distinct, ascending, non-negative ids (the range [0, N)
-    is checked once the target is loaded, target/capture.py `check_aux_layer_ids`); data.max_length
-    above data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
+    is checked once the target is loaded, target/capture.py `check_aux_layer_ids`); no
+    draft.train_embeddings=mask_row on an eagle3 head; data.max_length above
+    data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
     ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
     from omegaconf import OmegaConf
 
@@ -792,6 +826,8 @@ def config_problems(cfg, command: str = "train") -> list[str]:
 
         if (m := aux_layer_ids_problem(ids, None, count=aux_count(get("algorithm") or "peagle"))):
             problems.append(m)
+    if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
+        problems.append(m)
     max_len, min_sup = get("data.max_length"), get("data.min_supervised_tokens")
     if isinstance(max_len, int) and isinstance(min_sup, int) and 1 <= max_len <= min_sup:
         problems.append(f"data.max_length={max_len} is not above data.min_supervised_tokens={min_sup}: a row of "

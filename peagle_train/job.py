@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .draft import DraftConfig, PEagleDraft, make_draft_head
+from .config import train_embeddings_of
 from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import PACKAGE_DIR
@@ -47,6 +48,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
         norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
         gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
         block_causal=bool(getattr(dcfg, "block_causal", False)),
+        train_embeddings=train_embeddings_of(getattr(dcfg, "train_embeddings", None), algorithm),
     )
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)

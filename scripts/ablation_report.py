@@ -5,8 +5,9 @@
 Reads RUN/eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json (the first arm is the head, the
 second the baseline head of that evaluation, the others its more_heads in order) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
 replaces the section "## Quality ablations at equal token budget" of `out`. A row per arm and
-budget: τ ± its standard error, Δτ against the base decoded in the same evaluation run (the base of
-the largest run where the arm's own run has none), P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the
+budget: τ ± its standard error, Δτ against the base decoded in the same evaluation run (± the
+standard error of that paired difference, clustered by prompt; the base of the largest run where the
+arm's own run has none, then unpaired), P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the
 acceptance of depth 1 given depth 0. With RUN/speed/<arm>/train_log.jsonl (ablations.sh stage 5), a
 second table compares those arms with the base at equal wall-clock: the base's τ at the token-passes it
 trains in the arm's time, from the base's power-law fit over its budgets (evaluation/scaling.py)."""
@@ -39,6 +40,7 @@ WHAT = {  # arm -> what differs from the base
     "cosine": "schedule: cosine, one run per budget",
     "vocab16k": "draft vocabulary 16,384 (base: 8,192)",
     "vocab32k": "draft vocabulary 32,768",
+    "mask_row": "embed_tokens frozen but the mask token's row (draft.train_embeddings=mask_row; base: all rows)",
 }
 
 
@@ -83,6 +85,30 @@ def stderr_from_rows(csv_path: Path, prefix: str) -> float | None:
     return ratio_stderr(acc, steps)
 
 
+def per_prompt_sums(rows: list[dict], prefix: str) -> dict[str, tuple[float, float]]:
+    """{prompt id: (accepted drafts, verify steps)} of one head (column prefix "", "baseline_",
+    "more1_", ...) in an evaluation's per_prompt.csv rows, summed over the prompt's turns; a turn's
+    verify steps are its new tokens / τ where the file does not record them."""
+    out: dict[str, tuple[float, float]] = {}
+    for row in rows:
+        tau = float(row[f"{prefix}tau"])
+        d = float(row[f"{prefix}verify_steps"]) if row.get(f"{prefix}verify_steps") else float(row[f"{prefix}new_tokens"]) / tau
+        a, s = out.get(row["id"], (0.0, 0.0))
+        out[row["id"]] = (a + (tau - 1) * d, s + d)
+    return out
+
+
+def paired_stderr(rows: list[dict], prefix: str, base_prefix: str) -> float:
+    """Standard error of τ(head `prefix`) − τ(head `base_prefix`), decoded on the same prompts of one
+    evaluation (`evaluation/report.py` `paired_ratio_stderr`)."""
+    from peagle_train.evaluation.report import paired_ratio_stderr
+
+    a, b = per_prompt_sums(rows, prefix), per_prompt_sums(rows, base_prefix)
+    ids = sorted(a)
+    return paired_ratio_stderr([a[i][0] for i in ids], [a[i][1] for i in ids], [b[i][0] for i in ids],
+                               [b[i][1] for i in ids])
+
+
 def collect(run: Path) -> list[dict]:
     """One record per (arm, budget) evaluated under `run`/eval. An arm evaluated at a budget by more
     than one run keeps the run that decoded the most heads (the latest of equals); its record holds the
@@ -98,6 +124,7 @@ def collect(run: Path) -> list[dict]:
         arms = group.split("__")
         decoded = {arm: s for arm, s in zip(arms, summaries) if s is not None and arm != "none"}
         run_base = float(decoded["base"]["acceptance_length"]) if "base" in decoded else None
+        rows = None  # per_prompt.csv, read once a paired difference needs it
         for arm, summary, col in zip(arms, summaries, columns):
             if arm not in decoded or len(decoded) < found.get((arm, step), {}).get("heads", 0):
                 continue
@@ -105,10 +132,16 @@ def collect(run: Path) -> list[dict]:
             se = summary.get("acceptance_length_stderr")
             if se is None:  # an evaluation written before baseline summaries carried it
                 se = stderr_from_rows(path.parent / "per_prompt.csv", col)
+            paired = None
+            if run_base is not None and arm != "base" and (path.parent / "per_prompt.csv").is_file():
+                from peagle_train.evaluation.report import read_per_prompt
+
+                rows = rows if rows is not None else read_per_prompt(path.parent)
+                paired = paired_stderr(rows, col, columns[arms.index("base")])
             found[arm, step] = {"arm": arm, "family": re.sub(r"@\d+$", "", arm), "step": step,
                                 "tokens": tokens_at(run / arm, step), "tau": float(summary["acceptance_length"]),
                                 "se": se, "p": p, "c1": p[1] / p[0] if p[0] else 0.0,
-                                "heads": len(decoded), "run_base": run_base}
+                                "heads": len(decoded), "run_base": run_base, "paired_se": paired}
     if not found:
         raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
                         f"Fix: bash scripts/ablations.sh {run}")
@@ -170,6 +203,8 @@ def table(records: list[dict]) -> str:
         ref = (REFERENCE.get(r["family"], "base"), r["step"])
         ref_tau = r["run_base"] if ref[0] == "base" and r["run_base"] is not None else tau.get(ref)
         d = f"{r['tau'] - ref_tau:+.3f}" if ref_tau is not None and r["family"] != "base" else ""
+        if d and ref[0] == "base" and r["run_base"] is not None and r.get("paired_se") is not None:
+            d += f" ± {r['paired_se']:.3f}"
         tok = f"{r['tokens'] / 1e6:.2f}M" if r["tokens"] else "?"
         se = f" ± {r['se']:.3f}" if r["se"] is not None else ""
         lines.append(f"| {r['family']} | {WHAT.get(r['family'], '')} | {r['step']} | {tok} | {r['tau']:.3f}{se} | {d} | {r['p'][0]:.3f} | {r['p'][1]:.3f} | {r['p'][2]:.3f} | {r['c1']:.2f} |")
@@ -187,8 +222,9 @@ def main(argv):
         f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash scripts/ablations.sh {run}`, then "
         f"`python scripts/ablation_report.py run_dir={run}`. 80 MT-Bench first turns of Spec-Bench, greedy, "
         "K = 5, 128 new tokens, batch 16; τ = 1 + accepted drafts per verify step, its standard error "
-        "clustered by prompt. Two arms whose τ differ by less than about twice the standard error are "
-        "within noise.",
+        "clustered by prompt; Δτ against the base decoded in the same run, ± the standard error of that "
+        "paired difference (clustered by prompt). Two arms whose τ differ by less than about twice the "
+        "standard error of their difference are within noise.",
         table(records),
         *([wall] if wall else []),
     ])

@@ -3,7 +3,8 @@ steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL i
 
     PYTHONPATH=. python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
 
-(`training.algorithm=dflash` trains a DFlash head instead of a P-EAGLE one.)
+(`training.algorithm=dflash` trains a DFlash head instead of a P-EAGLE one; `draft.key=value` sets
+a key of the head, e.g. draft.train_embeddings=mask_row.)
 
 Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
 """
@@ -39,6 +40,7 @@ def main(out: Path, resume: bool):
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
+    dcfg = OmegaConf.merge(dcfg, OmegaConf.from_dotlist(sys.argv[4:]).get("draft", {}))
     train_cfg = OmegaConf.merge(default_config().training,
                                 {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
                                  "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,

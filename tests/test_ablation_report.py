@@ -131,3 +131,33 @@ def test_equal_wall_clock_table_hand_checked(tmp_path):
     assert "T^0.585" in text and "vocab16k | " not in text
     assert rows[0] == "| layers4 | 1,000 | 2.00× | 96 | 3.3 | 1.250 ± 0.010 | 0.40M | 1.300 | -0.050 |"
     assert rows[1] == "| layers4 | 1,000 | 2.00× | 192 | 6.7 | 1.330 ± 0.010 | 0.80M | 1.450 (extrapolated) | -0.120 |"
+
+
+def test_paired_difference_standard_error_hand_checked():
+    """paired_ratio_stderr by hand, and the report's per-prompt sums (turns of one prompt summed)."""
+    import importlib.util
+    import math
+
+    import pytest
+
+    from peagle_train.evaluation.report import paired_ratio_stderr, ratio_stderr
+
+    # head a: accepted 2/4, 0/2, 4/4 (r 0.6); head b: 1/4, 1/2, 2/4 (r 0.4). u_i = residual_a/10 − residual_b/10:
+    # (-0.4+0.6)/10, (-1.2-0.2)/10, (1.6-0.4)/10
+    se = paired_ratio_stderr([2, 0, 4], [4, 2, 4], [1, 1, 2], [4, 2, 4])
+    assert se == pytest.approx(math.sqrt(3 / 2 * (0.02 ** 2 + 0.14 ** 2 + 0.12 ** 2)))
+    assert se < math.hypot(ratio_stderr([2, 0, 4], [4, 2, 4]), ratio_stderr([1, 1, 2], [4, 2, 4]))  # prompts cancel
+    assert paired_ratio_stderr([2, 0, 4], [4, 2, 4], [2, 0, 4], [4, 2, 4]) == 0.0
+    spec = importlib.util.spec_from_file_location("ablation_report", REPO_ROOT / "scripts" / "ablation_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    # per_prompt.csv rows: prompt "q1" has two turns; the head records its verify steps, the baseline
+    # only its new tokens (steps = new tokens / τ)
+    rows = [{"id": "q1", "tau": "1.5", "verify_steps": "2", "baseline_tau": "1.25", "baseline_new_tokens": "5"},
+            {"id": "q1", "tau": "1.0", "verify_steps": "2", "baseline_tau": "1.0", "baseline_new_tokens": "1"},
+            {"id": "q2", "tau": "1.0", "verify_steps": "2", "baseline_tau": "1.5", "baseline_new_tokens": "6"},
+            {"id": "q3", "tau": "2.0", "verify_steps": "4", "baseline_tau": "1.5", "baseline_new_tokens": "6"}]
+    assert report.per_prompt_sums(rows, "") == {"q1": (1.0, 4.0), "q2": (0.0, 2.0), "q3": (4.0, 4.0)}
+    assert report.per_prompt_sums(rows, "baseline_") == {"q1": (1.0, 5.0), "q2": (2.0, 4.0), "q3": (2.0, 4.0)}
+    assert report.paired_stderr(rows, "", "baseline_") == pytest.approx(
+        paired_ratio_stderr([1, 0, 4], [4, 2, 4], [1, 2, 2], [5, 4, 4]))

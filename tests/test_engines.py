@@ -88,7 +88,9 @@ def test_engine_two_processes_match_one_process(runs, engine):
     ck = runs(engine) / "checkpoints" / "step_000006"
     draft, _ = load_checkpoint(ck)
     ref = load_file(str(runs("one") / "checkpoints" / "step_000006" / "model.safetensors"))
-    got = load_file(str(ck / "model.safetensors"))
+    # the head as read back: FSDP2 writes a frozen embed_tokens' mask row as its own tensor
+    # (embed_tokens.mask_row; draft/embedding.py), which the reader merges into embed_tokens.weight
+    got = {k: v for k, v in draft.state_dict().items() if not k.startswith("rotary_emb.")}
     assert got.keys() == ref.keys() and "mask_hidden" in got
     for k in ref:
         assert got[k].shape == ref[k].shape, k

@@ -233,7 +233,7 @@ def test_the_command_prints_the_table_and_refuses_with_the_fix(capsys):
 
     assert main(["recipe=llama-3.1-8b-instruct", "world_size=8"]) == 0
     out = capsys.readouterr().out
-    assert "| **peak (estimate)** |" in out and "1.608B parameters, 1.608B trainable" in out
+    assert "| **peak (estimate)** |" in out and "1.608B parameters, 1.082B trainable" in out
     assert "| optimizer steps | 883 = 1,413 rows × 10 epochs / 16 rows per step (8 GPUs × grad_accum 2) |" in out
     assert main(["recipe=llama-3.1-8b-instruct", "world_size=8", "training.warmup_steps=500"]) == 2
     err = capsys.readouterr().err

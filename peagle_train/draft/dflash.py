@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from .embedding import token_embedding
 from .kv_cache import SlotCache
 from .peagle import DraftConfig, DraftMLP, PEagleDraft, Proposal, _flex_attention
 
@@ -117,7 +118,7 @@ class DFlashDraft(nn.Module):
         self.config = cfg
         H, V = cfg.hidden_size, cfg.vocab_size
         T = cfg.target_hidden_size or H
-        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens = token_embedding(V, H, cfg.mask_token_id, cfg.train_embeddings)
         self.fc = nn.Linear(len(cfg.aux_layer_ids or [0, 0, 0]) * T, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))

@@ -7,7 +7,8 @@ Layout (module names follow transformers' Llama so exports load in vLLM / specul
                   q/k/v take 2H, o_proj gives H; residual = fc(feature)
     layers[1..]   ordinary Llama decoder layers
     norm, lm_head final RMSNorm, Linear(H → V_draft)
-    embed_tokens  full target vocabulary, trainable (the mask token's row must learn)
+    embed_tokens  full target vocabulary, initialised from the target: every row trainable, or only
+                  the mask token's row (`train_embeddings`, draft/embedding.py)
     mask_hidden   [1, 1, 3H] learnable feature fed at every depth ≥ 1 slot (before fc)
     d2t, t2d      draft-vocabulary buffers (see data.vocab.DraftVocab)
 
@@ -26,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from .embedding import TRAIN_EMBEDDINGS, token_embedding
 from .kv_cache import SlotCache, SlotLayer
 from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
@@ -64,6 +66,9 @@ class DraftConfig:
     gradient_checkpointing: bool = False
     algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline) | dflash
     block_causal: bool = False      # dflash: the block attends to itself causally (vLLM: dflash_config.causal)
+    # which rows of embed_tokens train: "all", or "mask_row" (the target's rows frozen, the mask
+    # token's row trainable: draft/embedding.py); "all" is what a file without the key was trained with
+    train_embeddings: str = "all"
 
     def __post_init__(self):
         problems = []
@@ -80,6 +85,11 @@ class DraftConfig:
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
         if self.algorithm not in ("peagle", "eagle3", "dflash"):
             problems.append(f"algorithm={self.algorithm!r} must be peagle, eagle3 or dflash")
+        if self.train_embeddings not in TRAIN_EMBEDDINGS:
+            problems.append(f"train_embeddings={self.train_embeddings!r} must be one of {', '.join(TRAIN_EMBEDDINGS)}")
+        elif self.train_embeddings == "mask_row" and self.algorithm == "eagle3":
+            problems.append("draft.train_embeddings=mask_row: an eagle3 head has no mask token, so no row would "
+                            "learn. Fix: draft.train_embeddings=all (or null, the algorithm's default)")
         if self.algorithm == "dflash":  # vLLM's DFlash layers always norm q and k per head (Qwen3's)
             self.qk_norm = True
         if self.num_depths < 1:
@@ -267,7 +277,7 @@ class PEagleDraft(nn.Module):
         self.config = cfg
         H, V = cfg.hidden_size, cfg.vocab_size
         T = cfg.target_hidden_size or H
-        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens = token_embedding(V, H, cfg.mask_token_id, cfg.train_embeddings)
         if cfg.norm_before_fc:
             self.input_norm = LlamaRMSNorm(3 * T, eps=cfg.rms_norm_eps)
         if cfg.fc_norm:
@@ -283,8 +293,9 @@ class PEagleDraft(nn.Module):
 
     @torch.no_grad()
     def init_from_target(self, target_model, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the target's embeddings and its lm_head rows of the draft vocabulary (DESIGN.md §3)."""
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        """Copy the target's embeddings (the mask token's row included) and its lm_head rows of the
+        draft vocabulary (DESIGN.md §3)."""
+        self.embed_tokens.load_state_dict({"weight": target_model.get_input_embeddings().weight})
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids])
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)

@@ -137,6 +137,24 @@ def ratio_stderr(accepted: list[float], drafts: list[float]) -> float:
     return math.sqrt(n / (n - 1) * sum((a - r * d) ** 2 for a, d in zip(accepted, drafts))) / D
 
 
+def paired_ratio_stderr(accepted_a: list[float], drafts_a: list[float], accepted_b: list[float],
+                        drafts_b: list[float]) -> float:
+    """Standard error of τ_a − τ_b for two heads decoded on the same prompts (index i = prompt i in
+    both): the delta method of `ratio_stderr` applied to the difference, clustered by prompt, so
+    what the prompts share (their difficulty) cancels: sqrt(n/(n-1) · Σ u_i²) with
+    u_i = (a_i − r_a·d_i)/Σd − (b_i − r_b·e_i)/Σe. 0.0 for fewer than 2 prompts or no drafts.
+    Raises ValueError when the lists differ in length."""
+    n = len(drafts_a)
+    if not n == len(accepted_a) == len(accepted_b) == len(drafts_b):
+        raise ValueError("paired_ratio_stderr: both heads need one value per prompt, the same prompts")
+    D, E = float(sum(drafts_a)), float(sum(drafts_b))
+    if n < 2 or D <= 0 or E <= 0:
+        return 0.0
+    ra, rb = sum(accepted_a) / D, sum(accepted_b) / E
+    u = [(a - ra * d) / D - (b - rb * e) / E for a, d, b, e in zip(accepted_a, drafts_a, accepted_b, drafts_b)]
+    return math.sqrt(n / (n - 1) * sum(x * x for x in u))
+
+
 def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K: int, max_new_tokens: int,
               temperature: float, batch_size: int, precision: str, skipped: dict, baseline_algorithm: str | None = None,
               train_metrics: dict | None = None, more_heads: list[tuple[str, str]] | None = None) -> dict:

@@ -59,3 +59,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def fresh_root_logging():
+    """Each test leaves the root logger as it found it. An entry point run in-process (Hydra's job
+    logging, `logs.setup_logging`) adds a console handler bound to that test's captured stream; a
+    later test's messages would meet the closed stream ("--- Logging error ---" on its stderr), which a
+    fresh process never sees."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)

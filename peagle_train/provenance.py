@@ -13,6 +13,11 @@ One function per thing that is fingerprinted, used by every manifest and cache k
 | a file, cheaply | `path_fingerprint(path)` | its path, size or mtime (the file is not read) |
 
 All are sha256 hex digests (64 characters). They identify inputs; they are not a security measure.
+
+The files a command writes as a set (a prepared dataset, an evaluation's report) are checksummed
+the same way: `file_checksums` records the size and sha256 of each in its manifest's "files", and
+`verify_files` checks them before anything is read, naming the first file that is missing, cut off
+or altered.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 from pathlib import Path
 
+from .errors import CorruptFileError
 from .io import atomic_write_json
 
 _BLOCK = 1 << 22  # 4 MiB reads
@@ -133,3 +139,45 @@ def path_fingerprint(path: str | Path) -> str:
     p = Path(path)
     st = os.stat(p)
     return hashlib.sha256(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+
+
+def file_checksums(directory: str | Path, names: list[str]) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file under the entries `names` of directory
+    (files, or directories walked recursively), for a manifest's "files"."""
+    d = Path(directory)
+    out = {}
+    for name in names:
+        p = d / name
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                out[f.relative_to(d).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    return out
+
+
+def verify_files(directory: str | Path, manifest: dict, *, writer: str, fix: str, where: str | Path | None = None) -> None:
+    """Check the files recorded in the manifest's "files" (`file_checksums`): present, their size,
+    then their sha256 (only the files recorded are read: for a prepared dataset, rows/state.json
+    names the Arrow files of the rows, so other files there, such as `datasets`' cache files, are
+    not). A manifest without "files" (older versions) is not checked. `where`: the file holding the
+    manifest (default directory/manifest.json); `writer`: the command that writes the files, and
+    `fix` the one that rebuilds them, for the messages.
+
+    Raises:
+        CorruptFileError: naming the first file that is missing, cut off or altered, and `fix`.
+    """
+    files = manifest.get("files")
+    if not files:
+        return
+    d = Path(directory)
+    where = f"{where or d / 'manifest.json'}"
+    for rel, rec in files.items():
+        f = d / rel
+        if not f.is_file():
+            raise CorruptFileError(f"{f}: missing (recorded in {where}). Fix: {fix}.")
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            raise CorruptFileError(f"{f}: {size} bytes, {where} records {rec['bytes']}: the file is cut off or was "
+                                   f"rewritten by another {writer}. Fix: {fix}.")
+        if sha256_file(f) != rec["sha256"]:
+            raise CorruptFileError(f"{f}: its sha256 differs from {where}: the file was altered or rewritten by "
+                                   f"another {writer}. Fix: {fix}.")

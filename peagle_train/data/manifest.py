@@ -5,7 +5,7 @@ manifest.json records what the rows depend on: the source files and their sha256
 target vocabulary size, max_length, min_supervised_tokens, the draft vocabulary (size, sha256 of the
 chosen ids, coverage), the mask token, and the counts of the summary. `save_prepared` adds "files":
 the size and sha256 of every file it wrote (rows/, packed/, draft_vocab.safetensors, summary.json),
-which `verify_files` checks before anything is read: a cut or altered file, or rows written by a
+which `provenance.verify_files` checks before anything is read: a cut or altered file, or rows written by a
 later run that was killed before its manifest, is refused with the file named.
 """
 
@@ -104,51 +104,6 @@ def read_manifest(prepared_dir: str | Path) -> dict:
                                 "Fix: run peagle prepare output_dir=<dir> first.")
     return read_json(p, "manifest of the prepared data", required=("target_vocab_size", "mask_token_id", "draft_vocab"),
                      fix=rebuild_fix(prepared_dir))
-
-
-def file_checksums(prepared_dir: str | Path, names: list[str]) -> dict:
-    """{relative path: {"bytes", "sha256"}} of every file under the entries `names` of prepared_dir
-    (files, or directories walked recursively), for the manifest's "files"."""
-    d = Path(prepared_dir)
-    out = {}
-    for name in names:
-        p = d / name
-        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
-            if f.is_file():
-                out[f.relative_to(d).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    return out
-
-
-def verify_files(prepared_dir: str | Path, manifest: dict, *, where: str | Path | None = None,
-                 writer: str = "prepare", fix: str | None = None) -> None:
-    """Check the files recorded in the manifest's "files": present, their size, then their sha256
-    (rows/state.json names the Arrow files of the rows, so other files there, such as `datasets`'
-    cache files, are not read). A manifest without "files" (older versions) is not checked.
-    `where`: the file holding the manifest (default prepared_dir/manifest.json); `writer`: the
-    command that writes the files, and `fix` the one that rebuilds them (default: a prepared
-    directory's, `rebuild_fix`), for the messages.
-
-    Raises:
-        CorruptFileError: naming the first file that is missing, cut off or altered, and the command
-            that rebuilds the directory.
-    """
-    files = manifest.get("files")
-    if not files:
-        return
-    d = Path(prepared_dir)
-    where = f"{where or d / 'manifest.json'}"
-    fix = fix or rebuild_fix(d)
-    for rel, rec in files.items():
-        f = d / rel
-        if not f.is_file():
-            raise CorruptFileError(f"{f}: missing (recorded in {where}). Fix: {fix}.")
-        size = f.stat().st_size
-        if size != rec["bytes"]:
-            raise CorruptFileError(f"{f}: {size} bytes, {where} records {rec['bytes']}: the file is cut off or was "
-                                   f"rewritten by another {writer}. Fix: {fix}.")
-        if sha256_file(f) != rec["sha256"]:
-            raise CorruptFileError(f"{f}: its sha256 differs from {where}: the file was altered or rewritten by "
-                                   f"another {writer}. Fix: {fix}.")
 
 
 # --- the output of `peagle regenerate` -----------------------------------------------------------------

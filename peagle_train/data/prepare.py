@@ -22,9 +22,9 @@ import torch
 
 from ..errors import CorruptFileError, load_safetensors, read_json, writing
 from ..io import atomic_dir, atomic_path, atomic_write_json
-from ..provenance import chat_template_fingerprint, digest, tokenizer_fingerprint
+from ..provenance import chat_template_fingerprint, digest, file_checksums, tokenizer_fingerprint, verify_files
 from .conversations import DataFileError
-from .manifest import build_manifest, check_manifest, file_checksums, read_manifest, rebuild_fix, verify_files
+from .manifest import build_manifest, check_manifest, read_manifest, rebuild_fix
 from .sources import check_data_path, default_cache_dir, load_source, source_info_dict
 from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
                        tokenize_conversation)
@@ -458,8 +458,8 @@ def load_prepared(prepared_dir: str | Path, tokenizer, target_vocab_size: int, *
         set_chat_template(tokenizer, chat_template)
     check_manifest(manifest, tokenizer, target_vocab_size, template_kwargs=template_kwargs, max_length=max_length,
                    draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id, where=str(d))
-    verify_files(d, manifest)  # cut, altered or newer than the manifest: refused with the file named
     fix = rebuild_fix(d)
+    verify_files(d, manifest, writer="prepare", fix=fix)  # cut, altered or newer than the manifest: refused
     try:
         rows = datasets.load_from_disk(str(d / "rows"))
     except FileNotFoundError:

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.manifest import file_checksums, verify_files
 from ..decoding.engine import GenerationResult
 from ..errors import read_json
 from ..io import atomic_path, atomic_write_json
+from ..provenance import file_checksums, verify_files
 
 MIN_TIMED_TOKENS = 256  # tokens timed per side of a speed-up (warm-up excluded) before it is reported
 TAU_CONVENTION = ("tau = 1 + accepted drafts per verify step, averaged over verify steps "

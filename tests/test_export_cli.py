@@ -1,4 +1,4 @@
-"""scripts/export.py as a user runs it: export a checkpoint, refuse a wrong target, validate."""
+"""`peagle export` as a user runs it: export a checkpoint, refuse a wrong target, validate."""
 
 import subprocess
 import sys
@@ -13,7 +13,7 @@ from .test_decoding import make_draft
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "scripts/export.py", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "peagle_train.cli", "export", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -1,7 +1,7 @@
 """Logging and trackers as a user meets them: every message of a run in Hydra's run log
 (output_dir/<job>.log), info messages on the console outside Hydra, only the main process logging,
 and Accelerate's trackers receiving the training scalars and the evaluation's τ and per-position
-acceptance: wandb offline without credentials, TensorBoard, scripts/evaluate.py."""
+acceptance: wandb offline without credentials, TensorBoard, `peagle evaluate`."""
 
 import json
 import logging
@@ -117,7 +117,7 @@ def test_tensorboard_gets_the_training_loss_and_the_eval_tau(tmp_path):
 
 
 def test_evaluate_script_logs_tau_to_the_tracker(tmp_path, chatml_tokenizer):
-    """scripts/evaluate.py with training.tracker=tensorboard: τ and acceptance in the tracker, equal
+    """`peagle evaluate` with training.tracker=tensorboard: τ and acceptance in the tracker, equal
     to acceptance.json's; its messages in output_dir/evaluate.log."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -130,7 +130,7 @@ def test_evaluate_script_logs_tau_to_the_tracker(tmp_path, chatml_tokenizer):
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
                                for i, p in enumerate(["hello there, how are you?", "What is two plus two?"])))
     out = tmp_path / "e"
-    proc = subprocess.run([sys.executable, "scripts/evaluate.py", f"head={ckpt}", f"target.path={target}",
+    proc = subprocess.run([sys.executable, "-m", "peagle_train.cli", "evaluate", f"head={ckpt}", f"target.path={target}",
                            "eval.benchmark=jsonl", f"eval.prompts={prompts}", "eval.max_new_tokens=12",
                            "eval.num_speculative_tokens=3", "eval.plot=false", "precision=fp32", "threads=1",
                            "training.tracker=tensorboard", f"output_dir={out}"], cwd=REPO_ROOT, env=ENV,
@@ -148,7 +148,7 @@ def test_evaluate_script_logs_tau_to_the_tracker(tmp_path, chatml_tokenizer):
 
 
 def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chatml_tokenizer):
-    """scripts/convert_features.py (key=value without Hydra): its info message is on stdout."""
+    """`peagle convert-features` (key=value without Hydra): its info message is on stdout."""
     import datasets
 
     from peagle_train.target.capture import FeatureTarget
@@ -158,7 +158,7 @@ def test_a_script_outside_hydra_logs_to_the_console(tmp_path, target_model, chat
                                        "loss_mask": [[0] * 4 + [1] * 16, [0] * 4 + [1] * 8]})
     write_features(FeatureTarget(target_model, [1, 3, 5]), chatml_tokenizer, rows, tmp_path / "f32",
                    storage="float32", docs_per_shard=1)
-    proc = subprocess.run([sys.executable, "scripts/convert_features.py", f"features.dir={tmp_path / 'f32'}",
+    proc = subprocess.run([sys.executable, "-m", "peagle_train.cli", "convert-features", f"features.dir={tmp_path / 'f32'}",
                            f"output_dir={tmp_path / 'i8'}", "storage=int8"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "converted" in x]

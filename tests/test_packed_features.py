@@ -98,7 +98,7 @@ def test_real_smollm2_packed_row_equals_per_document(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# scripts/generate_hidden_states.py, one process and two
+# `peagle features`, one process and two
 
 def _conversations(n=14, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -116,13 +116,13 @@ def _generate(tmp_path, name, processes, target_dir, data_path):
             "data.draft_vocab_size=32", "data.num_proc=1", f"data.cache_dir={tmp_path / ('cache-' + name)}",
             "training.tokens_per_step=96", f"features.dir={out}", "features.storage=float32",
             "features.docs_per_shard=3", "threads=1", f"hydra.run.dir={tmp_path / ('hydra-' + name)}"]
-    script = str(REPO_ROOT / "scripts" / "generate_hidden_states.py")
+    command = ["-m", "peagle_train.cli", "features"]
     if processes == 1:
-        cmd = [sys.executable, script, *args]
+        cmd = [sys.executable, *command, *args]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", _free_port(), script, *args]
+               "--main_process_port", _free_port(), *command, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The scaling report (evaluation/scaling.py, scripts/scaling_report.py): points read from a run
+"""The scaling report (experiments/scaling.py, experiments/scaling_report.py): points read from a run
 directory, the power-law fit and its predictions, the table, and clear errors on a partial run."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from peagle_train.evaluation import scaling
+import scaling  # experiments/scaling.py (pytest's pythonpath, pyproject.toml)
 
 from .conftest import REPO_ROOT
 
@@ -90,7 +90,7 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     run = _run_dir(tmp_path / "run")
     doc = tmp_path / "SCALING.md"
     doc.write_text("# Scaling\n\nhand-written intro\n\n## Measured points\n\nold\n\n## Discussion\n\nkept\n")
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={run}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "scaling_report.py"), f"run_dir={run}",
                         f"out={doc}"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     text = doc.read_text()
@@ -103,7 +103,7 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     for path in solo.glob("eval/step_*/eval/acceptance.json"):  # τ's standard error, where given, beside τ
         path.write_text(json.dumps({**json.loads(path.read_text()), "acceptance_length_stderr": 0.0125}))
     assert [p.algorithm for p in scaling.collect(solo, STEPS)] == ["peagle"] * len(STEPS)
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={solo}",
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "scaling_report.py"), f"run_dir={solo}",
                         f"out={doc}", "title=The new curve", "plot=new.png",
                         "reference=[[112000,1.185],[228000,1.228]]", "reference_label=old"],
                        capture_output=True, text=True, cwd=tmp_path)
@@ -113,7 +113,7 @@ def test_report_script_writes_its_section_and_plot(tmp_path):
     assert "α = 0.300" in text[measured:new] and "EAGLE-3" not in text[new:]
     assert f"| 64 | 0.11M | {1 + 0.02 * 112000 ** 0.3:.3f} ± 0.013 |" in text[new:] and "(new.png)" in text[new:]
     assert (tmp_path / "new.png").stat().st_size > 10_000
-    bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "scaling_report.py"), f"run_dir={tmp_path / 'none'}"],
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "scaling_report.py"), f"run_dir={tmp_path / 'none'}"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "train_log.jsonl" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -1,5 +1,5 @@
 """Each stage takes its config group. A recipe of one's own (written here, found on hydra.searchpath)
-that sets data.mix, data.chat_template and data.template_kwargs gives features (generate_hidden_states)
+that sets data.mix, data.chat_template and data.template_kwargs gives features (`peagle features`)
 that training accepts; training with another template_kwargs is refused, so the three keys reach
 both stages. data_from_config reads data.prepared_dir, checked against the group."""
 
@@ -20,9 +20,11 @@ TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '
 
 
 def _run(script, tmp_path, *args):
+    """`script` (train.py) or `peagle <command>` (as `python -m peagle_train.cli <command>`) with the recipe."""
+    entry = ["-m", "peagle_train.cli", script.split()[1]] if script.startswith("peagle ") else [str(REPO_ROOT / script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(tmp_path / "c")}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, str(REPO_ROOT / script), "recipe=mine",
+    return subprocess.run([sys.executable, *entry, "recipe=mine",
                            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600, env=env)
 
@@ -54,7 +56,7 @@ training: {{tokens_per_step: 96, max_steps: 2, warmup_steps: 1}}
 eval: {{enabled: false}}
 export: {{enabled: false}}
 """)
-    gen = _run("scripts/generate_hidden_states.py", tmp_path, f"output_dir={tmp_path / 'g'}")
+    gen = _run("peagle features", tmp_path, f"output_dir={tmp_path / 'g'}")
     assert gen.returncode == 0, gen.stderr[-3000:]
     summary = json.loads((tmp_path / "feats" / "generation_summary.json").read_text())
     assert summary["docs"] == 12  # the largest exact 1:1 mix of 10 + 6 conversations: 6 + 6 rows

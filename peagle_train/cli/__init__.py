@@ -7,10 +7,10 @@
     accelerate launch -m peagle_train.cli train ...
 
 Each subcommand lives in `peagle_train/cli/<name>.py` as a Hydra main (`cli_main(config_path=CONF_DIR,
-...)`, see peagle_train/errors.py) behind `run(argv)`; `train.py` and `scripts/*.py` are shims that
-call the same `run`. Subcommands composed on the typed schema (peagle_train/config.py) check the
-command line with `check_or_exit` before Hydra starts. `sweep` takes `key=value` pairs too
-(`parse_pairs`), without Hydra: it only reads job folders.
+...)`, see peagle_train/runtime.py) behind `run(argv)`; `train.py` is a shim that calls the same
+`run`. Subcommands composed on the typed schema (peagle_train/config.py) check the command line with
+`check_or_exit` before Hydra starts. `sweep` and `convert-features` take `key=value` pairs too
+(`parse_pairs`), without Hydra: they only read job or feature folders.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ COMMANDS = {
     "prepare": ("prepare", "conversations → token rows, draft vocabulary, mask token (data.prepared_dir for train)"),
     "regenerate": ("regenerate", "rewrite the assistant turns of a conversation file with the target (self-distillation)"),
     "features": ("features", "write offline target features (aux + final hidden states) for a recipe's data"),
+    "convert-features": ("convert_features", "re-store an offline features directory in another dtype (int8, bf16), without the target"),
     "train": ("train", "prepare data → train a P-EAGLE head → evaluate τ → export (the main job)"),
     "evaluate": ("evaluate", "acceptance length τ, speed and latency of a head with the reference decoder"),
     "export": ("export", "export a checkpoint in the speculators / vLLM format, or validate an export"),

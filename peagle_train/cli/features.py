@@ -2,7 +2,7 @@
 
     peagle features recipe=smollm2-135m-demo features.dir=/tmp/feats
     peagle features recipe=smollm2-135m-demo features.dir=/tmp/feats8 features.storage=int8
-    accelerate launch --multi_gpu --num_processes 2 scripts/generate_hidden_states.py recipe=... features.dir=...
+    accelerate launch --multi_gpu --num_processes 2 -m peagle_train.cli features recipe=... features.dir=...
     peagle train recipe=smollm2-135m-demo features.source=offline features.dir=/tmp/feats
 
 Uses the target, data and features groups (same recipe = same rows as training, data.prepared_dir included).
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> dict:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world != acc.num_processes:
         raise SystemExit(f"Accelerate reports {acc.num_processes} processes but torch.distributed has {world}. "
-                         "Fix: accelerate launch --multi_gpu --num_processes N scripts/generate_hidden_states.py ...")
+                         "Fix: accelerate launch --multi_gpu --num_processes N -m peagle_train.cli features ...")
     vllm_engine = str(cfg.features.get("engine", "target")) == "vllm"
     # with vLLM the in-process target only fingerprints the weights and names the layers: kept off the GPU
     target, tok = build_target(cfg.target, "cpu" if vllm_engine else acc.device, str(cfg.algorithm))

@@ -93,7 +93,7 @@ def main(cfg: DictConfig) -> dict:
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, str(cfg.algorithm))
     with acc.main_process_first():
-        # data.prepared_dir (scripts/prepare_data.py; refused if made for another target), else prepared here
+        # data.prepared_dir (`peagle prepare`; refused if made for another target), else prepared here
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
     if acc.is_main_process:
         save_prepared(data, out / "data")

@@ -32,7 +32,7 @@ Terms (bytes on one process; W = world size, P = the head's parameters, all trai
                        (algorithms/cod.py), evaluates the mask block by block and keeps its block
                        tables (int32 per 128×128 block); eager (CPU) it materialises the dense
                        [queries, keys] boolean mask and its temporaries first (FLEX_MASK_BYTES_PER_PAIR,
-                       measured by scripts/calibrate_plan.py); dense attention keeps an M×M boolean
+                       measured by benchmarks/calibrate_plan.py); dense attention keeps an M×M boolean
                        mask and its additive bias in the compute dtype; the sparse plan (CPU) builds
                        nothing quadratic
     peak               fixed (weights, gradients, optimizer, engine) + rows + max(target_forward,
@@ -43,7 +43,7 @@ fragmentation, the optimizer step's transient (DDP's flat all-reduce buffer, 4P,
 activations are freed). Compare `peak` with `torch.cuda.max_memory_allocated()`, and plan with a
 reserve (peagle_train/plan.py). The per-element model follows draft/peagle.py's modules under bf16
 autocast with fp32 master weights (RMSNorm outputs are fp32: its fp32 weight times the cast input);
-scripts/calibrate_plan.py compares it with the measured peak of real CPU steps (docs/BENCHMARKS.md).
+benchmarks/calibrate_plan.py compares it with the measured peak of real CPU steps (docs/BENCHMARKS.md).
 Only P-EAGLE's step is modelled element by element; for eagle3 (K forwards over the row, TTT) and
 dflash (blocks of K+1 per anchor over the context) the element count is approximated
 (`cod_elements`).

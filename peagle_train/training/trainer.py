@@ -46,7 +46,7 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fuse
 
     `fused` (the ddp engine, whose parameters are plain tensors) takes PyTorch's fused kernel where
     the parameters' device has one (CPU and CUDA): one pass over each tensor instead of a dozen
-    elementwise ops, the same update up to rounding (measured by scripts/bench_optimizer.py,
+    elementwise ops, the same update up to rounding (measured by benchmarks/bench_optimizer.py,
     docs/BENCHMARKS.md). DeepSpeed and FSDP (sharded DTensor parameters) keep the default
     implementation."""
     fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -1,9 +1,9 @@
 """Draft-head benchmarks: the training step of today's path, the new path and the speculators
 library side by side, and drafting cost vs K.
 
-    python scripts/bench_draft.py                  # full table, written to docs/BENCHMARKS.md
-    python scripts/bench_draft.py --quick          # rows of 512 and 2048, 1 and 4 layers
-    python scripts/bench_draft.py --device cuda    # on a GPU (scripts/gpu_check.sh runs this)
+    python benchmarks/bench_draft.py                  # full table, written to docs/BENCHMARKS.md
+    python benchmarks/bench_draft.py --quick          # rows of 512 and 2048, 1 and 4 layers
+    python benchmarks/bench_draft.py --device cuda    # on a GPU (scripts/gpu_check.sh runs this)
 
 Heads have SmolLM2-135M sizes (H 576, 9 heads, 3 KV heads, MLP 1536, vocabulary 49,152, draft
 vocabulary 8,192) with random weights and random features: speed and memory do not depend on the
@@ -16,7 +16,7 @@ Paths:
                AVX512-BF16, CUDA) and `training.attention=auto` (sparse SDPA plan on CPU,
                algorithms/cod_attention.py; FlexAttention on CUDA); unpartitioned
   speculators  the speculators library's PEagleDraftModel training step (its COD sampling, mask
-               and KL), timed in its own venv by scripts/bench_speculators_step.py; skipped with a
+               and KL), timed in its own venv by benchmarks/bench_speculators_step.py; skipped with a
                note where that venv is absent (scripts/check_speculators.sh builds one)
 Each configuration runs in its own process (CPU: forked from the parent, which has imported
 everything and computed nothing; CUDA: a fresh process), so its peak memory (CUDA: max allocated;
@@ -40,8 +40,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
-from forking import forked  # scripts/forking.py (scripts/ is on sys.path when a script runs)
-from peagle_train.bench_tables import bench_arguments, cpu_model, write_section
+from forking import forked  # benchmarks/forking.py (benchmarks/ is on sys.path when a script runs)
+from bench_tables import bench_arguments, cpu_model, write_section
 from peagle_train.draft.peagle import DraftConfig, Eagle3Draft, PEagleDraft
 from peagle_train.precision import cpu_bf16_units, resolve_precision
 from peagle_train.algorithms.cod import attention_kind, cod_sample
@@ -53,7 +53,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_at
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
                rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, target_hidden_size=576,
                draft_vocab_size=8192, mask_token_id=49151, aux_layer_ids=[2, 15, 27])
-HEADING = "## Draft training step: today's path, the new path and speculators (scripts/bench_draft.py)"
+HEADING = "## Draft training step: today's path, the new path and speculators (benchmarks/bench_draft.py)"
 PATHS = ("today", "new", "speculators")
 
 
@@ -173,7 +173,7 @@ def run_speculators(specs: list[dict], spec_python: str, threads: int) -> list[d
               "repeats": schedule(s["n"], s["device"])[1]} for s in specs]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen([spec_python, str(REPO / "scripts" / "bench_speculators_step.py"), json.dumps(specs)],
+    proc = subprocess.Popen([spec_python, str(REPO / "benchmarks" / "bench_speculators_step.py"), json.dumps(specs)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out = []
     for line in proc.stdout:
@@ -210,7 +210,7 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
 
 def markdown(device_name: str, setup: str, train: list[dict], drafting: list[dict], command: str = "") -> str:
     by = {(r["path"], r["n"], r["layers"], r["max_anchors"]): r for r in train}
-    lines = [HEADING, "", f"`{command or 'python scripts/bench_draft.py'}`", "", f"{device_name}. {setup}", "",
+    lines = [HEADING, "", f"`{command or 'python benchmarks/bench_draft.py'}`", "", f"{device_name}. {setup}", "",
              "Training step, tokens/s (peak memory MB); one row of n tokens, K = 8, r = 0.8, SmolLM2-135M sizes. "
              "today = fp32 + dense M×M mask (CUDA: FlexAttention); new = precision auto + sparse attention "
              "(CUDA: FlexAttention); speculators = its PEagleDraftModel step (0.9.0, in its own venv; on CPU "
@@ -314,7 +314,7 @@ def main():
              f"Load average (1/5/15 min) {load_before} before, {load_average()} after; {minutes:.1f} min in all "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The machine was shared with other jobs: "
              "absolute speeds are noisy, ratios within a row less so.")
-    md = markdown(name, setup, train, drafting, "python scripts/bench_draft.py " + " ".join(sys.argv[1:]))
+    md = markdown(name, setup, train, drafting, "python benchmarks/bench_draft.py " + " ".join(sys.argv[1:]))
     print(md)
     if not args.no_docs:
         write_section(HEADING, md, args.out)

@@ -1,7 +1,7 @@
-"""The table, fit and plot of a scaling run (scripts/scaling_curve.sh) into docs/SCALING.md.
+"""The table, fit and plot of a scaling run (experiments/scaling_curve.sh) into docs/SCALING.md.
 
-    python scripts/scaling_report.py run_dir=runs/scaling [budgets=[64,128,256,512,1024]] [out=docs/SCALING.md]
-    python scripts/scaling_report.py run_dir=runs/curve budgets=[48,96,192,384,768] title="A new curve" \
+    python experiments/scaling_report.py run_dir=runs/scaling [budgets=[64,128,256,512,1024]] [out=docs/SCALING.md]
+    python experiments/scaling_report.py run_dir=runs/curve budgets=[48,96,192,384,768] title="A new curve" \
         plot=curve.png reference=[[112000,1.185],[228000,1.228]] reference_label="P-EAGLE, 2026-12-01"
 
 Replaces the section "## `title`" ("## Measured points") of `out` (the rest of the file is left as
@@ -14,10 +14,11 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from peagle_train.bench_tables import cpu_model, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_tables, shared with the benchmarks
+from bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import cli_main
-from peagle_train.evaluation import scaling
+import scaling
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## Measured points"
@@ -25,7 +26,7 @@ HEADING = "## Measured points"
 
 @dataclass
 class Args:
-    run_dir: str = MISSING  # the scaling run directory (scripts/scaling_curve.sh OUTPUT_DIR)
+    run_dir: str = MISSING  # the scaling run directory (experiments/scaling_curve.sh OUTPUT_DIR)
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])  # optimizer steps
     out: str = str(ROOT / "docs" / "SCALING.md")  # the markdown file (its "## title" section)
     title: str = HEADING[3:]  # the section's heading; another title keeps the "## Measured points" section
@@ -44,7 +45,7 @@ def main(argv):
     png = scaling.plot(points, fits, out.with_name(a.plot), reference=reference, reference_label=a.reference_label)
     text = "\n\n".join([
         heading,
-        f"Run directory `{a.run_dir}`; CPU {cpu_model()}. Written by `python scripts/scaling_report.py "
+        f"Run directory `{a.run_dir}`; CPU {cpu_model()}. Written by `python experiments/scaling_report.py "
         f"run_dir={a.run_dir}`.",
         scaling.table(points),
         "Fit per head, and where it reaches τ 2.0, 2.5 and 3.0 (training hours at that run's own "

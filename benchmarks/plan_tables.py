@@ -1,7 +1,7 @@
 """The `peagle plan` tables of the GPU recipes on 1 and 8 GPUs of 80 GB, for docs/TRAINING.md.
 
-    python scripts/plan_tables.py              # print them and write the section into docs/TRAINING.md
-    python scripts/plan_tables.py --no-docs    # print only
+    python benchmarks/plan_tables.py              # print them and write the section into docs/TRAINING.md
+    python benchmarks/plan_tables.py --no-docs    # print only
 
 Runs the planner (peagle_train/plan.py `make_plan`, what `peagle plan recipe=NAME world_size=N
 gpu_memory_gb=80` prints) for recipes/llama-3.1-8b-instruct.yaml, qwen3-8b.yaml and gpt-oss-20b.yaml:
@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from peagle_train.bench_tables import publish
+from bench_tables import publish
 from peagle_train.config import compose
 from peagle_train.plan import format_plan, make_plan
 from peagle_train.training.memory import GIB, RESERVE_BYTES
 
-HEADING = "## The GPU recipes planned (scripts/plan_tables.py)"
+HEADING = "## The GPU recipes planned (benchmarks/plan_tables.py)"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "TRAINING.md"
 RECIPES = ("llama-3.1-8b-instruct", "qwen3-8b", "gpt-oss-20b")
 
@@ -44,10 +44,10 @@ def main():
                            f"{sc['checkpoints_before_end']} | {plan.evaluation.get('seconds', 0) / 60:.0f} | "
                            f"{'yes: ' + str(len(plan.problems)) if plan.problems else 'no'} |")
             full.append(format_plan(plan, title=f"recipe {recipe}").replace("## ", "### ", 1))
-    section = (f"{HEADING}\n\n`python scripts/plan_tables.py`: `peagle plan recipe=NAME world_size=N gpu_memory_gb=80` for "
+    section = (f"{HEADING}\n\n`python benchmarks/plan_tables.py`: `peagle plan recipe=NAME world_size=N gpu_memory_gb=80` for "
                "the three GPU recipes as they stand, on 1 and 8 GPUs. Estimates, not measurements (no GPU run has "
                "been made from this repository): the memory model is checked against real CPU steps "
-               "(docs/BENCHMARKS.md, scripts/calibrate_plan.py); the steps use ShareGPT's token count under "
+               "(docs/BENCHMARKS.md, benchmarks/calibrate_plan.py); the steps use ShareGPT's token count under "
                "SmolLM2's tokenizer, an upper bound for these targets' larger vocabularies.\n\n"
                + "\n".join(summary) + "\n\n" + "\n".join(full))
     if args.no_docs:

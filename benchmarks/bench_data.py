@@ -1,6 +1,6 @@
 """Benchmark data preparation: the whole recovered ShareGPT V3 (17,671 records) for SmolLM2.
 
-    python scripts/bench_data.py [--num-proc 2] [--max-length 512] [--threads 1] [--out FILE | --no-docs]
+    python benchmarks/bench_data.py [--num-proc 2] [--max-length 512] [--threads 1] [--out FILE | --no-docs]
 
 Runs `prepare_data` twice on every conversation (num_conversations=None) with a fresh Arrow cache:
 cold (read, normalise, tokenise and mask with `num_proc` workers, draft vocabulary, mask token) and
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from peagle_train.bench_tables import bench_arguments, machine_line, publish
+from bench_tables import bench_arguments, machine_line, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.paths import resolve_path
 
@@ -100,7 +100,7 @@ def main():
     rows += [f"| {r} | {t:.1f} | {c:.1f} | {m:.2f} | {n:,} | {k:,} | {tk:,} | {sp:,} | {tk / t:,.0f} |"
              for r, t, c, m, n, k, tk, sp in results]
     table = "\n".join(rows)
-    section = (f"{HEADING}\n\nProduced by `python scripts/bench_data.py --num-proc {args.num_proc} --max-length "
+    section = (f"{HEADING}\n\nProduced by `python benchmarks/bench_data.py --num-proc {args.num_proc} --max-length "
                f"{args.max_length}`: the whole recovered ShareGPT V3 (`pkg:sharegpt`) rendered with SmolLM2's chat "
                f"template, tokenised and masked with `num_proc={args.num_proc}`, draft vocabulary 8,192; cold = fresh "
                f"Arrow cache, warm = the same inputs again (fingerprint-cache hits). CPU: {machine_line()}, {os.cpu_count()} cores. "

@@ -1,6 +1,6 @@
 """Benchmark: share of the training step spent outside target and draft compute (online features).
 
-    python scripts/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024] [--threads N]
+    python benchmarks/bench_train_overhead.py [--steps 12] [--conversations 60] [--tokens-per-step 1024] [--threads N]
         [--out FILE | --no-docs]
 
 Runs `training.trainer.train` on SmolLM2-135M-Instruct (pkg:smollm2) and ShareGPT with the demo
@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, machine_line, write_section
+from bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.config import default_config
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
@@ -97,7 +97,7 @@ def main():
     table += [f"| step | {step_total / (n - 1):.3f} | 100% |", "",
               f"Outside target and draft compute (optimizer included): "
               f"{100 * (other + opt_total) / step_total:.1f}%; excluding the optimizer: {100 * other / step_total:.1f}% "
-              f"(goal < 5%). Run: `python scripts/bench_train_overhead.py --steps {args.steps} --conversations "
+              f"(goal < 5%). Run: `python benchmarks/bench_train_overhead.py --steps {args.steps} --conversations "
               f"{args.conversations} --tokens-per-step {args.tokens_per_step}`."]
     text = "\n".join(table)
     print(text)

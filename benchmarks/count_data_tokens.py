@@ -1,7 +1,7 @@
 """Count the training tokens of a conversation file at several `data.max_length` values: the numbers
 `peagle plan` takes by default for a dataset (peagle_train/plan.py `DATA_COUNTS`).
 
-    python scripts/count_data_tokens.py [--data pkg:sharegpt] [--max-lengths 512,1024,2048,4096,8192]
+    python benchmarks/count_data_tokens.py [--data pkg:sharegpt] [--max-lengths 512,1024,2048,4096,8192]
                                         [--tokens-per-step 2048,4096,8192,16384] [--num-proc 1]
 
 Runs `prepare_data` on every conversation (num_conversations=None) with SmolLM2-135M-Instruct's

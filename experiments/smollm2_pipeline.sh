@@ -4,12 +4,12 @@
 # features side by side (one core each, the same wall-clock budget), then evaluate both on the 80
 # MT-Bench first turns of Spec-Bench (greedy, K=5, 256 new tokens) and check the P-EAGLE export.
 #
-#   bash scripts/smollm2_pipeline.sh runs/smollm2            # every step resumes after a kill
-#   TRAIN_MINUTES=72 EVAL_PROMPTS=16 FEATURES=runs/scaling/features bash scripts/smollm2_pipeline.sh runs/smollm2
+#   bash experiments/smollm2_pipeline.sh runs/smollm2            # every step resumes after a kill
+#   TRAIN_MINUTES=72 EVAL_PROMPTS=16 FEATURES=runs/scaling/features bash experiments/smollm2_pipeline.sh runs/smollm2
 #
 # Steps (wall time on 2 CPU cores, docs/RESULTS.md): features (~28 min), training (TRAIN_MINUTES
 # each, side by side), evaluation (~6 min), export check. FEATURES reuses a features directory of
-# the same data (e.g. scripts/scaling_curve.sh's): the features step then only checks it.
+# the same data (e.g. experiments/scaling_curve.sh's): the features step then only checks it.
 set -euo pipefail
 OUT=${1:?usage: smollm2_pipeline.sh OUTPUT_DIR}
 TRAIN_MINUTES=${TRAIN_MINUTES:-72}  # ~28 features + 72 training + ~6 evaluation ≈ 1 h 46 min

@@ -3,9 +3,9 @@ an EAGLE-3 baseline head on MT-Bench first turns, greedy, K = 5) for another che
 this tree's, run one after the other on the same machine with the same command line.
 
     git worktree add --detach /tmp/base <commit>    # the code to compare with
-    python scripts/bench_eval.py --head runs/p/checkpoint --baseline-head runs/e3/checkpoint --base /tmp/base
+    python benchmarks/bench_eval.py --head runs/p/checkpoint --baseline-head runs/e3/checkpoint --base /tmp/base
 
-Each run is `python scripts/evaluate.py head=... baseline_head=... eval.num_prompts=N
+Each run is `python -m peagle_train.cli evaluate head=... baseline_head=... eval.num_prompts=N
 eval.max_new_tokens=T eval.batch_size=B threads=...` in its own process (its own code on
 PYTHONPATH) with its default precision, writing under --work. The table gives the wall time, the
 ratio to the other checkout's and each run's τ, tokens/s and lossless figures from its
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "## Evaluation wall time (scripts/bench_eval.py)"
+HEADING = "## Evaluation wall time (benchmarks/bench_eval.py)"
 
 
 def run(tree: Path, out: Path, args) -> dict:
     """One `evaluate` run of checkout `tree` into `out`; its wall time (s) and acceptance.json."""
-    cmd = [sys.executable, "scripts/evaluate.py", f"head={args.head}", f"baseline_head={args.baseline_head}",
+    cmd = [sys.executable, "-m", "peagle_train.cli", "evaluate", f"head={args.head}", f"baseline_head={args.baseline_head}",
            f"output_dir={out}", f"eval.num_prompts={args.num_prompts}", f"eval.max_new_tokens={args.max_new_tokens}",
            f"eval.num_speculative_tokens={args.k}", f"eval.batch_size={args.batch_size}", "eval.plot=false",
            f"threads={args.threads}"]
@@ -44,7 +44,7 @@ def run(tree: Path, out: Path, args) -> dict:
 
 
 def main() -> None:
-    from peagle_train.bench_tables import bench_arguments, cpu_model, write_section
+    from bench_tables import bench_arguments, cpu_model, write_section
     from peagle_train.precision import cpu_bf16_units
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

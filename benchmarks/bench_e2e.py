@@ -2,10 +2,10 @@
 and with offline features, and offline feature generation tokens/s, both trees with the same settings.
 
     git worktree add --detach /tmp/base <commit>     # the code to compare against
-    python scripts/bench_e2e.py --base /tmp/base --conversations 40 --steps 8 [--rounds 2] [--precision auto]
+    python benchmarks/bench_e2e.py --base /tmp/base --conversations 40 --steps 8 [--rounds 2] [--precision auto]
                                 [--threads 2] [--out FILE | --no-docs]
 
-Each measurement is a subprocess of the tree's own entry points (scripts/generate_hidden_states.py,
+Each measurement is a subprocess of the tree's own entry points (`python -m peagle_train.cli features`,
 train.py with eval and export off) with `precision=--precision`; the two trees alternate run by run,
 `--rounds` times, so that both see the same machine load, and the table gives each tree's median.
 Everything is written under a temporary directory. Prints the table and writes it to
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from peagle_train.bench_tables import bench_arguments, write_section
+from bench_tables import bench_arguments, write_section
 from peagle_train.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout: the "after" tree
@@ -78,7 +78,7 @@ def main():
         for r in range(args.rounds):
             for which, tree in trees.items():  # generation first: the offline runs read these shards
                 feats = tmp / f"feats-{which}-{r}"
-                run(tree, ["scripts/generate_hidden_states.py", *common, f"features.dir={feats}",
+                run(tree, ["-m", "peagle_train.cli", "features", *common, f"features.dir={feats}",
                            f"output_dir={tmp / f'gen-{which}-{r}'}"], f"gen-{which}")
                 res[which]["generation"].append(
                     json.loads((feats / "generation_summary.json").read_text())["tokens_per_second"])
@@ -107,7 +107,7 @@ def main():
         b, a = statistics.median(res["before"][key]), statistics.median(res["after"][key])
         runs = "; ".join(", ".join(f"{x:.0f}" for x in res[w][key]) for w in trees)
         lines.append(f"| {label} | {b:.0f} | {a:.0f} | {a / b:.2f}× | {runs} |")
-    lines += ["", f"Run: `python scripts/bench_e2e.py --base {trees['before']} --conversations {args.conversations} "
+    lines += ["", f"Run: `python benchmarks/bench_e2e.py --base {trees['before']} --conversations {args.conversations} "
               f"--steps {args.steps} --rounds {args.rounds} --precision {args.precision} --threads {args.threads}`."]
     text = "\n".join(lines)
     print(text)

@@ -1,6 +1,6 @@
 """Draw docs/pipeline.png (the README's picture): the training pipeline and one P-EAGLE decoding step.
 
-    python scripts/draw_pipeline.py [--out docs/pipeline.png]
+    python experiments/draw_pipeline.py [--out docs/pipeline.png]
 """
 import argparse
 from pathlib import Path

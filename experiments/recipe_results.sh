@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The per-benchmark evaluations of a recipe run's two heads (docs/RESULTS.md, "K = 3, 5, 7 per
 # benchmark"): target alone, P-EAGLE (RUN/peagle/checkpoint) and EAGLE-3 (RUN/eagle3/checkpoint) in
-# one `peagle evaluate` per benchmark and K, greedy; then the tables (scripts/results_tables.py).
+# one `peagle evaluate` per benchmark and K, greedy; then the tables (experiments/results_tables.py).
 #
-#   bash scripts/recipe_results.sh runs/smollm2          # every evaluation resumes after a kill
-#   KS="3 5 7" BENCHES="mtbench humaneval specbench" bash scripts/recipe_results.sh runs/smollm2
+#   bash experiments/recipe_results.sh runs/smollm2          # every evaluation resumes after a kill
+#   KS="3 5 7" BENCHES="mtbench humaneval specbench" bash experiments/recipe_results.sh runs/smollm2
 #
 # mtbench: the 80 MT-Bench first turns, 256 new tokens, batch 16 (K = 5 is the pipeline's own
 # evaluation, RUN/eval-mtbench-k5); mtbench2: both turns of the 80 MT-Bench questions, 256 tokens,
@@ -35,4 +35,4 @@ for B in $BENCHES; do
             output_dir="$RUN/eval-$B-k$K" >> "$RUN/results.log" 2>&1
     done
 done
-"$PY" scripts/results_tables.py run_dir="$RUN"
+"$PY" experiments/results_tables.py run_dir="$RUN"

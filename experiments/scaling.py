@@ -1,4 +1,4 @@
-"""τ against training tokens: the points of a scaling run (scripts/scaling_curve.sh), a power-law
+"""τ against training tokens: the points of a scaling run (experiments/scaling_curve.sh), a power-law
 fit per algorithm and its predictions, and the markdown table and plot of docs/SCALING.md.
 
 A run directory holds a `peagle/` training run, and optionally `eagle3/` and `dflash/` ones (train_log.jsonl
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
+from peagle_train.errors import UserError
 
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
@@ -71,7 +71,7 @@ class Fit:
 def _train_log(run: Path) -> list[dict]:
     path = run / "train_log.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no training log. Fix: run scripts/scaling_curve.sh (it trains {run.name}).")
+        raise FileNotFoundError(f"{path}: no training log. Fix: run experiments/scaling_curve.sh (it trains {run.name}).")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -100,7 +100,7 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
     Raises FileNotFoundError naming a missing training log or acceptance.json, and ScalingRunError
     when a training log has no step of a budget or an evaluation lacks the baseline (EAGLE-3) head
     or a DFlash head of a run that has one."""
-    from .report import read_acceptance
+    from peagle_train.evaluation.report import read_acceptance
 
     run_dir = Path(run_dir)
     points = []
@@ -109,7 +109,7 @@ def collect(run_dir: str | Path, budgets: list[int]) -> list[Point]:
     for step in budgets:
         path = run_dir / "eval" / f"step_{step:06d}" / "eval" / "acceptance.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun scripts/scaling_curve.sh "
+            raise FileNotFoundError(f"{path}: budget {step} not evaluated. Fix: rerun experiments/scaling_curve.sh "
                                     f"{run_dir} (it resumes).")
         acc = read_acceptance(path)  # a cut file is named, with the command that rebuilds it
         for algorithm in algorithms:

@@ -1,6 +1,6 @@
-"""The table of a quality-ablation run (scripts/ablations.sh) into docs/RESULTS.md.
+"""The table of a quality-ablation run (experiments/ablations.sh) into docs/RESULTS.md.
 
-    python scripts/ablation_report.py run_dir=runs/ablations [out=docs/RESULTS.md]
+    python experiments/ablation_report.py run_dir=runs/ablations [out=docs/RESULTS.md]
 
 Reads RUN/eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json (the first arm is the head, the
 second the baseline head of that evaluation, the others its more_heads in order) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
@@ -10,7 +10,7 @@ standard error of that paired difference, clustered by prompt; the base of the l
 arm's own run has none, then unpaired), P(≥ i accepted) and c1 = P(≥ 2) / P(≥ 1), the
 acceptance of depth 1 given depth 0. With RUN/speed/<arm>/train_log.jsonl (ablations.sh stage 5), a
 second table compares those arms with the base at equal wall-clock: the base's τ at the token-passes it
-trains in the arm's time, from the base's power-law fit over its budgets (evaluation/scaling.py)."""
+trains in the arm's time, from the base's power-law fit over its budgets (experiments/scaling.py)."""
 
 import json
 import re
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from peagle_train.bench_tables import cpu_model, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_tables, shared with the benchmarks
+from bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import UserError, cli_main
 from peagle_train.evaluation.report import read_acceptance
@@ -46,7 +47,7 @@ WHAT = {  # arm -> what differs from the base
 
 @dataclass
 class Args:
-    run_dir: str = MISSING  # the ablation run directory (scripts/ablations.sh OUTPUT_DIR)
+    run_dir: str = MISSING  # the ablation run directory (experiments/ablations.sh OUTPUT_DIR)
     out: str = str(ROOT / "docs" / "RESULTS.md")  # the markdown file (its ablation section)
 
 
@@ -144,7 +145,7 @@ def collect(run: Path) -> list[dict]:
                                 "heads": len(decoded), "run_base": run_base, "paired_se": paired}
     if not found:
         raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
-                        f"Fix: bash scripts/ablations.sh {run}")
+                        f"Fix: bash experiments/ablations.sh {run}")
     return list(found.values())
 
 
@@ -166,7 +167,7 @@ def wall_clock_table(records: list[dict], speeds: dict[str, float]) -> str | Non
     """Markdown: per arm with a measured speed and budget, its wall-clock at that budget, the token-passes
     the base trains in that time and the base's τ there from its fit τ − 1 = c·T^α over its budgets.
     None without a base speed or fewer than two base budgets."""
-    from peagle_train.evaluation.scaling import Point, fit
+    from scaling import Point, fit
 
     base = [r for r in records if r["family"] == "base" and r["tokens"]]
     if "base" not in speeds or len(base) < 2:
@@ -219,8 +220,8 @@ def main(argv):
     wall = wall_clock_table(records, speeds)
     text = "\n\n".join([
         HEADING,
-        f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash scripts/ablations.sh {run}`, then "
-        f"`python scripts/ablation_report.py run_dir={run}`. 80 MT-Bench first turns of Spec-Bench, greedy, "
+        f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash experiments/ablations.sh {run}`, then "
+        f"`python experiments/ablation_report.py run_dir={run}`. 80 MT-Bench first turns of Spec-Bench, greedy, "
         "K = 5, 128 new tokens, batch 16; τ = 1 + accepted drafts per verify step, its standard error "
         "clustered by prompt; Δτ against the base decoded in the same run, ± the standard error of that "
         "paired difference (clustered by prompt). Two arms whose τ differ by less than about twice the "

@@ -1,7 +1,7 @@
 """Benchmark target feature capture and offline shards (issue 4); prints a table and writes the
 "Target features" section of docs/BENCHMARKS.md.
 
-    python scripts/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--threads N] [--out FILE | --no-docs]
+    python benchmarks/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--threads N] [--out FILE | --no-docs]
 
 Measures, on the default target (SmolLM2-135M-Instruct, peagle_train/config.py; bf16 on a GPU):
 1. capture overhead: FeatureTarget forward (hooks on 4 layers, full logits) vs the plain HF
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, machine_line, publish
+from bench_tables import bench_arguments, machine_line, publish
 from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
@@ -136,7 +136,7 @@ def main():
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     argv = " ".join(sys.argv[1:])
-    header = (f"`python scripts/bench_features.py{' ' + argv if argv else ''}` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
+    header = (f"`python benchmarks/bench_features.py{' ' + argv if argv else ''}` ({time.strftime('%Y-%m-%d %H:%M')} UTC, {dev.type}, "
               f"{machine_line()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
               f"load: `{load}`). Target `{cfg.target.path}` in {cfg.target.dtype or 'float32'}, H = {H}.")
     table = ["| measurement | value | notes |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]

@@ -1,5 +1,5 @@
 """`forked(fn, *args)`: run one benchmark configuration in a forked child, shared by
-scripts/bench_draft.py and its worker in the speculators venv (scripts/bench_speculators_step.py),
+benchmarks/bench_draft.py and its worker in the speculators venv (benchmarks/bench_speculators_step.py),
 so this module imports nothing beyond the standard library."""
 
 import json

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # τ against training tokens for P-EAGLE and EAGLE-3 on SmolLM2-135M-Instruct (docs/SCALING.md).
 #
-#   bash scripts/scaling_curve.sh runs/scaling         # every step resumes after a kill
-#   CONVS=4000 BUDGETS="64 128 256 512 1024" bash scripts/scaling_curve.sh runs/scaling
+#   bash experiments/scaling_curve.sh runs/scaling         # every step resumes after a kill
+#   CONVS=4000 BUDGETS="64 128 256 512 1024" bash experiments/scaling_curve.sh runs/scaling
 #   FEATURES=runs/ablations/features CONVS=1200 ALGORITHMS=peagle BUDGETS="48 96 192 384 768" SAVE_EVERY=48 \
-#       bash scripts/scaling_curve.sh runs/curve      # P-EAGLE alone, on features written before
+#       bash experiments/scaling_curve.sh runs/curve      # P-EAGLE alone, on features written before
 #
 # 1. target features, once, of CONVS ShareGPT conversations (shuffled from all recovered records,
 #    their own answers: no regeneration), so that no budget repeats a document (FEATURES: a
@@ -16,7 +16,7 @@
 # 3. each budget's pair of heads evaluated together as soon as both checkpoints exist: the 80
 #    MT-Bench first turns of Spec-Bench, greedy, K=5, 256 new tokens, target alone + both heads
 #    (one thread while a training runs, EVAL_THREADS after);
-# 4. the table, plot and fit: scripts/scaling_report.py run_dir=OUT (writes docs/SCALING.md).
+# 4. the table, plot and fit: experiments/scaling_report.py run_dir=OUT (writes docs/SCALING.md).
 set -euo pipefail
 OUT=${1:?usage: scaling_curve.sh OUTPUT_DIR}
 CONVS=${CONVS:-4000}            # ≈ 2.2M tokens at max_length 640: one epoch covers the largest budget
@@ -68,5 +68,5 @@ for S in $BUDGETS; do
 done
 wait
 stamp "4/4 report"
-"$PY" scripts/scaling_report.py run_dir="$OUT" budgets="[${BUDGETS// /,}]" ${REPORT_ARGS:-}  # e.g. title="A second curve"
+"$PY" experiments/scaling_report.py run_dir="$OUT" budgets="[${BUDGETS// /,}]" ${REPORT_ARGS:-}  # e.g. title="A second curve"
 stamp "done: docs/SCALING.md"

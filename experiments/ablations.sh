@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quality ablations at equal token budget on SmolLM2-135M-Instruct (docs/RESULTS.md, "Quality ablations").
-#   bash scripts/ablations.sh runs/ablations          # every stage resumes after a kill
-#   python scripts/ablation_report.py run_dir=runs/ablations
+#   bash experiments/ablations.sh runs/ablations          # every stage resumes after a kill
+#   python experiments/ablation_report.py run_dir=runs/ablations
 # 1. the target regenerates the first turn of CONVS ShareGPT conversations (BACKEND: vLLM, or hf, the
 #    in-process engine; REGENERATE=0 skips this stage and trains on the rows written so far);
 # 2. target features of ORIG_CONVS ShareGPT conversations with their own answers, once;
@@ -101,4 +101,4 @@ for a in $SPEED_ARMS; do
         > "$OUT/speed-$a.log" 2>&1
     rm -rf "$OUT/speed/$a/checkpoint" "$OUT/speed/$a/checkpoints"  # only the log is read
 done
-stamp "done: python scripts/ablation_report.py run_dir=$OUT"
+stamp "done: python experiments/ablation_report.py run_dir=$OUT"

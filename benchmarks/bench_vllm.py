@@ -3,7 +3,7 @@
 the hf backend's batched decoding engine vs regenerate.backend=vllm). Prints a table and writes the
 "vLLM as the data engine" section of docs/BENCHMARKS.md.
 
-    python scripts/bench_vllm.py [--feature-docs 64] [--regen-convs 32] [--new-tokens 128] [--batch 16] [--out FILE | --no-docs]
+    python benchmarks/bench_vllm.py [--feature-docs 64] [--regen-convs 32] [--new-tokens 128] [--batch 16] [--out FILE | --no-docs]
 
 Every path runs as its own command, one after the other, on the demo recipe's target (SmolLM2-135M)
 and data, in `precision=auto` (bf16 on a CPU with AMX / AVX512-BF16). Times are each command's own:
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peagle_train.bench_tables import bench_arguments, cpu_model, publish
+from bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def main() -> None:
                          "vLLM offline engine (vllm backend)", args.regen_convs, n, wall, n / wall, None, None))
     load1 = os.getloadavg()[0]
     lines = [HEADING, "",
-             f"`python scripts/bench_vllm.py --feature-docs {args.feature_docs} --regen-convs {args.regen_convs} "
+             f"`python benchmarks/bench_vllm.py --feature-docs {args.feature_docs} --regen-convs {args.regen_convs} "
              f"--new-tokens {args.new_tokens} --batch {args.batch} --threads {args.threads}`, "
              f"{time.strftime('%Y-%m-%d')}: {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
              f"{os.cpu_count()} cores, load average {load0:.1f} before / {load1:.1f} after; SmolLM2-135M, demo data, "

@@ -2,7 +2,7 @@
 decoded with shared forwards with and without `compact`, their wall time, final cache length and
 tokens (which must be equal).
 
-    python scripts/bench_shared_cache.py --head runs/smollm2/peagle/checkpoint [--num-prompts 16]
+    python benchmarks/bench_shared_cache.py --head runs/smollm2/peagle/checkpoint [--num-prompts 16]
         [--max-new-tokens 256] [--threads 2] [--out FILE | --no-docs]
 
 SmolLM2-135M-Instruct target, greedy, K = 5, MT-Bench first turns of Spec-Bench. Prints a table and
@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from peagle_train.bench_tables import bench_arguments, machine_line, write_section
+from bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
 from peagle_train.job import build_target
-from peagle_train.export.speculators import load_head
+from peagle_train.draft.head_checkpoint import load_head
 
-HEADING = "## Shared-forward cache compaction (scripts/bench_shared_cache.py)"
+HEADING = "## Shared-forward cache compaction (benchmarks/bench_shared_cache.py)"
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 (peagle_train/training/memory.py `estimate_step_memory`) beside the measured peak memory of one real
 training step (algorithms/peagle.py `draft_step`, forward and backward, the trainer's own code).
 
-    python scripts/calibrate_plan.py                  # the table, written to docs/BENCHMARKS.md
-    python scripts/calibrate_plan.py --no-docs        # print it only
+    python benchmarks/calibrate_plan.py                  # the table, written to docs/BENCHMARKS.md
+    python benchmarks/calibrate_plan.py --no-docs        # print it only
 
-Each configuration runs in a forked child (scripts/forking.py), which builds the head and one packed
+Each configuration runs in a forked child (benchmarks/forking.py), which builds the head and one packed
 row (random features and target logits: memory does not depend on the values) and then measures the
 growth of its peak RSS (ru_maxrss) over one step: the draft's activations plus the head's gradients
 (4 B per parameter, allocated by the backward), the quantities the estimate gives as
@@ -32,17 +32,17 @@ from pathlib import Path
 
 import torch
 
-from forking import forked  # scripts/forking.py (scripts/ is on sys.path when a script runs)
+from forking import forked  # benchmarks/forking.py (benchmarks/ is on sys.path when a script runs)
 from peagle_train.algorithms.cod import attention_kind, cod_block_mask, cod_sample
 from peagle_train.algorithms.peagle import draft_step
-from peagle_train.bench_tables import bench_arguments, publish
+from bench_tables import bench_arguments, publish
 from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.features.rows import PackedRow
 from peagle_train.precision import autocast_context, cpu_bf16_units, resolve_precision
 from peagle_train.training.memory import FLEX_MASK_BYTES_PER_PAIR, GIB, estimate_step_memory, head_parameters
 
 MMAP_THRESHOLD = 131072  # bytes: every larger block is its own mapping, returned to the system when freed
-HEADING = "## Memory model of `peagle plan` against measured steps (scripts/calibrate_plan.py)"
+HEADING = "## Memory model of `peagle plan` against measured steps (benchmarks/calibrate_plan.py)"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 # Heads: SmolLM2-135M's sizes (Llama layers) and a wider Qwen3-style one (q/k norms), both small enough
@@ -149,7 +149,7 @@ def main():
     mask_rows = ["| row tokens | COD elements M | create_block_mask peak growth (MiB) | bytes per (query, key) pair |",
                  "|---|---|---|---|"]
     mask_rows += [f"| {m['tokens']:,} | {m['elements']:,} | {m['bytes'] / 2**20:,.0f} | {m['per_pair']:.1f} |" for m in masks]
-    section = (f"{HEADING}\n\n`python scripts/calibrate_plan.py`: CPU {model} (lscpu); bf16 unit: {cpu_bf16_units() or 'none'}; torch {torch.__version__}, "
+    section = (f"{HEADING}\n\n`python benchmarks/calibrate_plan.py`: CPU {model} (lscpu); bf16 unit: {cpu_bf16_units() or 'none'}; torch {torch.__version__}, "
                f"1 thread per configuration, each in a forked child; attention {rows[0]['attention']} and precision "
                f"{rows[0]['precision']} (what `peagle train` runs here), then bf16 autocast forced (the GPUs' precision; "
                f"bf16 features); load average {load_before[0]:.1f} before, "

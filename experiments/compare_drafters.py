@@ -1,7 +1,7 @@
 """P-EAGLE, DFlash and EAGLE-3 side by side on the same target, data and budget (docs/RESULTS.md).
 
-    python scripts/compare_drafters.py command=bench out=runs/cmp/bench.json     # costs, machine idle
-    python scripts/compare_drafters.py command=report run_dir=runs/cmp bench=runs/cmp/bench.json
+    python experiments/compare_drafters.py command=bench out=runs/cmp/bench.json     # costs, machine idle
+    python experiments/compare_drafters.py command=report run_dir=runs/cmp bench=runs/cmp/bench.json
         [budgets=[48,96,192]] [speed_eval=runs/cmp/speed/eval/acceptance.json] [out=docs/RESULTS.md]
 
 `bench` times, side by side in one process on this machine (SmolLM2-135M sizes: H 576, 9 heads,
@@ -12,7 +12,7 @@ does not depend on values; 2 layers as the smollm2-135m recipe; `precision: auto
     block of K + 1, EAGLE-3 K sequential forwards;
   - one training step of each objective on a packed row of 2,048 tokens, max_anchors 256, K_train
     as trained (P-EAGLE 8, EAGLE-3 8, DFlash 5), median of 3 after 1 warm-up: tokens/s.
-`report` reads a scaling-style run directory (evaluation/scaling.py: peagle/, eagle3/, dflash/
+`report` reads a scaling-style run directory (experiments/scaling.py: peagle/, eagle3/, dflash/
 training runs and eval/step_N evaluations with the three heads) and writes the section
 "## P-EAGLE, DFlash and EAGLE-3 at equal budgets" with its plot (drafters.png): τ and P(≥ i) per
 budget, τ at equal wall-clock (each head's power-law fit at the token-passes its measured training
@@ -35,7 +35,8 @@ from types import SimpleNamespace
 import torch
 from omegaconf import MISSING
 
-from peagle_train.bench_tables import cpu_model, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_tables, shared with the benchmarks
+from bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
 from peagle_train.errors import cli_main
 
@@ -162,7 +163,7 @@ def plot(points, fits, drafting, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from peagle_train.evaluation.scaling import NAMES
+    from scaling import NAMES
 
     colors = {"peagle": "tab:blue", "eagle3": "tab:orange", "dflash": "tab:green"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -190,9 +191,9 @@ def plot(points, fits, drafting, path: Path) -> Path:
 
 
 def report(a: Args) -> str:
-    from peagle_train.evaluation import scaling
+    import scaling
     from peagle_train.evaluation.report import read_acceptance
-    from peagle_train.evaluation.scaling import NAMES
+    from scaling import NAMES
 
     points = scaling.collect(a.run_dir, list(a.budgets))
     b = json.loads(Path(a.bench).read_text())
@@ -207,7 +208,7 @@ def report(a: Args) -> str:
              f"(2 draft layers, constant learning rate after 30 warm-up steps, 2,048-token rows), K_train P-EAGLE 8, "
              f"EAGLE-3 8, DFlash 5 (a block of 6, non-causal); τ at K = 5, greedy, 80 MT-Bench first turns, one "
              f"evaluation per budget with the three heads (`peagle evaluate head=… baseline_head=… more_heads=[…]`). "
-             f"Run directory `{a.run_dir}`; written by `python scripts/compare_drafters.py command=report run_dir={a.run_dir} "
+             f"Run directory `{a.run_dir}`; written by `python experiments/compare_drafters.py command=report run_dir={a.run_dir} "
              f"bench={a.bench}`.", "", "### At equal token budgets", "", scaling.table(points), ""]
     lines += ["τ ± standard error over prompts:", "", "| steps | " + " | ".join(NAMES[x] for x in algos) + " |",
               "|---|" + "---|" * len(algos)]
@@ -234,7 +235,7 @@ def report(a: Args) -> str:
         lines.append(f"- {s} steps: " + "; ".join(said) + ".")
     lines += ["", "### At equal wall-clock", "",
               f"Training throughput of one step of each objective, side by side in one run ({machine}; "
-              f"`python scripts/compare_drafters.py command=bench`), and τ from each head's fit τ − 1 = c·T^α at the "
+              f"`python experiments/compare_drafters.py command=bench`), and τ from each head's fit τ − 1 = c·T^α at the "
               "token-passes that throughput reaches in the time P-EAGLE takes for each budget:", "",
               "| P-EAGLE budget (steps) | wall-clock (min) | " + " | ".join(f"{NAMES[x]} token-passes, τ" for x in algos)
               + " |", "|---|---|" + "---|" * len(algos)]

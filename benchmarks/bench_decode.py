@@ -3,7 +3,7 @@
 engine and, side by side in the same run, another checkout's code (e.g. main before the engine).
 
     git worktree add --detach /tmp/base main   # the code to compare with (optional)
-    python scripts/bench_decode.py --head /tmp/h18/checkpoint --base /tmp/base [--num-prompts 2]
+    python benchmarks/bench_decode.py --head /tmp/h18/checkpoint --base /tmp/base [--num-prompts 2]
 
 One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
 head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
@@ -27,8 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"  # where the table goes by default (--out)
-HEADING = "## Decoding step costs (scripts/bench_decode.py)"
-OLD_HEADING = "## Reference decoder (scripts/bench_decode.py)"
+HEADING = "## Decoding step costs (benchmarks/bench_decode.py)"
+OLD_HEADING = "## Reference decoder (benchmarks/bench_decode.py)"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
@@ -73,7 +73,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.accel.cpu.attention import use_amx_attention
     from peagle_train.job import build_target
 
-    from peagle_train.export.speculators import load_head
+    from peagle_train.draft.head_checkpoint import load_head
 
     head = load_head(args.head)[0].eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))
@@ -164,10 +164,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="times every prompt is decoded by every code (interleaved)")
-    from peagle_train.bench_tables import bench_arguments, write_section
+    from bench_tables import bench_arguments, write_section
 
     args = bench_arguments(ap, DOCS).parse_args()
-    from peagle_train.bench_tables import cpu_model
+    from bench_tables import cpu_model
     from peagle_train.precision import cpu_bf16_units
 
     import torch

@@ -2,7 +2,7 @@
 trainable parameters of a SmolLM2-135M-sized head (the smollm2-135m recipe's: 2 layers, 8,192-token
 draft vocabulary; embed_tokens is trainable, so most of the parameters are its 49,152 × 576 rows).
 
-    python scripts/bench_optimizer.py [--layers 2] [--steps 10] [--threads 1] [--out FILE | --no-docs]
+    python benchmarks/bench_optimizer.py [--layers 2] [--steps 10] [--threads 1] [--out FILE | --no-docs]
 
 Each implementation (single-tensor, the CPU default; foreach; fused, which the trainer uses with
 the ddp engine: `peagle_train.training.trainer.adamw`) steps the same fp32 parameters with random
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from bench_draft import head  # scripts/ is on sys.path when a script runs
-from peagle_train.bench_tables import bench_arguments, cpu_model, publish
+from bench_draft import head  # benchmarks/ is on sys.path when a script runs
+from bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
-HEADING = "## Optimizer step (scripts/bench_optimizer.py)"
+HEADING = "## Optimizer step (benchmarks/bench_optimizer.py)"
 IMPLEMENTATIONS = (("single-tensor (CPU default)", {}), ("foreach", {"foreach": True}), ("fused (trainer, ddp engine)", {"fused": True}))
 
 
@@ -57,7 +57,7 @@ def main() -> None:
              f"AdamW step over the {n / 1e6:.1f}M trainable fp32 parameters of a {args.layers}-layer SmolLM2-135M head "
              f"({len(params)} tensors), mean of {args.steps} steps; {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
              f"{args.threads} torch thread(s), torch {torch.__version__}; load average {load0:.1f} before / "
-             f"{os.getloadavg()[0]:.1f} after. Run: `python scripts/bench_optimizer.py --layers {args.layers} "
+             f"{os.getloadavg()[0]:.1f} after. Run: `python benchmarks/bench_optimizer.py --layers {args.layers} "
              f"--steps {args.steps} --threads {args.threads}`.", "",
              "| AdamW | ms/step | vs single-tensor |", "|---|---|---|"]
     lines += [f"| {name} | {s * 1e3:.1f} | {base / s:.2f}× |" for name, s in rows]

@@ -1,8 +1,8 @@
-"""The per-benchmark tables of a recipe run (scripts/recipe_results.sh): one markdown table per
+"""The per-benchmark tables of a recipe run (experiments/recipe_results.sh): one markdown table per
 benchmark with a row per K, from RUN/eval-<benchmark>-k<K>/eval/acceptance.json
 (peagle_train/evaluation/report.py `k_table`).
 
-    python scripts/results_tables.py run_dir=runs/smollm2
+    python experiments/results_tables.py run_dir=runs/smollm2
 """
 
 import re
@@ -19,7 +19,7 @@ from peagle_train.evaluation.report import k_table, read_acceptance
 
 @dataclass
 class Args:
-    run_dir: str = MISSING  # the recipe run directory (scripts/recipe_results.sh RUN_DIR)
+    run_dir: str = MISSING  # the recipe run directory (experiments/recipe_results.sh RUN_DIR)
 
 
 def main(argv):
@@ -30,7 +30,7 @@ def main(argv):
         if m:
             found.setdefault(m.group(1), {})[int(m.group(2))] = read_acceptance(path)
     if not found:
-        raise UserError(f"{run}: no eval-<benchmark>-k<K>/eval/acceptance.json. Fix: bash scripts/recipe_results.sh {run}")
+        raise UserError(f"{run}: no eval-<benchmark>-k<K>/eval/acceptance.json. Fix: bash experiments/recipe_results.sh {run}")
     for bench, results in found.items():
         r = next(iter(results.values()))
         print(f"### {bench}: {r.get('num_turns', r['num_prompts'])} turns, {r['max_new_tokens']} new tokens, "

@@ -7,7 +7,7 @@ ISA of the CPU and, in a second process, capped at AVX512-BF16 (`ONEDNN_MAX_CPU_
 AVX512_CORE_BF16`, i.e. no AMX); and, on a CPU with AMX, bf16 `PackedLinear` on this project's
 AMX kernel (accel/cpu/amx_linear.py), as `peagle evaluate` decodes.
 
-    python scripts/bench_linears.py [--repeats 10] [--threads 1] [--out FILE | --no-docs]
+    python benchmarks/bench_linears.py [--repeats 10] [--threads 1] [--out FILE | --no-docs]
 
 Random weights of the target's shapes (no model loaded); ms = one pass over the 211 layers, the
 median of --repeats passes after 3 warm-ups, the kernels taking turns pass by pass (a shared
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from peagle_train.bench_tables import bench_arguments, cpu_model, publish
+from bench_tables import bench_arguments, cpu_model, publish
 from peagle_train.precision import cpu_bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
-HEADING = "## Decoding matrix products: fp32, oneDNN and the AMX kernel (scripts/bench_linears.py)"
+HEADING = "## Decoding matrix products: fp32, oneDNN and the AMX kernel (benchmarks/bench_linears.py)"
 H, INTER, VOCAB, KV = 576, 1536, 49152, 192  # SmolLM2-135M: hidden, MLP, vocabulary, kv heads × head_dim
 SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER)] * 30 + [(VOCAB, H)]
 ISAS = (None, "AVX512_CORE_BF16")  # oneDNN free to use every ISA; capped at AVX512-BF16 (no AMX)
@@ -111,7 +111,7 @@ def main() -> None:
              f"SmolLM2-135M-Instruct's {len(SHAPES)} linear layers (random weights; {mb:.0f} MB in bf16), one pass, "
              f"median of {args.repeats}, kernels in turn; {cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
              f"{args.threads} torch thread(s), torch {torch.__version__}; load average {load0:.1f} before / "
-             f"{os.getloadavg()[0]:.1f} after. Run: `python scripts/bench_linears.py --repeats {args.repeats} "
+             f"{os.getloadavg()[0]:.1f} after. Run: `python benchmarks/bench_linears.py --repeats {args.repeats} "
              f"--threads {args.threads}`. GB/s = the weights' bytes in the kernel's precision ÷ the 1-row time; a "
              f"{READ_MB} MB streaming read (`Tensor.sum`) ran at {read_gbs(args.threads):.1f} GB/s here.", "",
              "| kernel | " + " | ".join(f"{r} row{'s' * (r > 1)} (ms)" for r in ROWS) + " | 1-row GB/s | "

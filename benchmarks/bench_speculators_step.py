@@ -1,8 +1,8 @@
 """The speculators library's PEagleDraftModel training step, timed at one size (runs in the
-speculators venv: `scripts/check_speculators.sh` builds one; `scripts/bench_draft.py` calls this).
+speculators venv: `scripts/check_speculators.sh` builds one; `benchmarks/bench_draft.py` calls this).
 
-    .venv-speculators/bin/python scripts/bench_speculators_step.py '{"n": 2048, "layers": 1, "max_anchors": null}'
-    .venv-speculators/bin/python scripts/bench_speculators_step.py '[{"n": 512, "layers": 1}, {"n": 512, "layers": 4}]'
+    .venv-speculators/bin/python benchmarks/bench_speculators_step.py '{"n": 2048, "layers": 1, "max_anchors": null}'
+    .venv-speculators/bin/python benchmarks/bench_speculators_step.py '[{"n": 512, "layers": 1}, {"n": 512, "layers": 4}]'
 
 SmolLM2-135M sizes, random weights and features, K = 8, r = 0.8, r_min = 0.2, forward KL
 (speculators' `kl_div`; its fused Triton implementation on CUDA, eager on CPU), fp32; the library's own COD sampling and mask
@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from forking import forked  # scripts/forking.py, shared with bench_draft.py
+from forking import forked  # benchmarks/forking.py, shared with bench_draft.py
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.losses import resolve_loss_config
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig

@@ -1,12 +1,12 @@
-"""Shared by the benchmark scripts (scripts/bench_*.py): their tables go into the markdown file they
-pass (`--out`, default the checkout's docs/BENCHMARKS.md, computed in scripts/)."""
+"""Shared by the benchmark scripts (benchmarks/bench_*.py): their tables go into the markdown file they
+pass (`--out`, default the checkout's docs/BENCHMARKS.md, computed in benchmarks/)."""
 
 from __future__ import annotations
 
 import platform
 from pathlib import Path
 
-from .io import atomic_write_text
+from peagle_train.io import atomic_write_text
 
 
 def write_section(heading: str, section: str, path: str | Path) -> Path:
@@ -48,7 +48,7 @@ def bench_arguments(ap, docs: Path, threads: int | None = 1):
 def machine_line() -> str:
     """The CPU model and its bf16 unit, as every benchmark table names its machine:
     "Intel(R) Xeon(R) Processor (bf16 unit: amx)"."""
-    from .precision import cpu_bf16_units
+    from peagle_train.precision import cpu_bf16_units
 
     return f"{cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'})"
 

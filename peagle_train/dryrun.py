@@ -56,7 +56,7 @@ def dry_run(cfg, out_dir: Path) -> dict:
     "export" (its directory)}."""
     from .config import train_config
     from .data.vocab import DraftVocab
-    from .draft.head_checkpoint import load_checkpoint
+    from .draft.head_files import load_checkpoint
     from .job import dtype_of
     from .pipeline import JobInputs, run_training_job
     from .target.capture import FeatureTarget

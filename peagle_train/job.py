@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .draft import DraftConfig, PEagleDraft, make_draft_head
+from .draft import DraftConfig, DraftHead, make_draft_head
 from .config import train_embeddings_of
 from .errors import ConfigError
 from .io import atomic_write_json
@@ -39,7 +39,7 @@ def build_target(target_cfg, device, algorithm: str = "peagle"):
     return FeatureTarget(model, ids, aux_count=aux_count(algorithm)), tok
 
 
-def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> PEagleDraft:
+def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> DraftHead:
     """A P-EAGLE (EAGLE-3, DFlash) head sized from the target, initialised from its embeddings and
     lm_head rows. Raises ValueError naming the setting when sizes disagree with the target."""
     cfg = DraftConfig.from_target(
@@ -56,7 +56,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     if hasattr(draft, "mask_hidden"):
         draft.init_mask_hidden(getattr(dcfg, "mask_hidden_std", 0.02))
     if getattr(dcfg, "init_from", None):  # continue from an existing head (checkpoint or export)
-        from .export.speculators import init_from_head
+        from .draft.head_files import init_from_head
 
         init_from_head(draft, dcfg.init_from)
     return draft.to(target.model.device)

@@ -9,11 +9,11 @@ import datasets
 import pytest
 import torch
 
-from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
-from peagle_train.export.speculators import load_head
+from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_files import load_head
 from peagle_train.draft.peagle import DraftConfig, PEagleDraft
-from peagle_train.export.speculators import (ExportError, installed_vllm_problem, load_export, serve_commands,
-                                             validate_export, write_export)
+from peagle_train.export.speculators import (ExportError, installed_vllm_problem, serve_commands, validate_export, write_export)
+from peagle_train.draft.head_files import load_export
 from peagle_train.features.shards import OfflineFeatures
 from peagle_train.target.capture import (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, FeatureTarget,
                                           aux_ids_from_layer_outputs)

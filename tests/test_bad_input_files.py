@@ -11,13 +11,14 @@ from accelerate import Accelerator
 
 import peagle_train.features.shards as offline
 from peagle_train.errors import CorruptFileError, UserError
-from peagle_train.export.speculators import ExportError, load_export, write_export
+from peagle_train.export.speculators import ExportError, write_export
+from peagle_train.draft.head_files import load_export
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.shards import OfflineFeatures
 from peagle_train.features.shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import check_output_dir, load_training_checkpoint, save_training_checkpoint
 from peagle_train.training.engines import DDPEngine
-from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 
 from .test_decoding import make_draft
 

@@ -307,8 +307,9 @@ def test_export_is_what_vllm_dflash_reads(tmp_path, target_model, causal):
     export reads back as the same head: the same proposals from a checkpoint-equal bf16 reload."""
     from safetensors.torch import load_file
 
-    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
-    from peagle_train.export.speculators import load_export, validate_export, write_export
+    from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
+    from peagle_train.export.speculators import validate_export, write_export
+    from peagle_train.draft.head_files import load_export
 
     t, d = make_dflash(target_model, K=4, causal=causal)
     ckpt, _ = load_checkpoint(save_checkpoint(d, tmp_path / "ckpt"))

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from .conftest import REPO_ROOT
-from peagle_train.draft.head_checkpoint import load_checkpoint
+from peagle_train.draft.head_files import load_checkpoint
 
 from .test_resume import losses
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_train.export.speculators import ExportError, load_export, validate_export, write_export
+from peagle_train.export.speculators import ExportError, validate_export, write_export
+from peagle_train.draft.head_files import load_export
 
 from .test_decoding import make_draft
 
@@ -95,7 +96,7 @@ def test_model_card_has_tau_and_the_vllm_command(tmp_path, target_model):
 def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
     """bf16 export → fp32 reload: the same greedy proposals and acceptance on the tiny target
     (logits agree to bf16 precision, ~1e-2 relative, far below the argmax margins here)."""
-    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+    from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 
     from .reference_decoder import speculative_generate, target_generate
 
@@ -110,7 +111,7 @@ def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
 
 
 def test_checkpoint_without_mask_hidden_is_refused(tmp_path, target_model):
-    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+    from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 
     _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=1)
     ckpt = save_checkpoint(d, tmp_path / "ckpt")
@@ -196,7 +197,7 @@ def test_init_from_a_checkpoint_or_an_export_loads_its_weights(tmp_path, target_
     """draft.init_from: the head build_draft returns holds the source's weights, not the target's init."""
     from peagle_train.data.vocab import DraftVocab
     from peagle_train.job import build_draft
-    from peagle_train.draft.head_checkpoint import save_checkpoint
+    from peagle_train.draft.head_files import save_checkpoint
 
     ids = torch.arange(0, 128, 2)
     t, src = make_draft(target_model, ids, K=5, layers=1)
@@ -224,7 +225,7 @@ def test_init_from_a_checkpoint_or_an_export_loads_its_weights(tmp_path, target_
 def test_init_from_a_head_of_other_sizes_or_vocabulary_is_refused(tmp_path, target_model):
     from peagle_train.data.vocab import DraftVocab
     from peagle_train.job import build_draft
-    from peagle_train.draft.head_checkpoint import save_checkpoint
+    from peagle_train.draft.head_files import save_checkpoint
 
     ids = torch.arange(0, 128, 2)
     t, src = make_draft(target_model, ids, K=5, layers=2)

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from .conftest import REPO_ROOT
-from peagle_train.draft.head_checkpoint import save_checkpoint
+from peagle_train.draft.head_files import save_checkpoint
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

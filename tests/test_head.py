@@ -7,7 +7,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from .reference_decoder import speculative_generate, target_generate
 from peagle_train.draft.peagle import DraftConfig
-from peagle_train.export.speculators import load_export, write_export
+from peagle_train.export.speculators import write_export
+from peagle_train.draft.head_files import load_export
 from peagle_train.algorithms.cod import cod_sample
 from peagle_train.training.checks import check_training_config
 

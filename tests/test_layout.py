@@ -142,7 +142,7 @@ def test_train_and_the_dry_run_share_one_job_runner():
     """`peagle train` and the dry run reach training, evaluation and export only through the job
     runner (pipeline.run_training_job), so the sequence exists once."""
     stages = ("peagle_train.training.trainer", "peagle_train.evaluation.run", "peagle_train.export.speculators.write_export",
-              "peagle_train.draft.head_checkpoint.save_checkpoint")
+              "peagle_train.draft.head_files.save_checkpoint")
     for rel in ("cli/train.py", "dryrun.py"):
         mods = imported_modules(PKG / rel)
         assert "peagle_train.pipeline.run_training_job" in mods, rel

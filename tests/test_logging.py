@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle_train.draft.head_checkpoint import save_checkpoint
+from peagle_train.draft.head_files import save_checkpoint
 from peagle_train.errors import ConfigError
 from peagle_train.logs import quiet_other_processes, setup_logging
 from .conftest import REPO_ROOT

@@ -10,11 +10,12 @@ from omegaconf import OmegaConf
 
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
-from peagle_train.export.speculators import load_export, validate_export, write_export
+from peagle_train.export.speculators import validate_export, write_export
+from peagle_train.draft.head_files import load_export
 from peagle_train.job import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.capture import FeatureTarget
-from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 from peagle_train.training.trainer import train
 
 

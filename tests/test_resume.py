@@ -21,7 +21,7 @@ from peagle_train.target.capture import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints
 from peagle_train.training.tracking import tracked_accelerator
-from peagle_train.draft.head_checkpoint import load_checkpoint
+from peagle_train.draft.head_files import load_checkpoint
 from peagle_train.features.rows import pack_documents, split_validation
 from peagle_train.training.trainer import train
 

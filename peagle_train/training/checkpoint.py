@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..draft import DraftHead
 from ..errors import ConfigError, CorruptFileError, WriteError, io_cause, io_failure, load_safetensors, read_json
 from ..io import fsync_dir, fsync_file
 
@@ -203,7 +204,7 @@ def save_training_checkpoint(accelerator, root: Path, step: int, draft, engine, 
             engine.save(tmp / "engine", main)
             accelerator.wait_for_everyone()
         if main:
-            sd = {k: v.detach().contiguous().cpu() for k, v in full.items() if not k.startswith("rotary_emb.")}
+            sd = {k: v.detach().contiguous().cpu() for k, v in DraftHead.weights_only(full).items()}
             save_file(sd, str(tmp / "model.safetensors"))
             (tmp / "draft_config.json").write_text(json.dumps({"draft": draft.config.to_dict()}, indent=2))
             (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))

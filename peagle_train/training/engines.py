@@ -158,7 +158,6 @@ class DDPEngine:
         ckpt = Path(ckpt)
         weights = load_safetensors(ckpt / "model.safetensors", "draft weights", fix)
         missing, unexpected = self.module.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not k.startswith("rotary_emb.")]
         if missing or unexpected:
             raise CorruptFileError(f"checkpoint {ckpt}: missing {missing}, unexpected {unexpected} weights. Fix: {fix}.")
         optimizer = state.pop("optimizer")

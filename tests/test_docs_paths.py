@@ -1,0 +1,131 @@
+"""Every repository path the docs and the package's own text cite exists.
+
+Read: README.md and docs/*.md (their prose, code blocks and markdown links), and every .py file
+under peagle_train/ (docstrings, comments and strings alike). A cited path is a token that starts
+at a word boundary with a folder of this repository (`peagle_train/`, `scripts/`, `docs/`, `tests/`,
+`recipes/`, `benchmarks/`, `experiments/`, `conf/`, `data/`) or of the package (`training/`,
+`draft/`, `algorithms/`, ...: resolved against peagle_train/), and names a file by its extension;
+a token without an extension that starts with `peagle_train/`, `docs/`, `tests/`, `scripts/`,
+`benchmarks/` or `experiments/` names a folder. A markdown link
+target is resolved against the folder of the file that holds it, as a renderer does.
+
+Not paths of this repository, so never checked: URLs, other projects' paths (vLLM's `vllm/...`,
+DeepSpeed's `runtime/...`: their first folder is none of ours, or the token continues one, as in
+`src/speculators/train/...`), placeholders (`RUN/...`, `recipes/NAME.yaml`, `<dir>/...`, `…`),
+globs (`bench_*.py`), and what a run writes (`data/summary.json`, `output_dir/...`: see
+`RUN_OUTPUTS`)."""
+
+import re
+from pathlib import Path
+
+from .conftest import REPO_ROOT
+
+PKG = REPO_ROOT / "peagle_train"
+
+# First folders of a repository-relative path, and of a package-relative one (resolved against
+# peagle_train/, or the repository root where both hold the name, as data/ and conf/ do).
+REPO_DIRS = ("peagle_train", "scripts", "docs", "tests", "recipes", "benchmarks", "experiments", "conf", "data")
+# Folders cited without an extension are checked under these only (`data/eval/export` in prose is a
+# list of config groups, not a folder).
+FOLDER_ROOTS = ("peagle_train", "scripts", "docs", "tests", "benchmarks", "experiments")
+PKG_DIRS = ("accel", "algorithms", "cli", "data", "decoding", "draft", "evaluation", "export", "features",
+            "recommend", "serving", "target", "training", "conf", "recipes", "spec_bench", "jobs")
+FILE_EXTS = ("py", "md", "sh", "yaml", "yml", "png", "cpp", "toml", "json", "jsonl", "txt")
+
+# Files a run writes under its output_dir, named in the docs by their place there (REFERENCE.md,
+# "What a run writes"; DATA.md): not files of the repository.
+RUN_OUTPUTS = ("data/summary.json", "data/rows", "data/draft_vocab.safetensors", "data/manifest.json",
+               "data/packed", "data/rows.jsonl")
+
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+_TOKEN = re.compile(r"(?<![\w./~$<{-])((?:[\w.-]+/)+[\w.-]*)")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_PLACEHOLDER_DIR = re.compile(r"(^|/)[A-Z][A-Z0-9_]*/")
+_PLACEHOLDER_STEMS = {"NAME", "FILE", "OUT", "DIR", "X"}
+
+
+def _is_placeholder(token: str) -> bool:
+    """True for `RUN/...`, `runs/X/`, `recipes/NAME.yaml`: a folder in capitals, or a file called
+    NAME or the like, stands for a value (docs/RESULTS.md is a file)."""
+    stem = token.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+    return bool(_PLACEHOLDER_DIR.search(token)) or stem in _PLACEHOLDER_STEMS or "..." in token
+
+
+def cited_paths(text: str) -> list[str]:
+    """The repository paths `text` cites, in order, each once: repository-relative
+    (`docs/RESULTS.md`, `peagle_train/accel/cpu`) or package-relative (`training/trainer.py`).
+    Markdown link targets are not included (`link_targets`)."""
+    text = _URL.sub(" ", text)
+    found = []
+    for m in _TOKEN.finditer(text):
+        tok = m.group(1).rstrip(".")
+        end = m.end(1)
+        if end < len(text) and text[end] in "*?<>{}[…":  # a glob or a placeholder continues it
+            continue
+        first, _, rest = tok.partition("/")
+        if not rest or _is_placeholder(tok) or tok in RUN_OUTPUTS or tok.rstrip("/") in RUN_OUTPUTS:
+            continue
+        ext = rest.rsplit(".", 1)[-1] if "." in rest.rsplit("/", 1)[-1] else ""
+        if ext and ext not in FILE_EXTS:
+            continue
+        if (ext and (first in REPO_DIRS or first in PKG_DIRS)) or (not ext and first in FOLDER_ROOTS):
+            if tok not in found:
+                found.append(tok)
+    return found
+
+
+def link_targets(text: str) -> list[str]:
+    """The local targets of markdown links in `text` (`[x](../CHANGELOG.md#anchor)` →
+    `../CHANGELOG.md`), URLs and in-page anchors left out."""
+    out = []
+    for m in _LINK.finditer(text):
+        target = m.group(1).split("#", 1)[0]
+        if ("." in target or "/" in target) and not _URL.match(target) and not target.startswith("mailto:"):
+            out.append(target)
+    return out
+
+
+def path_exists(token: str) -> bool:
+    """Whether `token` names a file or folder of the repository, at its root or (package-relative
+    forms) under peagle_train/."""
+    tok = token.rstrip("/")
+    return (REPO_ROOT / tok).exists() or (PKG / tok).exists()
+
+
+def missing_paths(text: str, where: Path | None = None) -> list[str]:
+    """The paths cited in `text` that do not exist, and (with `where`, the file holding `text`)
+    the markdown link targets that do not resolve from its folder."""
+    missing = [p for p in cited_paths(text) if not path_exists(p)]
+    if where is not None:
+        missing += [f"link {t}" for t in link_targets(text) if not (where.parent / t).exists()]
+    return missing
+
+
+def _sources() -> list[Path]:
+    docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    return docs + sorted(PKG.rglob("*.py"))
+
+
+def test_extractor_finds_a_made_up_path():
+    sample = ("The trainer (`training/trainer.py`) reads docs/RESULTS.md and peagle_train/nowhere/gone.py; "
+              "see [the status](docs/STATUS.md), https://github.com/x/y/blob/main/docs/absent.md, vLLM's "
+              "vllm/v1/spec_decode/eagle.py, src/speculators/train/trainer.py, recipes/NAME.yaml, "
+              "RUN/eval/acceptance.json, benchmarks/bench_*.py, <dir>/recipe/x.yaml and data/summary.json.")
+    assert cited_paths(sample) == ["training/trainer.py", "docs/RESULTS.md", "peagle_train/nowhere/gone.py",
+                                   "docs/STATUS.md"]
+    assert missing_paths(sample) == ["peagle_train/nowhere/gone.py"]
+    assert link_targets(sample) == ["docs/STATUS.md"]
+    assert missing_paths("[x](../nowhere.md) [y](RESULTS.md#which) E[τ](K)", REPO_ROOT / "docs" / "RESULTS.md") == [
+        "link ../nowhere.md"]
+    assert cited_paths("the data/eval/export groups; peagle_train/accel/cpu and docs/sweeps/k_train/") == [
+        "peagle_train/accel/cpu", "docs/sweeps/k_train/"]
+
+
+def test_every_cited_path_exists():
+    problems = []
+    for f in _sources():
+        text = f.read_text(encoding="utf-8")
+        md = f.suffix == ".md"
+        for p in missing_paths(text, f if md else None):
+            problems.append(f"{f.relative_to(REPO_ROOT)}: {p}")
+    assert not problems, "paths cited but not in the repository:\n  " + "\n  ".join(problems)

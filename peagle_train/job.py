@@ -14,7 +14,8 @@ from .config import train_embeddings_of
 from .errors import ConfigError
 from .io import atomic_write_json
 from .paths import PACKAGE_DIR
-from .target.capture import FeatureTarget, aux_count, default_aux_layer_ids
+from .target.aux_layers import AuxLayers
+from .target.capture import FeatureTarget
 from .target.load import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,14 +30,15 @@ def dtype_of(name: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_target(target_cfg, device, algorithm: str = "peagle"):
+def build_target(target_cfg, device, algorithm: str = "peagle", aux_layer_ids: list[int] | None = None):
     """(FeatureTarget, tokenizer) from the `target` config group; weights in `target.dtype`
-    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer);
-    `algorithm` sets how many aux ids are admitted (target/capture.py `aux_count`)."""
+    (null = float32; the forward's compute precision is `precision`'s, applied by the trainer).
+    The aux layers are `aux_layer_ids` (a trained head's), else `target.aux_layer_ids`, else the
+    default; `algorithm` sets how many are admitted (target/aux_layers.py `AuxLayers`). Raises
+    ConfigError (a ValueError) for ids the target cannot give."""
     model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device)
-    n = model.config.num_hidden_layers
-    ids = list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)
-    return FeatureTarget(model, ids, aux_count=aux_count(algorithm)), tok
+    ids = aux_layer_ids if aux_layer_ids is not None else target_cfg.aux_layer_ids
+    return FeatureTarget(model, ids, aux_count=AuxLayers.count(algorithm)), tok
 
 
 def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> DraftHead:

@@ -2,13 +2,14 @@
 
 import torch
 
-from peagle_train.target.capture import FeatureTarget, align_for_draft, default_aux_layer_ids
+from peagle_train.target.aux_layers import AuxLayers
+from peagle_train.target.capture import FeatureTarget, align_for_draft
 from peagle_train.features.online import packed_row
 
 
 def test_default_aux_layers():
-    assert default_aux_layer_ids(30) == [2, 15, 27]
-    assert default_aux_layer_ids(8) == [2, 4, 5]
+    assert AuxLayers.default(30) == [2, 15, 27]
+    assert AuxLayers.default(8) == [2, 4, 5]
 
 
 def test_repeated_aux_layers_are_refused(target_model):

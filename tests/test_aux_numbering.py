@@ -15,8 +15,8 @@ from peagle_train.draft.peagle import DraftConfig, PEagleDraft
 from peagle_train.export.speculators import (ExportError, installed_vllm_problem, serve_commands, validate_export, write_export)
 from peagle_train.draft.head_files import load_export
 from peagle_train.features.shards import OfflineFeatures
-from peagle_train.target.capture import (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, FeatureTarget,
-                                          aux_ids_from_layer_outputs)
+from peagle_train.target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.shards import FORMAT_VERSION, FeatureShardError, write_features
 
 from .test_decoding import make_draft
@@ -39,8 +39,8 @@ def _same_weights(a, b):
 
 def test_the_old_numbering_is_the_next_id():
     assert (AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING) == ("hidden_states", "layer_output")
-    assert aux_ids_from_layer_outputs([1, 3, 4]) == [2, 4, 5]
-    assert aux_ids_from_layer_outputs([0, 3, 6]) == [1, 4, 7]
+    assert AuxLayers.read([1, 3, 4], OLD_AUX_LAYER_NUMBERING) == [2, 4, 5]
+    assert AuxLayers.read([0, 3, 6], OLD_AUX_LAYER_NUMBERING) == [1, 4, 7]
 
 
 def test_old_checkpoint_loads_with_ids_plus_one(tmp_path, target_model):
@@ -214,12 +214,11 @@ def test_exported_ids_are_the_hidden_states_vllm_collects(tmp_path, target_model
 def test_the_fix_for_out_of_range_ids_is_itself_valid():
     """The suggested ids pass the same rule: [2, N//2, N-3] where it is distinct, evenly spread ids on
     a shallow target, where [2, N//2, N-3] repeats a layer (N = 4 gives [2, 2, 1])."""
-    from peagle_train.target.capture import aux_layer_ids_problem
 
-    assert aux_layer_ids_problem([2, 5, 9], 8).endswith("Fix: target.aux_layer_ids=null for the default [2, 4, 5], "
+    assert AuxLayers.problem([2, 5, 9], 8).endswith("Fix: target.aux_layer_ids=null for the default [2, 4, 5], "
                                                         "or 3 ids in that range.")
-    assert aux_layer_ids_problem([2, 5, 9], 4).endswith("Fix: target.aux_layer_ids=[0, 2, 3], or 3 other distinct "
+    assert AuxLayers.problem([2, 5, 9], 4).endswith("Fix: target.aux_layer_ids=[0, 2, 3], or 3 other distinct "
                                                         "ids in that range.")
-    assert aux_layer_ids_problem([0, 2, 3], 4) is None
-    assert aux_layer_ids_problem([0, 1, 2], 2).endswith("Fix: a target with at least 3 decoder layers (the head "
+    assert AuxLayers.problem([0, 2, 3], 4) is None
+    assert AuxLayers.problem([0, 1, 2], 2).endswith("Fix: a target with at least 3 decoder layers (the head "
                                                         "reads 3 of its hidden states).")

@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig
 
 from .embedding import TRAIN_EMBEDDINGS
-from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from ..target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
 
 SPECULATORS_VERSION = "0.9.0"
 # the keys of transformer_layer_config that vLLM builds the draft layers from
@@ -59,7 +59,7 @@ class DraftConfig:
     mask_token_id: int = 0
     num_depths: int = 8
     aux_layer_ids: list = field(default_factory=list)
-    # what an id means (target/capture.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
+    # what an id means (target/aux_layers.py AUX_LAYER_NUMBERING): "hidden_states" (id k = the input of
     # target layer k, vLLM's); "layer_output" (older files: the output of layer i) is converted on creation
     aux_layer_numbering: str = AUX_LAYER_NUMBERING
     norm_before_fc: bool = False    # one RMSNorm over the 3H features before fc (`input_norm`)
@@ -76,14 +76,13 @@ class DraftConfig:
 
     def __post_init__(self):
         problems = []
-        if self.aux_layer_numbering == OLD_AUX_LAYER_NUMBERING:  # the very same states, in vLLM's numbering
-            self.aux_layer_ids = aux_ids_from_layer_outputs(self.aux_layer_ids)
+        try:  # the very same states, in vLLM's numbering
+            self.aux_layer_ids = AuxLayers.read(self.aux_layer_ids, self.aux_layer_numbering)
             self.aux_layer_numbering = AUX_LAYER_NUMBERING
-        if self.aux_layer_numbering != AUX_LAYER_NUMBERING:
-            problems.append(f"aux_layer_numbering={self.aux_layer_numbering!r} must be {AUX_LAYER_NUMBERING!r} "
-                            f"or {OLD_AUX_LAYER_NUMBERING!r}")
+        except ValueError as e:
+            problems.append(str(e))
         problems += self.algorithm_problems()
-        if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
+        if AuxLayers.ascending_problem(self.aux_layer_ids, "aux_layer_ids"):
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
         if type(self).algorithm_name != self.algorithm:
             problems.append(f"algorithm={self.algorithm!r} is not a {type(self).__name__}'s "

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError, CorruptFileError, ExportError, load_safetensors, read_json, writing
 from ..io import atomic_dir, recover_dir
-from ..target.capture import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, aux_ids_from_layer_outputs
+from ..target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
 from . import DraftConfig, DraftHead, make_draft_head
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def draft_config_from(d, path: Path, fix: str):
         d = {**d, "aux_layer_numbering": OLD_AUX_LAYER_NUMBERING}
         logger.warning("%s: aux_layer_ids %s are in the older numbering (output of layer i); read as %s "
                        "(the input of layer k, vLLM's numbering): the same hidden states", path,
-                       d.get("aux_layer_ids"), aux_ids_from_layer_outputs(d.get("aux_layer_ids") or []))
+                       d.get("aux_layer_ids"), AuxLayers.read(d.get("aux_layer_ids") or [], OLD_AUX_LAYER_NUMBERING))
     try:
         return DraftConfig(**d)
     except TypeError as e:

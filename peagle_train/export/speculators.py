@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..draft import DraftConfig, DraftHead
 from ..draft.head_files import aux_layer_numbering_of
-from ..target.capture import AUX_LAYER_NUMBERING
+from ..target.aux_layers import AUX_LAYER_NUMBERING, AuxLayers
 from ..target.load import HUB_ID
 from ..errors import ConfigError, ExportError, load_safetensors, read_json, writing
 from ..io import atomic_dir
@@ -149,16 +149,13 @@ def write_export(draft: DraftHead, out_dir: str | Path, *, verifier_name_or_path
 
 def check_servable(c: DraftConfig) -> None:
     """Raise ExportError when vLLM cannot load a head of this config: `fc_norm` (vLLM's
-    `update_peagle` does not carry it, so `fc_norm.{i}.weight` finds no parameter) or aux layer
-    ids that are not ascending (vLLM sorts them, so the features would arrive in another order)."""
+    `update_peagle` does not carry it, so `fc_norm.{i}.weight` finds no parameter). (Aux layer ids
+    that are not ascending never make a DraftConfig: target/aux_layers.py.)"""
     problems = []
     if c.fc_norm:
         problems.append("draft.fc_norm=true: vLLM does not build fc_norm (its update_peagle does not carry it), so "
                         "loading fails on fc_norm.{i}.weight. Fix: train with draft.fc_norm=false (draft.norm_before_fc "
                         "is served)")
-    if list(c.aux_layer_ids) != sorted(c.aux_layer_ids):
-        problems.append(f"aux_layer_ids {list(c.aux_layer_ids)} are not ascending: vLLM sorts them and would feed "
-                        "the features in another order. Fix: train with target.aux_layer_ids in ascending order")
     if problems:
         raise ExportError("the head cannot be served by vLLM: " + "; ".join(problems))
 
@@ -333,8 +330,8 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
         problems.append("fc_norm=true: vLLM does not build fc_norm, so fc_norm.{i}.weight does not load. Fix: train "
                         "with draft.fc_norm=false")
     ids = cfg[ids_key]
-    if list(ids) != sorted(ids):
-        problems.append(f"{ids_key} {ids} are not ascending (vLLM sorts them)")
+    if (m := AuxLayers.ascending_problem(ids, ids_key)):
+        problems.append(m)
     lc = cfg["transformer_layer_config"]
     V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
     hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]

@@ -43,7 +43,7 @@ from .rows import PackedRow, pack_row
 
 logger = logging.getLogger(__name__)
 
-# 2: aux_layer_ids in vLLM's numbering (target/capture.py AUX_LAYER_NUMBERING); 1: the older
+# 2: aux_layer_ids in vLLM's numbering (target/aux_layers.py AUX_LAYER_NUMBERING); 1: the older
 # numbering (id i = the output of layer i), the same stored states, read converted (`upgrade_fingerprint`)
 FORMAT_VERSION = 2
 STORAGES = tuple(FeatureStorage.values())  # the `features.storage` choices (config.py)
@@ -83,10 +83,10 @@ def upgrade_fingerprint(found: dict) -> dict:
     """A manifest fingerprint in this FORMAT_VERSION: format 1 named the same stored states by
     the older aux numbering (id i = output of layer i), so its ids become id + 1 (vLLM's)."""
     if found.get("format_version") == 1 and isinstance(found.get("aux_layer_ids"), list):
-        from ..target.capture import aux_ids_from_layer_outputs
+        from ..target.aux_layers import OLD_AUX_LAYER_NUMBERING, AuxLayers
 
         return {**found, "format_version": FORMAT_VERSION,
-                "aux_layer_ids": aux_ids_from_layer_outputs(found["aux_layer_ids"])}
+                "aux_layer_ids": AuxLayers.read(found["aux_layer_ids"], OLD_AUX_LAYER_NUMBERING)}
     return found
 
 

@@ -1,7 +1,7 @@
 """Capture of the target's aux hidden states and final hidden state, and the EAGLE alignment.
 
 DESIGN.md §2: aux layers default to [2, N//2, N-3] in vLLM's and speculators' numbering
-(`AUX_LAYER_NUMBERING`): id k is the hidden state *entering* decoder layer k, HF
+(target/aux_layers.py `AUX_LAYER_NUMBERING`): id k is the hidden state *entering* decoder layer k, HF
 `output_hidden_states[k]`, i.e. the output of layer k-1. The final hidden state is the last decoder
 layer's output before the final norm. Forward hooks on the decoder layers capture them without
 asking the model for all N hidden states.
@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from .aux_layers import AuxLayers
 
 DOCUMENT_ATTENTION = "peagle_documents"
 
@@ -136,82 +138,6 @@ def attention_implementation(config, name: str | None):
         config._attn_implementation = saved
 
 
-# What an aux layer id means (DESIGN.md §2): id k is HF `output_hidden_states[k]`, the input of
-# decoder layer k, as vLLM (`models/llama.py` collects it at the top of its layer loop), speculators and
-# EAGLE-3 read it. Checkpoints and exports record it under this key; files without it were written
-# with the older numbering "layer_output" (id i = the output of layer i = `output_hidden_states[i+1]`).
-AUX_LAYER_NUMBERING = "hidden_states"
-OLD_AUX_LAYER_NUMBERING = "layer_output"
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default, in
-    `AUX_LAYER_NUMBERING`); distinct for N ≥ 8."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def aux_ids_from_layer_outputs(ids: list[int]) -> list[int]:
-    """Aux layer ids written in the old "layer_output" numbering (id i = output of layer i) in
-    `AUX_LAYER_NUMBERING` (id k = input of layer k): each id + 1, the very same hidden states."""
-    return [int(i) + 1 for i in ids]
-
-
-def aux_count(algorithm: str) -> int | None:
-    """How many aux layer ids a head of `algorithm` reads: 3 for P-EAGLE and EAGLE-3 (vLLM's EAGLE-3
-    path concatenates three), None (any number ≥ 1) for DFlash (its fc is sized from the ids)."""
-    return None if str(algorithm) == "dflash" else 3
-
-
-def aux_layer_ids_problem(ids: list, num_layers: int | None, setting: str = "target.aux_layer_ids",
-                          count: int | None = 3) -> str | None:
-    """None when `ids` are `count` (None: one or more) distinct, ascending layer ids in [0, N) for a
-    target of N = `num_layers` decoder layers (num_layers None: when the target is not loaded yet,
-    ids ≥ 0), in `AUX_LAYER_NUMBERING` (0 = the embeddings); else one sentence naming `setting`, the
-    ids and the fix.
-
-    Why these rules: vLLM's EAGLE-3 path concatenates 3 features (3H) in ascending id order (DFlash
-    any number, `aux_count`); speculators rejects repeated layers; id N (vLLM: the last layer's output
-    before the final norm) is left out, since HF's hidden_states[N] is after the norm and the two
-    readings of the numbering differ there."""
-    many = f"{count}" if count else "1 or more"
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        return (f"{setting}={ids} must be a list of {many} layer ids (integers). Fix: {setting}=null for the default "
-                "[2, N//2, N-3] of an N-layer target, or e.g. [2, 6, 9].")
-    ids = [int(i) for i in ids]
-    n_ok = len(ids) == count if count else len(ids) >= 1
-    ok = n_ok and len(set(ids)) == len(ids) and all(0 <= i and (num_layers is None or i < num_layers) for i in ids)
-    if not ok:
-        if num_layers is None:
-            return (f"{setting}={ids} must be {many} distinct layer ids ≥ 0, ascending (id k = the hidden state "
-                    "entering decoder layer k, HF hidden_states[k], as vLLM reads it; below the target's layer count). "
-                    f"Fix: {setting}=null for the default [2, N//2, N-3] of an N-layer target, or {many} such ids.")
-        default, spread = default_aux_layer_ids(num_layers), [0, num_layers // 2, num_layers - 1]
-        if len(set(default)) == 3 and min(default) >= 0:
-            fix = f"{setting}=null for the default {default}, or {many} ids in that range."
-        elif len(set(spread)) == 3:  # a shallow target, where [2, N//2, N-3] repeats a layer
-            fix = f"{setting}={spread}, or {many} other distinct ids in that range."
-        else:
-            fix = "a target with at least 3 decoder layers (the head reads 3 of its hidden states)."
-        return (f"{setting}={ids} must be {many} distinct layer ids in [0, {num_layers}) for this {num_layers}-layer "
-                "target (id k = the hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
-                f"Fix: {fix}")
-    if ids != sorted(ids):
-        return (f"{setting}={ids} is not in ascending order; vLLM sorts the ids and would feed the features in "
-                f"another order than training. Fix: {setting}={sorted(ids)}.")
-    return None
-
-
-def check_aux_layer_ids(ids: list[int], num_layers: int, setting: str = "target.aux_layer_ids",
-                        count: int | None = 3) -> None:
-    """Raise ConfigError (one line, with the fix) unless `ids` are `count` (None: one or more)
-    distinct, ascending layer ids in [0, N) for a target of N decoder layers (`aux_layer_ids_problem`)."""
-    from ..errors import ConfigError
-
-    problem = aux_layer_ids_problem([int(i) for i in ids], num_layers, setting, count)
-    if problem:
-        raise ConfigError(problem)
-
-
 @dataclass
 class TargetOutput:
     """logits: [B, T, V] (or [B, T, V_draft] when restricted; None from forward_documents(logits=False));
@@ -238,8 +164,7 @@ class FeatureTarget:
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
         n = len(self.layers)
-        self.aux_layer_ids = [int(i) for i in aux_layer_ids] if aux_layer_ids else default_aux_layer_ids(n)
-        check_aux_layer_ids(self.aux_layer_ids, n, count=aux_count)
+        self.aux_layer_ids = AuxLayers.resolve(aux_layer_ids, n, count=aux_count).to_json()
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
         self._captured: dict[int, torch.Tensor] = {}

@@ -42,6 +42,13 @@ class DraftConfig:
 
     algorithm_name: ClassVar[str] = ""
     aux_ids_key: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"  # config.json's name of the aux ids
+    # the sizes and choices that must agree for a head's weights to continue in another run
+    # (draft/head_files.py `init_from_head`; num_depths, gradient_checkpointing, max_position_embeddings,
+    # train_embeddings and block_causal may change)
+    WEIGHT_KEYS: ClassVar[tuple[str, ...]] = (
+        "algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
+        "mask_token_id", "norm_before_fc", "fc_norm", "norm_before_residual", "model_type", "qk_norm")
 
     vocab_size: int
     draft_vocab_size: int

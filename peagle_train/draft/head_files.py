@@ -137,19 +137,13 @@ def aux_layer_numbering_of(cfg: dict, export_dir: Path) -> str:
     return AUX_LAYER_NUMBERING
 
 
-# Sizes and choices that must agree for a head's weights to continue in another run (num_depths,
-# gradient_checkpointing and max_position_embeddings may change).
-_INIT_KEYS = ("algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
-              "mask_token_id", "norm_before_fc", "fc_norm", "norm_before_residual", "model_type", "qk_norm")
-
 
 def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
     """Load the weights of an existing head (`draft.init_from`: a checkpoint or an export) into
     `draft`, the head this run built for its target and data; returns `draft`.
 
     The source must have the same sizes, algorithm, aux layers and mask token as `draft` (see
-    `_INIT_KEYS`) and the same draft vocabulary (d2t/t2d): the lm_head rows mean those tokens. An
+    `DraftConfig.WEIGHT_KEYS`) and the same draft vocabulary (d2t/t2d): the lm_head rows mean those tokens. An
     export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
 
     Raises:
@@ -158,7 +152,7 @@ def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
     """
     src = load_head(source)[0]
     have, want = src.config, draft.config
-    diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in _INIT_KEYS
+    diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in DraftConfig.WEIGHT_KEYS
             if getattr(have, k) != getattr(want, k)]
     sd = src.state_dict()
     mine = draft.state_dict()

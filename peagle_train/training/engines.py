@@ -217,11 +217,10 @@ class ShardedEngine:
 
     def plain_module(self, draft_config):
         """A fresh unsharded head (make_draft_head) holding the trained weights, for eval and export."""
-        from ..draft import make_draft_head
+        from ..draft import DraftHead, make_draft_head
 
         plain = make_draft_head(draft_config)
-        missing, unexpected = plain.load_state_dict(self.full_state_dict(), strict=False)
-        missing = [k for k in missing if not k.startswith("rotary_emb.")]  # buffers rebuilt from the config
+        missing, unexpected = plain.load_state_dict(DraftHead.weights_only(self.full_state_dict()), strict=False)
         if missing or unexpected:
             raise RuntimeError(f"the gathered head does not match its config: missing {missing}, unexpected "
                                f"{unexpected} weights")

@@ -13,7 +13,8 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from peagle_train.cli import parse_pairs
-from peagle_train.errors import UserError, cli_main
+from peagle_train.errors import UserError
+from peagle_train.runtime import cli_main
 from peagle_train.evaluation.report import k_table, read_acceptance
 
 

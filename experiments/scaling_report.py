@@ -17,7 +17,7 @@ from omegaconf import MISSING
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_tables, shared with the benchmarks
 from bench_tables import cpu_model, write_section
 from peagle_train.cli import parse_pairs
-from peagle_train.errors import cli_main
+from peagle_train.runtime import cli_main
 import scaling
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ Where the messages go:
 - Under Hydra (every `key=value` entry point) Hydra's job logging configures the root logger: the
   console (stdout) and the run's log file, output_dir/<job name>.log (e.g. runs/demo/train.log).
 - Elsewhere (argparse scripts, a bare `python -c`), `setup_logging()` gives the same format on
-  stdout; `errors.cli_main(fn)` calls it for the entry points it wraps.
+  stdout; `runtime.cli_main(fn)` calls it for the entry points it wraps.
 - With several processes (`accelerate launch --num_processes N`) only the main process logs
   info: on the others the `peagle_train` logger is set to WARNING when the package is imported
   (`quiet_other_processes`), so a 2-process run does not double every line. Warnings and errors

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from peagle_train.cli import parse_pairs
 from peagle_train.draft import DraftConfig, make_draft_head
-from peagle_train.errors import cli_main
+from peagle_train.runtime import cli_main
 from peagle_train.export.speculators import write_export
 from peagle_train.target.capture import default_aux_layer_ids
 

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from peagle_train.errors import UserError, cli_main
+from peagle_train.errors import UserError
+from peagle_train.runtime import cli_main
 from .conftest import REPO_ROOT
 from peagle_train.draft.head_checkpoint import save_checkpoint
 
@@ -136,7 +137,8 @@ def test_internal_errors_keep_their_traceback(tmp_path):
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "app.yaml").write_text("what: internal\n")
     (tmp_path / "app.py").write_text(textwrap.dedent("""
-        from peagle_train.errors import cli_main, ConfigError
+        from peagle_train.errors import ConfigError
+        from peagle_train.runtime import cli_main
 
         @cli_main(config_path="conf", config_name="app", version_base="1.3")
         def main(cfg):

@@ -23,9 +23,9 @@ import peagle_train.data.prepare as prepare_mod
 from peagle_train.data.prepare import load_prepared, save_prepared
 from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
 from peagle_train.export.speculators import load_head
-from peagle_train.errors import (RESUME_PREPARE, RESUME_TRAIN, CorruptFileError, WriteError,
-                                 io_failure, user_error_message)
+from peagle_train.errors import CorruptFileError, WriteError, io_failure
 from peagle_train.export.speculators import load_export, write_export
+from peagle_train.runtime import RESUME_PREPARE, RESUME_TRAIN, user_error_message
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import list_checkpoints, save_training_checkpoint
@@ -455,7 +455,7 @@ AS_FOREGROUND = """
 CTRL_C_APP = textwrap.dedent(AS_FOREGROUND + """
     import sys, time
     import datasets
-    from peagle_train.errors import RESUME_PREPARE, cli_main
+    from peagle_train.runtime import RESUME_PREPARE, cli_main
 
     def slow(x):
         time.sleep(0.05)
@@ -489,7 +489,7 @@ def test_ctrl_c_prints_one_line_and_no_traceback_of_the_workers(tmp_path):
 
 HANGING_APP = textwrap.dedent(AS_FOREGROUND + """
     import os, sys, threading, time
-    from peagle_train.errors import RESUME_PREPARE, cli_main
+    from peagle_train.runtime import RESUME_PREPARE, cli_main
 
     def main():
         child = os.fork()

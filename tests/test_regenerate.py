@@ -116,7 +116,7 @@ def test_empty_answer_ends_the_conversation(tmp_path, server):
 
 
 def test_endpoint_unreachable_names_the_url():
-    from peagle_train.errors import user_error_message
+    from peagle_train.runtime import user_error_message
 
     with pytest.raises(RuntimeError, match="127.0.0.1:9/v1/chat/completions") as e:
         EndpointBackend("http://127.0.0.1:9/v1", "m", timeout_s=2).generate([[{"role": "user", "content": "q"}]])

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from peagle_train import config as C
 from peagle_train.cli import command_line as CL
-from peagle_train.errors import ConfigError, user_error_message
+from peagle_train.errors import ConfigError
+from peagle_train.runtime import user_error_message
 
 from .conftest import REPO_ROOT, tiny_llama
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"peagle: error: unknown command '{name}'.{hint}\n\n{usage()}\n")
         return 2
     sys.argv = [f"peagle {name}", *rest]
-    from ..errors import guarded
+    from ..runtime import guarded
 
     # Ctrl-C while the command's modules load prints one line too
     return guarded(lambda: importlib.import_module(f"{__name__}.{COMMANDS[name][0]}").run(rest) or 0)()
@@ -76,7 +76,7 @@ def run_hydra(hydra_main, argv: list[str] | None, doc: str, command: str) -> int
     then `hydra_main()` parses sys.argv as usual. A recipe that is not valid YAML is one error line
     (file, line, column). Returns 0."""
     from .command_line import check_or_exit, recipe_names
-    from ..errors import guarded
+    from ..runtime import guarded
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in HELP_FLAGS for a in argv):

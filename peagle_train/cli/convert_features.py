@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from peagle_train.errors import cli_main
+from peagle_train.runtime import cli_main
 
 
 @dataclass

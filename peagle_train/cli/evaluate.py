@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.export.speculators import load_head
 from peagle_train.config import check_config, dflash_block_note, k_beyond_k_train_problem, register
-from peagle_train.errors import RESUME_EVALUATE, ConfigError, cli_main
+from peagle_train.errors import ConfigError
+from peagle_train.runtime import RESUME_EVALUATE, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_from_config

@@ -14,7 +14,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
-from peagle_train.errors import ConfigError, cli_main
+from peagle_train.errors import ConfigError
+from peagle_train.runtime import cli_main
 from peagle_train.evaluation.report import read_acceptance
 from peagle_train.paths import CONF_DIR
 from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config
-from peagle_train.errors import RESUME_FEATURES, cli_main
+from peagle_train.runtime import RESUME_FEATURES, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.io import atomic_write_json
 from peagle_train.job import build_target

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
 def run(argv: list[str] | None = None) -> int:
     """`peagle plan key=value ...` (argv: the overrides, default sys.argv[1:]); `--help` prints this
     module's text, the recipes and the keys. A user error is one line and exit status 2."""
-    from peagle_train.errors import cli_main
+    from peagle_train.runtime import cli_main
 
     from .command_line import recipe_names
 

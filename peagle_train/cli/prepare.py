@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared
-from peagle_train.errors import RESUME_PREPARE, cli_main
+from peagle_train.runtime import RESUME_PREPARE, cli_main
 from peagle_train.paths import CONF_DIR
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
 from peagle_train.recommend.cost_model import CostModelError
-from peagle_train.errors import cli_main
+from peagle_train.runtime import cli_main
 from peagle_train.recommend.measure import recommend_k
 from peagle_train.paths import CONF_DIR
 

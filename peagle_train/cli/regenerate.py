@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.data.regenerate import backend_from_config, regenerate
 from peagle_train.data.sources import check_data_path, load_source
 from peagle_train.config import check_config, register
-from peagle_train.errors import RESUME_REGENERATE, cli_main
+from peagle_train.runtime import RESUME_REGENERATE, cli_main
 from peagle_train.paths import CONF_DIR, resolve_path
 
 logger = logging.getLogger(__name__)

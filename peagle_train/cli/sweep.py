@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from peagle_train.errors import cli_main
+from peagle_train.runtime import cli_main
 from peagle_train.sweep import link_jobs, write_summary
 
 

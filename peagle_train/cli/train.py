@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register, train_config
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
-from peagle_train.errors import ConfigError, RESUME_TRAIN, cli_main
+from peagle_train.errors import ConfigError
+from peagle_train.runtime import RESUME_TRAIN, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.export.speculators import verifier_name

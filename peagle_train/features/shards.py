@@ -221,6 +221,157 @@ class DocFeatures:
         raise NotImplementedError
 
 
+def _check_write_args(storage: str, int8_scale: str, docs_per_shard: int, tokens_per_forward: int,
+                      world: int, barrier) -> None:
+    """`write_features`' argument checks. Raises ConfigError (a ValueError): unknown storage /
+    int8_scale, docs_per_shard or tokens_per_forward < 1, or world > 1 without a barrier."""
+    if storage not in STORAGES:
+        raise ConfigError(f"features.storage={storage!r} must be one of {STORAGES}")
+    if int8_scale not in INT8_SCALES:
+        raise ConfigError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
+    if docs_per_shard < 1:
+        raise ConfigError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
+    if tokens_per_forward < 1:
+        raise ConfigError(f"tokens_per_forward={tokens_per_forward} must be ≥ 1")
+    if world > 1 and barrier is None:
+        raise ConfigError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
+
+
+def _start_manifest(out_dir: Path, mpath: Path, fp: dict, docs_per_shard: int) -> None:
+    """Process 0's start-up of `write_features`: create `out_dir` and its manifest, or check an
+    existing one against fingerprint `fp` (a format-1 manifest of the same states is rewritten in
+    format 2) and `docs_per_shard`, fold the part files of a killed multi-process run into it, and
+    delete the temporary files of a killed run. Raises FeatureShardError: another fingerprint or
+    another docs_per_shard (names the manifest and the fix)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if mpath.is_file():
+        manifest = _read_manifest(mpath)
+        _compare(manifest.get("fingerprint", {}), fp, mpath)
+        if manifest["fingerprint"] != fp:  # a format-1 manifest of the same states: record them in format 2
+            manifest["fingerprint"] = fp
+            atomic_write_json(mpath, manifest, indent=1)
+        if manifest.get("docs_per_shard") != docs_per_shard:
+            raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, "
+                                    f"this run asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
+        if _fold_parts(out_dir, manifest):  # a killed multi-process run
+            atomic_write_json(mpath, manifest, indent=1)
+    else:
+        manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
+        atomic_write_json(mpath, manifest, indent=1)
+    for stale in out_dir.glob("*.tmp*"):  # left by a killed run
+        stale.unlink()
+
+
+def _complete_shards(out_dir: Path, manifest: dict, num_shards: int, rank: int) -> set[int]:
+    """The shards k < num_shards that `manifest` records and whose file passes size and sha256;
+    process 0 logs how many are resumed and which recorded ones are recomputed."""
+    done = {k for k in range(num_shards) if _shard_is_complete(out_dir, manifest, k)}
+    if done and rank == 0:
+        logger.info("resuming %s: %d/%d shards already written and checked, skipped", out_dir, len(done), num_shards)
+    damaged = sorted(int(k) for k in manifest["shards"] if int(k) not in done)
+    if damaged and rank == 0:
+        logger.info("%d recorded shard(s) missing or failing size/sha256, recomputed: %s", len(damaged),
+                    ", ".join(shard_name(k) for k in damaged))
+    return done
+
+
+def _shard_features(target: FeatureTarget, rows, k: int, first: int, last: int, dev, tokens_per_forward: int,
+                    doc_features: DocFeatures | None, bar) -> tuple[list, list, list, int]:
+    """The features of data rows first..last-1 (shard k), in forwards of ≤ tokens_per_forward
+    tokens through the target (or `doc_features`); `bar` advances by one per row.
+
+    Returns (input_ids [T] per row on `dev`, aux [T, 3H] per row, final [T, H] per row, tokens run).
+    Raises FeatureShardError naming the data row and the shard if its features hold NaN/Inf."""
+    ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
+    aux_l, fin_l, tokens_run = [], [], 0
+    for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
+        if doc_features is not None:
+            outs = doc_features([first + j for j in group])
+        else:
+            outs = [(o.aux[0], o.final[0]) for o in
+                    target.forward_documents([ids_l[j] for j in group], logits=False)]
+        for j, (aux, final) in zip(group, outs):
+            if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+                raise FeatureShardError(f"data row {first + j} (shard {shard_name(k)}): the target gave NaN/Inf "
+                                        "features. Nothing was written for this shard. Fix: check the target "
+                                        "weights/dtype (float16 overflow? use bfloat16 or float32) or drop the row.")
+            aux_l.append(aux)
+            fin_l.append(final)
+        tokens_run += sum(ids_l[j].numel() for j in group)
+        bar.update(len(group))
+    return ids_l, aux_l, fin_l, tokens_run
+
+
+def _save_shard(out_dir: Path, mpath: Path, manifest: dict, records: dict, done: set[int], k: int,
+                first: int, last: int, shard: tuple[list, list, list], storage: str, int8_scale: str,
+                rank: int, world: int) -> dict:
+    """Write shard k (rows first..last-1; `shard` = (input_ids, aux, final) per row) to a temporary
+    file, rename it, and record it: in the manifest (world == 1) or in this process's
+    manifest.part<rank>.json with its earlier `records` (world > 1).
+
+    Returns its record {file, first_doc, num_docs, num_tokens, bytes, sha256}. Raises
+    FeatureShardError when the write fails for an I/O cause (e.g. a full disk): names the file,
+    the cause and how many shards stay recorded; other errors propagate as they are."""
+    ids_l, aux_l, fin_l = shard
+    name = shard_name(k)
+    tmp = out_dir / (name + f".tmp{os.getpid()}")
+    try:
+        save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
+        os.replace(tmp, out_dir / name)
+        rec = {"file": name, "first_doc": first, "num_docs": last - first,
+               "num_tokens": int(sum(x.numel() for x in ids_l)),
+               "bytes": (out_dir / name).stat().st_size, "sha256": provenance.sha256_file(out_dir / name)}
+        if world == 1:
+            atomic_write_json(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}}, indent=1)
+        else:
+            atomic_write_json(_part_path(out_dir, rank), {**records, str(k): rec}, indent=1)
+    except Exception as e:  # e.g. a full disk (safetensors' own error): the shards recorded so far stay valid
+        tmp.unlink(missing_ok=True)
+        found = io_failure(e)
+        if found is None:
+            raise
+        cause = os.strerror(found[0]) if found[0] is not None else io_cause(None, out_dir)[0]
+        raise FeatureShardError(
+            f"writing {out_dir / name} failed ({cause}); the {len(done | {int(k) for k in records})} "
+            f"shards recorded in {mpath} are complete and verified, this one is not recorded. Fix: free disk "
+            f"space in {out_dir} and rerun the same command: it resumes at this shard.") from e
+    return rec
+
+
+def _merge_parts(out_dir: Path, mpath: Path, manifest: dict, rank: int, barrier, written: int,
+                 tokens_all: int) -> tuple[dict, int, int]:
+    """After the work of a multi-process run: process 0 folds every process's part file into the
+    manifest and counts the shards it gained (written, their tokens); then every process reads the
+    merged manifest back. Returns (manifest, written, tokens_all): other processes keep their own counts."""
+    if rank == 0:
+        before = set(manifest["shards"])
+        _fold_parts(out_dir, manifest)
+        atomic_write_json(mpath, manifest, indent=1)
+        new = [r for key, r in manifest["shards"].items() if key not in before]
+        written, tokens_all = len(new), sum(r["num_tokens"] for r in new)
+    barrier()
+    manifest = json.loads(mpath.read_text())
+    return manifest, written, tokens_all
+
+
+def _features_summary(out_dir: Path, manifest: dict, n: int, num_shards: int, written: int, skipped: int,
+                      storage: str, secs: float, tokens_all: int, world: int, rank: int) -> dict:
+    """`write_features`' summary of the finished directory (sizes in bytes, `secs` in seconds,
+    `tokens_all` = tokens of the target forwards of all processes); process 0 logs it."""
+    shards = manifest["shards"].values()
+    total_tokens = sum(s["num_tokens"] for s in shards)
+    total_bytes = sum(s["bytes"] for s in shards)
+    summary = {"dir": str(out_dir), "docs": n, "tokens": total_tokens, "shards": num_shards,
+               "shards_written": written, "shards_skipped": skipped, "bytes": total_bytes,
+               "bytes_per_token": total_bytes / max(total_tokens, 1), "storage": storage,
+               "seconds": secs, "tokens_per_second": tokens_all / secs if secs > 0 else 0.0, "processes": world}
+    if rank == 0:
+        logger.info(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {skipped} resumed) "
+            f"in {out_dir}; {total_bytes / 2**20:.1f} MiB, {summary['bytes_per_token']:.0f} bytes/token ({storage}); "
+            f"{summary['tokens_per_second']:.0f} tokens/s on {world} process(es)")
+    return summary
+
+
 def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = "bfloat16",
                    int8_scale: str = "channel", docs_per_shard: int = 64, template_kwargs: dict | None = None,
                    tokens_per_forward: int = 2048, rank: int = 0, world: int = 1, barrier=None,
@@ -252,50 +403,19 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     Returns a summary: docs, tokens, shards written (by all processes) and skipped, bytes, bytes per
     token, seconds, tokens per second of the target forwards (all processes), processes.
     """
-    if storage not in STORAGES:
-        raise ConfigError(f"features.storage={storage!r} must be one of {STORAGES}")
-    if int8_scale not in INT8_SCALES:
-        raise ConfigError(f"features.int8_scale={int8_scale!r} must be one of {INT8_SCALES}")
-    if docs_per_shard < 1:
-        raise ConfigError(f"features.docs_per_shard={docs_per_shard} must be ≥ 1")
-    if tokens_per_forward < 1:
-        raise ConfigError(f"tokens_per_forward={tokens_per_forward} must be ≥ 1")
-    if world > 1 and barrier is None:
-        raise ConfigError(f"write_features: {world} processes need a barrier (Accelerator.wait_for_everyone)")
+    _check_write_args(storage, int8_scale, docs_per_shard, tokens_per_forward, world, barrier)
     barrier = barrier or (lambda: None)
     out_dir = Path(out_dir)
     fp = features_fingerprint(target, tok, rows, storage, int8_scale, template_kwargs)
     mpath = out_dir / MANIFEST
     if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if mpath.is_file():
-            manifest = _read_manifest(mpath)
-            _compare(manifest.get("fingerprint", {}), fp, mpath)
-            if manifest["fingerprint"] != fp:  # a format-1 manifest of the same states: record them in format 2
-                manifest["fingerprint"] = fp
-                atomic_write_json(mpath, manifest, indent=1)
-            if manifest.get("docs_per_shard") != docs_per_shard:
-                raise FeatureShardError(f"{mpath}: written with docs_per_shard={manifest.get('docs_per_shard')}, "
-                                        f"this run asks {docs_per_shard}. Fix: use the same value or a new features.dir.")
-            if _fold_parts(out_dir, manifest):  # a killed multi-process run
-                atomic_write_json(mpath, manifest, indent=1)
-        else:
-            manifest = {"fingerprint": fp, "docs_per_shard": docs_per_shard, "shards": {}}
-            atomic_write_json(mpath, manifest, indent=1)
-        for stale in out_dir.glob("*.tmp*"):  # left by a killed run
-            stale.unlink()
+        _start_manifest(out_dir, mpath, fp, docs_per_shard)
     barrier()
     manifest = _read_manifest(mpath)
     _compare(manifest.get("fingerprint", {}), fp, mpath)
     n = len(rows)
     num_shards = (n + docs_per_shard - 1) // docs_per_shard
-    done = {k for k in range(num_shards) if _shard_is_complete(out_dir, manifest, k)}
-    if done and rank == 0:
-        logger.info("resuming %s: %d/%d shards already written and checked, skipped", out_dir, len(done), num_shards)
-    damaged = sorted(int(k) for k in manifest["shards"] if int(k) not in done)
-    if damaged and rank == 0:
-        logger.info("%d recorded shard(s) missing or failing size/sha256, recomputed: %s", len(damaged),
-                    ", ".join(shard_name(k) for k in damaged))
+    done = _complete_shards(out_dir, manifest, num_shards, rank)
     mine = [k for k in range(num_shards) if k % world == rank and k not in done]
     records = {}  # what this process wrote (merged into the manifest by process 0 when world > 1)
     dev = target.model.device
@@ -307,45 +427,11 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
         first, last = k * docs_per_shard, min(n, (k + 1) * docs_per_shard)
         if doc_features is not None and k in jobs:  # the engine's next job: these shards' rows, in one pass
             doc_features.prepare(jobs[k])
-        ids_l = [torch.tensor(rows[i]["input_ids"], device=dev) for i in range(first, last)]
-        aux_l, fin_l = [], []
-        for group in _forward_groups([x.numel() for x in ids_l], tokens_per_forward):
-            if doc_features is not None:
-                outs = doc_features([first + j for j in group])
-            else:
-                outs = [(o.aux[0], o.final[0]) for o in
-                        target.forward_documents([ids_l[j] for j in group], logits=False)]
-            for j, (aux, final) in zip(group, outs):
-                if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-                    raise FeatureShardError(f"data row {first + j} (shard {shard_name(k)}): the target gave NaN/Inf "
-                                            "features. Nothing was written for this shard. Fix: check the target "
-                                            "weights/dtype (float16 overflow? use bfloat16 or float32) or drop the row.")
-                aux_l.append(aux)
-                fin_l.append(final)
-            tokens_run += sum(ids_l[j].numel() for j in group)
-            bar.update(len(group))
-        name = shard_name(k)
-        tmp = out_dir / (name + f".tmp{os.getpid()}")
-        try:
-            save_file(_shard_tensors(ids_l, aux_l, fin_l, storage, int8_scale), str(tmp))
-            os.replace(tmp, out_dir / name)
-            rec = {"file": name, "first_doc": first, "num_docs": last - first,
-                   "num_tokens": int(sum(x.numel() for x in ids_l)),
-                   "bytes": (out_dir / name).stat().st_size, "sha256": provenance.sha256_file(out_dir / name)}
-            if world == 1:
-                atomic_write_json(mpath, {**manifest, "shards": {**manifest["shards"], str(k): rec}}, indent=1)
-            else:
-                atomic_write_json(_part_path(out_dir, rank), {**records, str(k): rec}, indent=1)
-        except Exception as e:  # e.g. a full disk (safetensors' own error): the shards recorded so far stay valid
-            tmp.unlink(missing_ok=True)
-            found = io_failure(e)
-            if found is None:
-                raise
-            cause = os.strerror(found[0]) if found[0] is not None else io_cause(None, out_dir)[0]
-            raise FeatureShardError(
-                f"writing {out_dir / name} failed ({cause}); the {len(done | {int(k) for k in records})} "
-                f"shards recorded in {mpath} are complete and verified, this one is not recorded. Fix: free disk "
-                f"space in {out_dir} and rerun the same command: it resumes at this shard.") from e
+        ids_l, aux_l, fin_l, tokens = _shard_features(target, rows, k, first, last, dev, tokens_per_forward,
+                                                      doc_features, bar)
+        tokens_run += tokens
+        rec = _save_shard(out_dir, mpath, manifest, records, done, k, first, last, (ids_l, aux_l, fin_l), storage,
+                          int8_scale, rank, world)
         records[str(k)] = rec
         if world == 1:
             manifest["shards"][str(k)] = rec
@@ -354,26 +440,9 @@ def write_features(target: FeatureTarget, tok, rows, out_dir, *, storage: str = 
     secs = time.perf_counter() - t0
     written, tokens_all = len(records), tokens_run
     if world > 1:
-        if rank == 0:
-            before = set(manifest["shards"])
-            _fold_parts(out_dir, manifest)
-            atomic_write_json(mpath, manifest, indent=1)
-            new = [r for key, r in manifest["shards"].items() if key not in before]
-            written, tokens_all = len(new), sum(r["num_tokens"] for r in new)
-        barrier()
-        manifest = json.loads(mpath.read_text())
-    shards = manifest["shards"].values()
-    total_tokens = sum(s["num_tokens"] for s in shards)
-    total_bytes = sum(s["bytes"] for s in shards)
-    summary = {"dir": str(out_dir), "docs": n, "tokens": total_tokens, "shards": num_shards,
-               "shards_written": written, "shards_skipped": len(done), "bytes": total_bytes,
-               "bytes_per_token": total_bytes / max(total_tokens, 1), "storage": storage,
-               "seconds": secs, "tokens_per_second": tokens_all / secs if secs > 0 else 0.0, "processes": world}
-    if rank == 0:
-        logger.info(f"features: {n} docs, {total_tokens} tokens in {num_shards} shards ({written} written, {len(done)} resumed) "
-            f"in {out_dir}; {total_bytes / 2**20:.1f} MiB, {summary['bytes_per_token']:.0f} bytes/token ({storage}); "
-            f"{summary['tokens_per_second']:.0f} tokens/s on {world} process(es)")
-    return summary
+        manifest, written, tokens_all = _merge_parts(out_dir, mpath, manifest, rank, barrier, written, tokens_all)
+    return _features_summary(out_dir, manifest, n, num_shards, written, len(done), storage, secs, tokens_all,
+                             world, rank)
 
 
 def convert_features(src, dst, storage: str, int8_scale: str = "channel") -> dict:

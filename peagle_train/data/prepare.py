@@ -124,8 +124,50 @@ def prepare_data(
                      min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)[:32]
     kwargs = {"tokenizer": tokenizer, "max_length": max_length, "min_supervised_tokens": min_supervised_tokens,
               "vocab_size": target_vocab_size, "template_kwargs": template_kwargs}
-    dropped, changed, infos, kept_sets = Counter(), Counter(), [], []
+    dropped, changed = Counter(), Counter()
     shares = _shares(num_conversations, [s["weight"] for s in specs])
+    kept_sets, infos, read, tokenised = _tokenise_sources(specs, shares, cache, tokenizer, kwargs, tok_key,
+                                                          num_proc, seed, dropped, changed)
+    rows = _mix(kept_sets, shares, specs, seed)
+    if len(rows) == 0 or any(len(k) == 0 for _, k in kept_sets):
+        empty = [s["path"] for s, k in kept_sets if len(k) == 0]
+        raise DataFileError(no_row_message(", ".join(empty), dropped, min_supervised_tokens))
+    keys = row_keys(rows)
+    duplicates = len(keys) - len(set(keys))
+    if duplicates:
+        logger.info("%d of %d rows repeat an earlier row exactly (the same conversation twice): kept, counted as "
+                    "duplicate_conversations; a validation split keeps each with its twins", duplicates, len(rows))
+    sup, allc = token_counts(rows, target_vocab_size)
+    vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
+    nz = torch.nonzero(allc).flatten()
+    used = dict(zip(nz.tolist(), allc[nz].tolist()))  # id -> occurrences
+    if mask_token_id is None:
+        mask_token_id = choose_mask_token(tokenizer, used, target_vocab_size)
+    validate_mask_token(mask_token_id, target_vocab_size, used, set(tokenizer.all_special_ids))
+    summary = _prepare_summary(specs, infos, read, tokenised, rows, duplicates, dropped, changed, sup, allc, vocab,
+                               mask_token_id, tokenizer)
+    manifest = build_manifest(
+        sources=infos, tokenizer=tokenizer, template_kwargs=template_kwargs, target_vocab_size=target_vocab_size,
+        max_length=max_length, min_supervised_tokens=min_supervised_tokens, draft_ids=vocab.draft_ids.tolist(),
+        coverage=vocab.coverage, mask_token_id=mask_token_id,
+        mask_token_source=mask_token_source(tokenizer, mask_token_id),
+        counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
+        tokenizer_sha256=tok_sha)
+    return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
+
+
+def _tokenise_sources(specs: list[dict], shares: list[int | None], cache: Path, tokenizer, kwargs: dict,
+                      tok_key: str, num_proc, seed: int, dropped: Counter,
+                      changed: Counter) -> tuple[list, list[dict], int, int]:
+    """Each source of `specs` read (`load_source`), its normalisable conversations kept, shuffled
+    with `seed` and tokenised until its share is kept (`_tokenise_until`); adds drops/changes to the
+    counters.
+
+    Returns (kept_sets [(spec, kept rows)], source infos (with their weight), conversations read,
+    conversations tokenised). Raises DataFileError when no record of a source is a conversation
+    (names its reasons and keys), MissingChatTemplateError when there are conversations to render
+    and no chat template."""
+    infos, kept_sets = [], []
     read = tokenised = 0
     for spec, share in zip(specs, shares):
         ds, info = load_source(spec["path"], cache)
@@ -144,23 +186,16 @@ def prepare_data(
         kept, n_tok = _tokenise_until(valid, share, kwargs, tok_key, num_proc, dropped, changed)
         tokenised += n_tok
         kept_sets.append((spec, kept))
-    rows = _mix(kept_sets, shares, specs, seed)
-    if len(rows) == 0 or any(len(k) == 0 for _, k in kept_sets):
-        empty = [s["path"] for s, k in kept_sets if len(k) == 0]
-        raise DataFileError(no_row_message(", ".join(empty), dropped, min_supervised_tokens))
-    keys = row_keys(rows)
-    duplicates = len(keys) - len(set(keys))
-    if duplicates:
-        logger.info("%d of %d rows repeat an earlier row exactly (the same conversation twice): kept, counted as "
-                    "duplicate_conversations; a validation split keeps each with its twins", duplicates, len(rows))
-    sup, allc = token_counts(rows, target_vocab_size)
-    vocab = draft_vocab_from_counts(sup, allc, draft_vocab_size)
-    nz = torch.nonzero(allc).flatten()
-    used = dict(zip(nz.tolist(), allc[nz].tolist()))  # id -> occurrences
-    if mask_token_id is None:
-        mask_token_id = choose_mask_token(tokenizer, used, target_vocab_size)
-    validate_mask_token(mask_token_id, target_vocab_size, used, set(tokenizer.all_special_ids))
-    summary = {
+    return kept_sets, infos, read, tokenised
+
+
+def _prepare_summary(specs: list[dict], infos: list[dict], read: int, tokenised: int, rows: datasets.Dataset,
+                     duplicates: int, dropped: Counter, changed: Counter, sup: torch.Tensor, allc: torch.Tensor,
+                     vocab: DraftVocab, mask_token_id: int, tokenizer) -> dict:
+    """`PreparedData.summary`: the counts of every stage (records, conversations, drops and changes
+    by reason, tokens), the draft vocabulary and the mask token. sup, allc: supervised and all
+    token counts per target id [V] (`token_counts`)."""
+    return {
         "file": ", ".join(str(s["path"]) for s in specs),
         "records_in_file": read + sum(i["malformed_records"] for i in infos),
         "file_truncated": any(i["truncated"] for i in infos),
@@ -179,14 +214,6 @@ def prepare_data(
         "mask_token_id": int(mask_token_id),
         "mask_token": tokenizer.convert_ids_to_tokens(int(mask_token_id)) if mask_token_id < len(tokenizer) else None,
     }
-    manifest = build_manifest(
-        sources=infos, tokenizer=tokenizer, template_kwargs=template_kwargs, target_vocab_size=target_vocab_size,
-        max_length=max_length, min_supervised_tokens=min_supervised_tokens, draft_ids=vocab.draft_ids.tolist(),
-        coverage=vocab.coverage, mask_token_id=mask_token_id,
-        mask_token_source=mask_token_source(tokenizer, mask_token_id),
-        counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
-        tokenizer_sha256=tok_sha)
-    return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
 
 
 def no_conversation_message(info, dropped: Counter) -> str:

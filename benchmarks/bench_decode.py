@@ -73,7 +73,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.accel.cpu.attention import use_amx_attention
     from peagle_train.job import build_target
 
-    from peagle_train.draft.head_checkpoint import load_head
+    from peagle_train.draft.head_files import load_head
 
     head = load_head(args.head)[0].eval()
     target_cfg = OmegaConf.create(dict(path="pkg:smollm2", dtype="float32", aux_layer_ids=list(head.config.aux_layer_ids)))

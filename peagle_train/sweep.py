@@ -23,6 +23,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from .extras import available, install_hint
+
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["job", "overrides", "num_depths", "num_layers", "steps", "final_loss", "train_eal", "val_eal", "tau",
@@ -132,6 +134,9 @@ def _plot(sweep_dir: Path, rows: list[dict]) -> Path | None:
     """The sweep's plot (module docstring); None when no job has results."""
     done = [r for r in rows if r.get("tau") is not None or r.get("train_eal") is not None]
     if not done:
+        return None
+    if not available("matplotlib"):
+        logger.warning("the sweep's plot not written: matplotlib is not installed. Fix: %s", install_hint("matplotlib"))
         return None
     import matplotlib
 

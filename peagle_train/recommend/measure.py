@@ -24,6 +24,7 @@ from .cost_model import (
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
 from ..export.speculators import load_head
+from ..extras import available, install_hint
 from ..job import write_json
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,10 @@ def format_table(rows: list[dict], best: dict[int, dict], ks: list[int], k_train
 
 def plot_heatmap(rows: list[dict], best: dict[int, dict], ks: list[int], path: Path, title: str) -> None:
     """Heat map of the predicted speed-up over the target alone (colour) with tokens/s written in
-    each cell; the recommended K per batch size is framed."""
+    each cell; the recommended K per batch size is framed. Skipped with a warning without matplotlib."""
+    if not available("matplotlib"):
+        logger.warning("%s not written: matplotlib is not installed. Fix: %s", path, install_hint("matplotlib"))
+        return
     import matplotlib
     import matplotlib.colors
 

@@ -32,6 +32,7 @@ import torch
 
 from ..config import DistributedEngine
 from ..errors import ConfigError, CorruptFileError, load_safetensors
+from ..extras import require
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class ShardedEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole head's state dict on every process (CPU, fp32). Collective: all processes call it."""
         if self.kind == "deepspeed" and self.zero_stage == 3:
-            import deepspeed
+            deepspeed = require("deepspeed", "distributed.engine=deepspeed")
 
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
                 return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
@@ -300,7 +301,7 @@ def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum:
         dist.init_process_group(single_process_backend(accelerator.device), store=dist.HashStore(), rank=0,
                                 world_size=1)
     if kind == "deepspeed":
-        import deepspeed
+        deepspeed = require("deepspeed", "distributed.engine=deepspeed")
 
         set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by ShardedEngine.close
         if set_local_rank:

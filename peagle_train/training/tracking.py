@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..extras import install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,8 @@ def tracked_accelerator(tracker: str, out_dir: str | Path, config: dict | None =
     out_dir = Path(out_dir)
     acc = Accelerator(log_with=None if tracker == "none" else tracker, project_dir=str(out_dir), **accelerator_kwargs)
     if tracker != "none" and not acc.log_with:  # Accelerate drops a tracker whose package is missing
-        raise ConfigError(f"training.tracker={tracker}: the {tracker} package is not installed. "
-                          f"Fix: pip install {tracker}, or training.tracker=none.")
+        raise ConfigError(f"training.tracker={tracker}: the {tracker} package is not installed (a plain install "
+                          f"leaves it out). Fix: {install_hint(tracker)}, or training.tracker=none.")
     if tracker == "none" or not acc.is_main_process:
         return acc
     out_dir.mkdir(parents=True, exist_ok=True)

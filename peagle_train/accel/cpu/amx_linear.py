@@ -69,7 +69,7 @@ def kernel():
         logger.info("AMX kernels ready (linears, attention, RMSNorm; %.1f s: compiled once per machine, then cached)", time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - no compiler, headers or ninja: decoding still works
         logger.warning("AMX kernels not built (%s: %s); decoding keeps oneDNN and the fp32 attention. Fix: install a C++ compiler "
-                       "(g++ >= 11), or set PEAGLE_AMX=0 to silence this.", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                       "(g++ >= 11) and ninja (pip install 'peagle-train[cpu-kernels]'), or set PEAGLE_AMX=0 to silence this.", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
     _state["ext"] = ext
     return ext

@@ -175,8 +175,6 @@ def make_plan(cfg) -> Plan:
     the fix: the step does not fit gpu_memory_gb, the warm-up is more than half of the run, the
     checkpoint cadence never fires before the end. Raises FileNotFoundError / ConfigError (with the
     fix) when the target's config or the data's size cannot be found."""
-    from omegaconf import OmegaConf
-
     W, t, dcfg = int(cfg.world_size), cfg.training, cfg.draft
     algorithm = str(cfg.algorithm)
     hf, source = target_config(cfg.target)
@@ -205,7 +203,26 @@ def make_plan(cfg) -> Plan:
     where = f" on {W} GPU{'s' if W > 1 else ''} ({engine}{f' ZeRO-{stage}' if engine == 'deepspeed' else ''})"
     if (m := memory_problem(mem, gpu, RESERVE_BYTES, where)):
         problems.append(m)
-    # the schedule
+    schedule = _schedule(cfg, W, problems, notes)
+    evaluation = _evaluation(cfg, W, hf, tp, tbytes, hp, act, draft_cfg, notes)
+    settings = {"engine": engine, "zero_stage": stage, "precision": precision, "attention": attention, "online": online,
+                "tokens_per_step": t.tokens_per_step, "max_anchors": t.max_anchors, "num_depths": dcfg.num_depths,
+                "partitions": t.partitions, "grad_accum": t.grad_accum, "gradient_checkpointing": dcfg.gradient_checkpointing,
+                "target_bytes": tbytes, "act_bytes": act, "tflops": cfg.gpu_tflops, "bandwidth_gbs": cfg.gpu_bandwidth_gbs}
+    target = {"name": cfg.target.get("name_or_path") or cfg.target.path, "source": source, **tp,
+              "layers": hf.num_hidden_layers, "hidden": hf.hidden_size, "vocab": hf.vocab_size}
+    head = {**hp, "algorithm": algorithm, "num_layers": draft_cfg.num_hidden_layers, "draft_vocab": draft_cfg.draft_vocab_size,
+            "train_embeddings": getattr(draft_cfg, "train_embeddings", "all")}
+    return Plan(W, gpu, settings, target, head, mem, schedule, evaluation, problems, notes)
+
+
+def _schedule(cfg, W: int, problems: list[str], notes: list[str]) -> dict:
+    """`Plan.schedule` of the composed `plan` config on W GPUs: the data's tokens (`data_counts`),
+    packed rows per epoch, optimizer steps, the warm-up's share and the checkpoint/validation
+    cadence. Appends the refusals (no optimizer step, `schedule_problems`) to `problems` and the
+    warnings (validation that never runs, a max_minutes that may end the run early) to `notes`.
+    Raises what `data_counts` raises."""
+    t = cfg.training
     data = data_counts(cfg, cfg.get("data_tokens"))
     conv = data["conversations"]
     val = int(t.val_conversations or 0)
@@ -229,14 +246,24 @@ def make_plan(cfg) -> Plan:
         notes.append(f"training.max_minutes={t.max_minutes} may end the run before step {steps:,} (the schedule "
                      "still spans all of them).")
     saves = (steps - 1) // t.save_every if t.save_every and steps else 0
-    schedule = {"data": data, "train_tokens": int(train_tokens), "val_conversations": val, "fill": fill,
-                "rows_per_epoch": rows_epoch, "epochs": t.epochs, "rows_per_step": per_step,
-                "steps_per_epoch": rows_epoch // per_step, "steps": steps, "steps_from_data": steps_data,
-                "max_steps": t.max_steps, "warmup_steps": int(t.warmup_steps),
-                "warmup_share": int(t.warmup_steps) / steps if steps else float("inf"),
-                "save_every": t.save_every, "checkpoints_before_end": saves,
-                "validations": (saves + 1) if val and t.save_every else 0}
-    # the evaluation after training (the main process)
+    return {"data": data, "train_tokens": int(train_tokens), "val_conversations": val, "fill": fill,
+            "rows_per_epoch": rows_epoch, "epochs": t.epochs, "rows_per_step": per_step,
+            "steps_per_epoch": rows_epoch // per_step, "steps": steps, "steps_from_data": steps_data,
+            "max_steps": t.max_steps, "warmup_steps": int(t.warmup_steps),
+            "warmup_share": int(t.warmup_steps) / steps if steps else float("inf"),
+            "save_every": t.save_every, "checkpoints_before_end": saves,
+            "validations": (saves + 1) if val and t.save_every else 0}
+
+
+def _evaluation(cfg, W: int, hf, tp: dict, tbytes: int, hp: dict, act: int, draft_cfg, notes: list[str]) -> dict:
+    """`Plan.evaluation`: the process-group timeout (minutes) and, when the train job evaluates,
+    its prompts and the cost of its forwards by `forward_seconds` (seconds: a target forward of one
+    token, a verify of K + 1, a draft of K; per generated token two target forwards + a verify + a
+    draft; in all). hf: the target's HF config; tp, hp: the target's and head's parameter counts;
+    tbytes, act: bytes per target weight and per head activation. Appends a note to `notes` when the
+    evaluation outlasts the timeout on W > 1 GPUs."""
+    from omegaconf import OmegaConf
+
     timeout = OmegaConf.select(cfg, "distributed.timeout_minutes", default=None)
     evaluation = {"enabled": bool(cfg.eval.enabled), "timeout_minutes": float(timeout or NCCL_TIMEOUT_MINUTES),
                   "timeout_source": "distributed.timeout_minutes" if timeout else "NCCL's default"}
@@ -257,15 +284,7 @@ def make_plan(cfg) -> Plan:
                          f"process-group timeout ({evaluation['timeout_minutes']:.0f} min, "
                          f"{evaluation['timeout_source']}): the other processes must not wait for it in a collective "
                          "(the job runner releases the process group before evaluating).")
-    settings = {"engine": engine, "zero_stage": stage, "precision": precision, "attention": attention, "online": online,
-                "tokens_per_step": t.tokens_per_step, "max_anchors": t.max_anchors, "num_depths": dcfg.num_depths,
-                "partitions": t.partitions, "grad_accum": t.grad_accum, "gradient_checkpointing": dcfg.gradient_checkpointing,
-                "target_bytes": tbytes, "act_bytes": act, "tflops": cfg.gpu_tflops, "bandwidth_gbs": cfg.gpu_bandwidth_gbs}
-    target = {"name": cfg.target.get("name_or_path") or cfg.target.path, "source": source, **tp,
-              "layers": hf.num_hidden_layers, "hidden": hf.hidden_size, "vocab": hf.vocab_size}
-    head = {**hp, "algorithm": algorithm, "num_layers": draft_cfg.num_hidden_layers, "draft_vocab": draft_cfg.draft_vocab_size,
-            "train_embeddings": getattr(draft_cfg, "train_embeddings", "all")}
-    return Plan(W, gpu, settings, target, head, mem, schedule, evaluation, problems, notes)
+    return evaluation
 
 
 def _train_embeddings(dcfg, algorithm: str) -> dict:

@@ -7,7 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from peagle_train.data.regenerate import EndpointBackend, HFBackend, done_ids, regenerate
+from peagle_train.data.regenerate import done_ids, regenerate
+from peagle_train.decoding.hf_backend import HFBackend
+from peagle_train.serving.backends import EndpointBackend
 from tests.conftest import tiny_llama
 
 

@@ -102,7 +102,8 @@ def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):
     """evaluate_from_config / prompts_from_config pass the eval group's keys by name (train's group has
     fewer); backend_from_config builds the endpoint backend from the regenerate and data groups."""
     from peagle_train.config import compose
-    from peagle_train.data.regenerate import EndpointBackend, backend_from_config
+    from peagle_train.cli.regenerate import backend_from_config
+    from peagle_train.serving.backends import EndpointBackend
     from peagle_train.evaluation import run
     from peagle_train.evaluation.benchmarks import prompts_from_config
 

@@ -7,7 +7,8 @@
 
 Reads data.path (any format of `peagle prepare`), keeps the normalisable conversations,
 shuffles them with `seed`, takes data.num_conversations, and rewrites every assistant turn with the
-target, turn by turn with the target's own history (peagle_train/data/regenerate.py). The output
+target, turn by turn with the target's own history (peagle_train/data/regenerate.py), through the
+backend regenerate.backend names (`backend_from_config`). The output
 (regenerate.output, a `messages` JSONL) is resumable after a kill and is a valid data.path once the
 run has finished (its sidecar regenerate.output + ".manifest" says so and records its sha256; the
 data readers refuse an unfinished, cut or altered file, naming the command that completes it):
@@ -17,15 +18,18 @@ data readers refuse an unfinished, cut or altered file, naming the command that 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.data.regenerate import backend_from_config, regenerate
+from peagle_train.data.regenerate import regenerate
 from peagle_train.data.sources import check_data_path, load_source
 from peagle_train.config import check_config, register
+from peagle_train.errors import ConfigError
 from peagle_train.runtime import RESUME_REGENERATE, cli_main
 from peagle_train.paths import CONF_DIR, resolve_path
 
@@ -55,6 +59,54 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     w = 16 * cfg.regenerate.batch_size
     order = [i for s in range(0, len(keep), w) for i in sorted(keep[s: s + w], key=lengths.__getitem__)]
     return [rows[i] for i in order], len(rows) - len(keep)
+
+
+def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
+    """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
+    target.path in-process (with data.chat_template; decoding/hf_backend.py); `endpoint` talks to
+    regenerate.endpoint_url serving regenerate.model (serving/backends.py). Both render with
+    data.template_kwargs and use regenerate.max_new_tokens and temperature; `vllm` runs vLLM on
+    target.path in its own environment, in `precision` (auto: bf16 where the hardware has it;
+    serving/backends.py). Raises ConfigError for another backend."""
+    kw = OmegaConf.to_container(data_cfg.template_kwargs) if OmegaConf.is_config(data_cfg.template_kwargs) \
+        else data_cfg.template_kwargs
+    kw = kw or None
+    if rcfg.backend == "hf":
+        from peagle_train.data.template import set_chat_template
+        from peagle_train.decoding.hf_backend import HFBackend
+        from peagle_train.target.load import load_target
+
+        model, tok = load_target(target_cfg.path)
+        set_chat_template(tok, data_cfg.chat_template)
+        return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature,
+                         template_kwargs=kw), tok
+    if rcfg.backend == "vllm":
+        from transformers import AutoTokenizer
+
+        from peagle_train.data.regenerate import as_list
+        from peagle_train.data.template import set_chat_template
+        from peagle_train.serving.backends import VllmBackend
+        from peagle_train.serving.vllm_engine import vllm_dtype, vllm_python
+        from peagle_train.target.load import load_target_config, model_source
+
+        src = model_source(target_cfg.path)
+        tok = AutoTokenizer.from_pretrained(src)
+        set_chat_template(tok, data_cfg.chat_template)
+        gen_cfg = Path(src, "generation_config.json")
+        eos = {tok.eos_token_id} | set(as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")
+                                               if gen_cfg.is_file() else None))
+        eos.discard(None)
+        ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
+        return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
+                           log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
+                           max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
+                           max_model_len=min(int(ctx), 8192), max_num_seqs=rcfg.batch_size), tok
+    if rcfg.backend == "endpoint":
+        from peagle_train.serving.backends import EndpointBackend
+
+        return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
+                               temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None
+    raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf, vllm or endpoint")
 
 
 def _command_line(output: str) -> str | None:

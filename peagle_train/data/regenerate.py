@@ -12,9 +12,13 @@ conversation, keyed by `id`, flushed and fsynced per batch). A rerun reads the i
 settings, whether the run finished and then the file's size and sha256: the data readers refuse an
 unfinished, cut or altered output, and a rerun with other settings is refused rather than mixed in.
 
-Backends: `HFBackend` (an in-process transformers model; CPU works), `VllmBackend` (vLLM's offline
-engine in its own environment, token ids in and out, one engine for the whole run) and
-`EndpointBackend` (any OpenAI-compatible /v1/chat/completions server: vLLM, SGLang).
+A backend is any object whose `generate(conversations)` returns one `Generation` per conversation
+(message lists ending with a user turn); `prompt_texts` and `decode_answer` render a prompt and read
+an answer the same way for every backend that tokenises here. The backends live next to the
+engines they drive: `decoding/hf_backend.py` `HFBackend` (an in-process transformers model; CPU
+works), `serving/backends.py` `VllmBackend` (vLLM's offline engine in its own environment, token ids
+in and out, one engine for the whole run) and `EndpointBackend` (any OpenAI-compatible
+/v1/chat/completions server: vLLM, SGLang); `peagle regenerate` (cli/regenerate.py) picks one.
 """
 
 from __future__ import annotations
@@ -22,16 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from ..errors import UserError
 from ..io import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -45,158 +44,22 @@ class Generation:
     cut: bool = False
 
 
-class HFBackend:
-    """Greedy (temperature 0) or sampled generation with an in-process HF causal LM. Greedy batches
-    use shared forwards with finished rows leaving the batch (`decoding.engine`; HF `generate`
-    runs a batch until its longest answer); sampling uses
-    HF `generate` with left padding. The prompt is the tokenizer's chat template with
-    add_generation_prompt=True."""
-
-    def __init__(self, model, tokenizer, *, max_new_tokens: int = 512, temperature: float = 0.0,
-                 template_kwargs: dict | None = None):
-        self.model, self.tok = model, tokenizer
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.template_kwargs = dict(template_kwargs or {})
-        self.eos = {self.tok.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
-        self.eos.discard(None)
-        self._target = None
-
-    @torch.no_grad()
-    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
-        """conversations: message lists ending with a user turn. Returns one Generation each."""
-        texts = _prompt_texts(self.tok, conversations, self.template_kwargs)
-        if self.temperature <= 0:
-            from ..decoding.engine import generate
-            from ..target.capture import FeatureTarget
-
-            if self._target is None:
-                self._target = FeatureTarget(self.model)
-            prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
-            res = generate(self._target, None, prompts, 0, self.max_new_tokens, self.eos)
-            return [self._answer(r.tokens) for r in res]
-        side, self.tok.padding_side = self.tok.padding_side, "left"
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        try:
-            enc = self.tok(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(self.model.device)
-        finally:
-            self.tok.padding_side = side
-        sample = self.temperature > 0
-        out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=sample, pad_token_id=pad,
-                                  **({"temperature": self.temperature, "top_p": 1.0} if sample else {}))
-        return [self._answer(row) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
-
-    def _answer(self, row: list[int]) -> Generation:
-        return _answer(self.tok, self.eos, row)
-
-
-def _prompt_texts(tok, conversations: list[list[dict]], template_kwargs: dict) -> list[str]:
+def prompt_texts(tok, conversations: list[list[dict]], template_kwargs: dict) -> list[str]:
     """Each conversation in the chat template with a generation prompt (what the target answers)."""
     return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs)
             for c in conversations]
 
 
-def _answer(tok, eos: set[int], row: list[int]) -> Generation:
+def decode_answer(tok, eos: set[int], row: list[int]) -> Generation:
     """The answer in generated token ids `row`: decoded up to the first eos id; cut when there is none."""
     stop = next((i for i, t in enumerate(row) if t in eos), None)
     ids = row if stop is None else row[:stop]
     return Generation(tok.decode(ids, skip_special_tokens=True).strip(), cut=stop is None)
 
 
-def _as_list(x):
+def as_list(x) -> list:
+    """None, one id or a list of ids (a generation config's eos_token_id) as a list."""
     return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
-
-
-class VllmBackend:
-    """Generation by vLLM's offline engine in its own environment (peagle_train/serving/vllm_engine.py
-    `VllmSession`): the prompt is rendered and tokenised here exactly as `HFBackend` does (chat
-    template with add_generation_prompt=True, template_kwargs), vLLM generates from those token
-    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
-    `max_num_seqs` sequences decode together (the regeneration batch: `regenerate.batch_size`)."""
-
-    def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
-                 max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
-                 dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0,
-                 max_num_seqs: int = 16):
-        self.tok, self.eos = tokenizer, set(eos)
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.template_kwargs = dict(template_kwargs or {})
-        self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
-                          max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
-        self._session = None
-        self.generated_tokens = 0
-
-    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
-        """conversations: message lists ending with a user turn. Returns one Generation each."""
-        from ..serving.vllm_engine import VllmSession
-
-        if self._session is None:
-            self._session = VllmSession(**self._args)
-        texts = _prompt_texts(self.tok, conversations, self.template_kwargs)
-        prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
-        outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
-                                      temperature=self.temperature, seed=self.seed)
-        self.generated_tokens += sum(len(o["token_ids"]) for o in outs)
-        return [_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
-
-    def summary(self) -> dict:
-        """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
-        s = self._session
-        return {"vllm_version": s.info.get("vllm_version") if s else None,
-                "load_seconds": s.info.get("load_seconds") if s else None,
-                "generate_seconds": s.generate_seconds if s else 0.0, "generated_tokens": self.generated_tokens}
-
-    def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-
-
-class EndpointError(UserError, RuntimeError):
-    """The regeneration endpoint cannot be reached or gives no answer (names the URL and the fix)."""
-
-
-class EndpointBackend:
-    """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
-
-    Raises:
-        EndpointError (a RuntimeError and a user error: one line at the command line): the server
-            cannot be reached or answers without a choice (names the URL).
-    """
-
-    def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
-                 concurrency: int = 8, timeout_s: float = 600.0, api_key: str | None = None,
-                 template_kwargs: dict | None = None):
-        self.url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
-        self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
-        self.concurrency, self.timeout_s = concurrency, timeout_s
-        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
-        self.template_kwargs = dict(template_kwargs or {})
-
-    def _one(self, messages: list[dict]) -> Generation:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature}
-        if self.template_kwargs:  # vLLM / SGLang: arguments of the chat template, e.g. enable_thinking
-            body["chat_template_kwargs"] = self.template_kwargs
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                ans = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
-                               "the server is up (vllm serve / sglang).") from e
-        try:
-            choice = ans["choices"][0]
-            return Generation((choice["message"].get("content") or "").strip(), choice.get("finish_reason") == "length")
-        except (KeyError, IndexError, TypeError) as e:
-            raise EndpointError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}. Fix: "
-                                "point regenerate.endpoint_url at an OpenAI-compatible server (vllm serve / sglang).") from e
-
-    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
-        with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:
-            return list(ex.map(self._one, conversations))
 
 
 @dataclass
@@ -275,52 +138,6 @@ def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | Non
     if manifest["complete"] and size < manifest["bytes"]:
         logger.warning(f"{out_path}: {size} bytes, {where} records {manifest['bytes']} (cut off): continuing from its "
                        "complete lines; the conversations lost are regenerated")
-
-
-def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
-    """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
-    target.path in-process (with data.chat_template); `endpoint` talks to regenerate.endpoint_url
-    serving regenerate.model. Both render with data.template_kwargs and use regenerate.max_new_tokens
-    and temperature; `vllm` runs vLLM on target.path in its own environment, in `precision` (auto:
-    bf16 where the hardware has it). Raises ConfigError for another backend."""
-    from omegaconf import OmegaConf
-
-    from ..errors import ConfigError
-
-    kw = OmegaConf.to_container(data_cfg.template_kwargs) if OmegaConf.is_config(data_cfg.template_kwargs) \
-        else data_cfg.template_kwargs
-    kw = kw or None
-    if rcfg.backend == "hf":
-        from ..target.load import load_target
-        from .template import set_chat_template
-
-        model, tok = load_target(target_cfg.path)
-        set_chat_template(tok, data_cfg.chat_template)
-        return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature,
-                         template_kwargs=kw), tok
-    if rcfg.backend == "vllm":
-        from transformers import AutoTokenizer
-
-        from ..serving.vllm_engine import vllm_dtype, vllm_python
-        from ..target.load import load_target_config, model_source
-        from .template import set_chat_template
-
-        src = model_source(target_cfg.path)
-        tok = AutoTokenizer.from_pretrained(src)
-        set_chat_template(tok, data_cfg.chat_template)
-        gen_cfg = Path(src, "generation_config.json")
-        eos = {tok.eos_token_id} | set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")
-                                                if gen_cfg.is_file() else None))
-        eos.discard(None)
-        ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
-        return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
-                           log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
-                           max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
-                           max_model_len=min(int(ctx), 8192), max_num_seqs=rcfg.batch_size), tok
-    if rcfg.backend == "endpoint":
-        return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
-                               temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None
-    raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf, vllm or endpoint")
 
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,

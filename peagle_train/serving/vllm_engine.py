@@ -11,7 +11,7 @@ job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the e
   P-EAGLE; `{"method": "dflash", ...}` for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
   vLLM's output without the head; written as acceptance_vllm.json.
 - `VllmSession`: one engine kept up for many generate calls, token ids in and out (regeneration,
-  peagle_train/data/regenerate.py `VllmBackend`).
+  peagle_train/serving/backends.py `VllmBackend`).
 - `VllmDocFeatures`: aux and final hidden states of data rows through vLLM's `extract_hidden_states`
   method, for `write_features` (`peagle features features.engine=vllm`).
 """

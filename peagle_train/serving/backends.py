@@ -1,0 +1,109 @@
+"""Regeneration's serving backends (`peagle regenerate regenerate.backend=vllm|endpoint`): vLLM's
+offline engine in its own environment (`VllmBackend`), and any OpenAI-compatible
+/v1/chat/completions server (`EndpointBackend`: vLLM, SGLang); the replay, the resumable output and
+the prompt rendering are data/regenerate.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..data.regenerate import Generation, decode_answer, prompt_texts
+from ..errors import UserError
+
+
+class VllmBackend:
+    """Generation by vLLM's offline engine in its own environment (vllm_engine.py
+    `VllmSession`): the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does (chat
+    template with add_generation_prompt=True, template_kwargs), vLLM generates from those token
+    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
+    `max_num_seqs` sequences decode together (the regeneration batch: `regenerate.batch_size`)."""
+
+    def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
+                 max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
+                 dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0,
+                 max_num_seqs: int = 16):
+        self.tok, self.eos = tokenizer, set(eos)
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.template_kwargs = dict(template_kwargs or {})
+        self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
+                          max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
+        self._session = None
+        self.generated_tokens = 0
+
+    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+        """conversations: message lists ending with a user turn. Returns one Generation each."""
+        from .vllm_engine import VllmSession
+
+        if self._session is None:
+            self._session = VllmSession(**self._args)
+        texts = prompt_texts(self.tok, conversations, self.template_kwargs)
+        prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+        outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
+                                      temperature=self.temperature, seed=self.seed)
+        self.generated_tokens += sum(len(o["token_ids"]) for o in outs)
+        return [decode_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
+
+    def summary(self) -> dict:
+        """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
+        s = self._session
+        return {"vllm_version": s.info.get("vllm_version") if s else None,
+                "load_seconds": s.info.get("load_seconds") if s else None,
+                "generate_seconds": s.generate_seconds if s else 0.0, "generated_tokens": self.generated_tokens}
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+class EndpointError(UserError, RuntimeError):
+    """The regeneration endpoint cannot be reached or gives no answer (names the URL and the fix)."""
+
+
+class EndpointBackend:
+    """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
+
+    Raises:
+        EndpointError (a RuntimeError and a user error: one line at the command line): the server
+            cannot be reached or answers without a choice (names the URL).
+    """
+
+    def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
+                 concurrency: int = 8, timeout_s: float = 600.0, api_key: str | None = None,
+                 template_kwargs: dict | None = None):
+        self.url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+        self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def _one(self, messages: list[dict]) -> Generation:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature}
+        if self.template_kwargs:  # vLLM / SGLang: arguments of the chat template, e.g. enable_thinking
+            body["chat_template_kwargs"] = self.template_kwargs
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                ans = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
+                               "the server is up (vllm serve / sglang).") from e
+        try:
+            choice = ans["choices"][0]
+            return Generation((choice["message"].get("content") or "").strip(), choice.get("finish_reason") == "length")
+        except (KeyError, IndexError, TypeError) as e:
+            raise EndpointError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}. Fix: "
+                                "point regenerate.endpoint_url at an OpenAI-compatible server (vllm serve / sglang).") from e
+
+    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+        with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:
+            return list(ex.map(self._one, conversations))

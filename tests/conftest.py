@@ -77,3 +77,14 @@ def fresh_root_logging():
             root.removeHandler(handler)
             handler.close()
     root.setLevel(level)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by `-m`
+def pytest_collection_modifyitems(items):
+    """Each test gets its module's tier marker (unit | integration | e2e, tests/tiers.py)."""
+    from .tiers import TIER_OF
+
+    for item in items:
+        tier = TIER_OF.get(item.path.stem)
+        if tier is not None:
+            item.add_marker(tier)

@@ -296,6 +296,40 @@ def model_card(cfg: dict, card: dict) -> str:
     return "\n".join(lines)
 
 
+def _expected_shapes(cfg: dict, ids: list[int], dflash: bool, peagle: bool) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} that model.safetensors must hold for export config `cfg` (aux layer ids
+    `ids`): V target vocabulary, H hidden size, Vd draft vocabulary, T target hidden size; fc takes
+    3 aux states (len(ids) for DFlash), layer 0 of an EAGLE-3/P-EAGLE head takes [embedding; hidden]
+    (2H), and DFlash and qk_norm heads carry q_norm/k_norm per layer."""
+    lc = cfg["transformer_layer_config"]
+    V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
+    hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
+    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, len(ids) * T if dflash else 3 * T), "norm.weight": (H,),
+              "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
+    if dflash:
+        expect["hidden_norm.weight"] = (H,)
+    if peagle:
+        expect["mask_hidden"] = (1, 1, 3 * T)
+    if cfg.get("norm_before_fc"):
+        expect["input_norm.weight"] = (3 * T,)
+    if cfg.get("fc_norm"):
+        expect.update({f"fc_norm.{i}.weight": (T,) for i in range(3)})
+    for i in range(lc["num_hidden_layers"]):
+        w = 2 * H if i == 0 and not dflash else H
+        p = f"layers.{i}."
+        expect.update({p + "self_attn.q_proj.weight": (nh * hd, w), p + "self_attn.k_proj.weight": (kvh * hd, w),
+                       p + "self_attn.v_proj.weight": (kvh * hd, w), p + "self_attn.o_proj.weight": (H, nh * hd),
+                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+        if i == 0 and not dflash:
+            expect[p + "hidden_norm.weight"] = (H,)
+        if cfg.get("qk_norm") or dflash:
+            expect[p + "self_attn.q_norm.weight"] = (hd,)
+            expect[p + "self_attn.k_norm.weight"] = (hd,)
+    return expect
+
+
 def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
                     data_token_ids: set[int] | None = None) -> None:
     """Check an export directory against the format; raise ExportError listing every problem.
@@ -333,31 +367,8 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
     if (m := AuxLayers.ascending_problem(ids, ids_key)):
         problems.append(m)
     lc = cfg["transformer_layer_config"]
-    V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
-    hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
-    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, len(ids) * T if dflash else 3 * T), "norm.weight": (H,),
-              "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
-    if dflash:
-        expect["hidden_norm.weight"] = (H,)
-    if peagle:
-        expect["mask_hidden"] = (1, 1, 3 * T)
-    if cfg.get("norm_before_fc"):
-        expect["input_norm.weight"] = (3 * T,)
-    if cfg.get("fc_norm"):
-        expect.update({f"fc_norm.{i}.weight": (T,) for i in range(3)})
-    for i in range(lc["num_hidden_layers"]):
-        w = 2 * H if i == 0 and not dflash else H
-        p = f"layers.{i}."
-        expect.update({p + "self_attn.q_proj.weight": (nh * hd, w), p + "self_attn.k_proj.weight": (kvh * hd, w),
-                       p + "self_attn.v_proj.weight": (kvh * hd, w), p + "self_attn.o_proj.weight": (H, nh * hd),
-                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
-                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
-                       p + "post_attention_layernorm.weight": (H,)})
-        if i == 0 and not dflash:
-            expect[p + "hidden_norm.weight"] = (H,)
-        if cfg.get("qk_norm") or dflash:
-            expect[p + "self_attn.q_norm.weight"] = (hd,)
-            expect[p + "self_attn.k_norm.weight"] = (hd,)
+    V, Vd = lc["vocab_size"], cfg["draft_vocab_size"]
+    expect = _expected_shapes(cfg, ids, dflash, peagle)
     problems += [f"missing tensor {k}" for k in expect if k not in sd]
     problems += [f"unexpected tensor {k}" for k in sd if k not in expect]
     problems += [f"{k} has shape {tuple(sd[k].shape)}, config says {s}" for k, s in expect.items()

@@ -2,7 +2,8 @@
 run share it; the feature side imports no training code; the trainer has no algorithm branch and
 no engine branch (DDP is an engine like the others); one module owns the feature-shard format; the
 import graph has no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in
-(accel/), and no two modules or classes share a name."""
+(accel/), no two modules or classes share a name, and the lab (benchmarks/, experiments/) stays out
+of the package, with scripts/ holding only the product's files."""
 
 import ast
 import subprocess
@@ -264,3 +265,25 @@ def test_no_two_modules_or_classes_share_a_name():
     shared = {n: p for n, p in modules.items() if len(p) > 1 and not per_algorithm(p)}
     assert not shared, shared
     assert not {n: p for n, p in classes.items() if len(p) > 1}
+
+
+# scripts/ is the product's own: install, the install and GPU checks, the speculators client check
+SCRIPTS = ("check_install.sh", "check_speculators.py", "check_speculators.sh", "compat_exports.py", "gpu_check.py",
+           "gpu_check.sh", "install.sh")
+
+
+def test_the_lab_stays_out_of_the_product():
+    """benchmarks/ and experiments/ are the lab: no module of the package imports one of theirs (nor the
+    folders by name), and scripts/ holds only the product's files (SCRIPTS); the commands are
+    `peagle <command>`, with no script shims beside them."""
+    lab = {"benchmarks", "experiments"} | {p.stem for d in ("benchmarks", "experiments") for p in (REPO_ROOT / d).glob("*.py")}
+    assert {"bench_tables", "scaling"} <= lab
+    for path in PKG.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        assert not names & lab, f"{path.relative_to(PKG)} imports {sorted(names & lab)} of the lab"
+    assert sorted(p.name for p in (REPO_ROOT / "scripts").iterdir() if p.name != "__pycache__") == sorted(SCRIPTS)

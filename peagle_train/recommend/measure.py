@@ -140,7 +140,7 @@ def plot_heatmap(rows: list[dict], best: dict[int, dict], ks: list[int], path: P
 
 
 def compare_runs(paths, a: list[float], costs, overhead_ms: float, extrapolate: str) -> str:
-    """Markdown table: measured tokens/s of evaluate.py runs (batch 1) against the model's
+    """Markdown table: measured tokens/s of `peagle evaluate` runs (batch 1) against the model's
     prediction with the given acceptance and with each run's own acceptance."""
     lines = ["| K | τ measured | E[τ] model | tokens/s measured | predicted (run's own τ) | predicted (given acceptance) "
              "| target alone measured | target alone predicted |", "|" + "---|" * 8]

@@ -158,6 +158,63 @@ def paired_ratio_stderr(accepted_a: list[float], drafts_a: list[float], accepted
     return math.sqrt(n / (n - 1) * sum(x * x for x in u))
 
 
+def _further_heads(result: dict, rows: list[dict], res_all: dict[str, list[GenerationResult]], K: int,
+                   base_tps: float, base_tokens: int, checked: bool, not_checked: str | None,
+                   baseline_algorithm: str | None, more_heads: list[tuple[str, str]] | None) -> None:
+    """Add the baseline head's summary (`result["baseline"]`) and the further heads' (the list
+    `result["more_heads"]`, each with its "name") to the acceptance dict `result`, each with its
+    algorithm and lossless check; their latencies go under `result["latency"]`. base_tps, base_tokens:
+    the target alone's tokens/s and timed tokens (the speed-ups' denominator)."""
+    if baseline_algorithm is not None:
+        bl = _spec_summary(res_all["baseline_head"], K, base_tps, base_tokens)
+        bl["algorithm"] = baseline_algorithm
+        bl["lossless"] = all(r["baseline_lossless"] for r in rows) if checked else None
+        bl["lossless_mismatches"] = sum(not r["baseline_lossless"] for r in rows) if checked else None
+        if not_checked:
+            bl["lossless_not_checked"] = not_checked
+        result["latency"]["baseline_head"] = bl.pop("latency")
+        result["baseline"] = bl
+    for i, (name, algorithm) in enumerate(more_heads or [], 1):
+        key, pre = f"more_head_{i}", f"more{i}"
+        s = _spec_summary(res_all[key], K, base_tps, base_tokens)
+        s.update({"name": name, "algorithm": algorithm,
+                  "lossless": all(r[f"{pre}_lossless"] for r in rows) if checked else None,
+                  "lossless_mismatches": sum(not r[f"{pre}_lossless"] for r in rows) if checked else None})
+        if not_checked:
+            s["lossless_not_checked"] = not_checked
+        result["latency"][key] = s.pop("latency")
+        result.setdefault("more_heads", []).append(s)
+
+
+def _category_summaries(rows: list[dict], res_all: dict[str, list[GenerationResult]], K: int,
+                        baseline_algorithm: str | None, more_heads: list[tuple[str, str]] | None) -> dict:
+    """{category: its prompts and turns, τ, per-position acceptance, tokens/s of the head and of the
+    target alone, speed-up (or why not measured), and the baseline's and further heads' τ}, in the
+    order the categories first appear in `rows`."""
+    per_category = {}
+    for cat in dict.fromkeys(r["category"] for r in rows):
+        sel = [n for n, r in enumerate(rows) if r["category"] == cat]
+        cb = [res_all["target"][n] for n in sel]
+        cb_sec, cb_tokens = sum(r.seconds for r in cb), sum(len(r.tokens) for r in cb)
+        cb_tps = cb_tokens / cb_sec if cb_sec else 0.0
+        cs = _spec_summary([res_all["head"][n] for n in sel], K, cb_tps, cb_tokens)
+        per_category[cat] = {
+            "num_prompts": len({rows[n]["id"] for n in sel}), "num_turns": len(sel),
+            "acceptance_length": cs["acceptance_length"], "per_position_acceptance": cs["per_position_acceptance"],
+            "per_position_acceptance_conditional": cs["per_position_acceptance_conditional"],
+            "tokens_per_second": cs["tokens_per_second"], "target_only_tokens_per_second": cb_tps,
+            "speedup": cs["speedup"],
+            **({"speedup_not_measured": cs["speedup_not_measured"]} if "speedup_not_measured" in cs else {}),
+        }
+        if baseline_algorithm is not None:
+            per_category[cat]["baseline_acceptance_length"] = _tau(
+                [a for n in sel for a in res_all["baseline_head"][n].accepted])
+        for i, _ in enumerate(more_heads or [], 1):
+            per_category[cat][f"more_head_{i}_acceptance_length"] = _tau(
+                [a for n in sel for a in res_all[f"more_head_{i}"][n].accepted])
+    return per_category
+
+
 def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K: int, max_new_tokens: int,
               temperature: float, batch_size: int, precision: str, skipped: dict, baseline_algorithm: str | None = None,
               train_metrics: dict | None = None, more_heads: list[tuple[str, str]] | None = None) -> dict:
@@ -217,51 +274,15 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
         "skipped": skipped,
         "per_category": {},
     }
-    if baseline_algorithm is not None:
-        bl = _spec_summary(res_all["baseline_head"], K, base_tps, base_tokens)
-        bl["algorithm"] = baseline_algorithm
-        bl["lossless"] = all(r["baseline_lossless"] for r in rows) if checked else None
-        bl["lossless_mismatches"] = sum(not r["baseline_lossless"] for r in rows) if checked else None
-        if not_checked:
-            bl["lossless_not_checked"] = not_checked
-        result["latency"]["baseline_head"] = bl.pop("latency")
-        result["baseline"] = bl
-    for i, (name, algorithm) in enumerate(more_heads or [], 1):
-        key, pre = f"more_head_{i}", f"more{i}"
-        s = _spec_summary(res_all[key], K, base_tps, base_tokens)
-        s.update({"name": name, "algorithm": algorithm,
-                  "lossless": all(r[f"{pre}_lossless"] for r in rows) if checked else None,
-                  "lossless_mismatches": sum(not r[f"{pre}_lossless"] for r in rows) if checked else None})
-        if not_checked:
-            s["lossless_not_checked"] = not_checked
-        result["latency"][key] = s.pop("latency")
-        result.setdefault("more_heads", []).append(s)
+    _further_heads(result, rows, res_all, K, base_tps, base_tokens, checked, not_checked, baseline_algorithm,
+                   more_heads)
     if train_metrics and train_metrics.get("cond_acc"):
         eal = training_eal(train_metrics["cond_acc"], K)
         tau = result["acceptance_length"]
         result["calibration"] = {"training_eal": eal, "measured_tau": tau, "relative_error": (eal - tau) / tau if tau else 0.0,
                                  "within_15_percent": abs(eal - tau) <= 0.15 * tau,
                                  "k_train": len(train_metrics["cond_acc"]), "source": train_metrics.get("source", "train")}
-    for cat in dict.fromkeys(r["category"] for r in rows):
-        sel = [n for n, r in enumerate(rows) if r["category"] == cat]
-        cb = [res_all["target"][n] for n in sel]
-        cb_sec, cb_tokens = sum(r.seconds for r in cb), sum(len(r.tokens) for r in cb)
-        cb_tps = cb_tokens / cb_sec if cb_sec else 0.0
-        cs = _spec_summary([res_all["head"][n] for n in sel], K, cb_tps, cb_tokens)
-        result["per_category"][cat] = {
-            "num_prompts": len({rows[n]["id"] for n in sel}), "num_turns": len(sel),
-            "acceptance_length": cs["acceptance_length"], "per_position_acceptance": cs["per_position_acceptance"],
-            "per_position_acceptance_conditional": cs["per_position_acceptance_conditional"],
-            "tokens_per_second": cs["tokens_per_second"], "target_only_tokens_per_second": cb_tps,
-            "speedup": cs["speedup"],
-            **({"speedup_not_measured": cs["speedup_not_measured"]} if "speedup_not_measured" in cs else {}),
-        }
-        if baseline_algorithm is not None:
-            result["per_category"][cat]["baseline_acceptance_length"] = _tau(
-                [a for n in sel for a in res_all["baseline_head"][n].accepted])
-        for i, _ in enumerate(more_heads or [], 1):
-            result["per_category"][cat][f"more_head_{i}_acceptance_length"] = _tau(
-                [a for n in sel for a in res_all[f"more_head_{i}"][n].accepted])
+    result["per_category"] = _category_summaries(rows, res_all, K, baseline_algorithm, more_heads)
     return result
 
 

@@ -1,4 +1,7 @@
-"""The house's import rules: only the job runner drives the trainer, and `peagle train` and the dry
+"""The house's import rules: data/ imports nothing above it (the regeneration backends live with
+their engines) and evaluation/ nothing of data/; errors.py holds the errors and runtime.py the
+process (the wrapper, Ctrl-C); no module registers an attention function at
+import; only the job runner drives the trainer, and `peagle train` and the dry
 run share it; the feature side imports no training code; the trainer has no algorithm branch and
 no engine branch (DDP is an engine like the others); one module owns the feature-shard format; the
 import graph has no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in
@@ -8,6 +11,7 @@ of the package, with scripts/ holding only the product's files."""
 import ast
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from .conftest import REPO_ROOT
@@ -205,6 +209,70 @@ def test_feature_side_imports_no_training_code():
         for path in (PKG / sub).rglob("*.py"):
             bad = {m for m in imported_modules(path) if m.startswith(("peagle_train.training", "peagle_train.algorithms"))}
             assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
+def test_data_imports_nothing_above_it():
+    """data/ (conversations, token rows, the draft vocabulary, regeneration's replay and output) sits
+    below everything that runs a model: the regeneration backends live next to the engines they
+    drive (decoding/hf_backend.py, serving/backends.py) and `peagle regenerate` picks one."""
+    above = tuple(f"peagle_train.{p}" for p in ("decoding", "serving", "evaluation", "training", "target", "features",
+                                                "draft", "algorithms", "recommend", "export", "accel", "cli"))
+    for path in (PKG / "data").rglob("*.py"):
+        bad = {m for m in imported_modules(path) if m.startswith(above)}
+        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
+def test_evaluation_imports_nothing_of_data():
+    """evaluation/ checksums its report files through provenance.py, not data/'s manifest."""
+    for path in (PKG / "evaluation").rglob("*.py"):
+        bad = {m for m in imported_modules(path) if m.startswith("peagle_train.data")}
+        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+
+
+def test_errors_holds_the_errors_and_runtime_the_process():
+    """errors.py holds the user errors and the I/O failure helpers; the entry-point wrapper (Hydra)
+    and Ctrl-C (signals, the watchdog thread) are runtime.py's."""
+    tree = ast.parse((PKG / "errors.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"signal", "threading", "hydra", "omegaconf"}, imported
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & {"cli_main", "guarded", "user_error_message", "_on_sigint", "_arm_exit_watchdog"}, defined
+    assert {"cli_main", "guarded", "user_error_message"} <= {
+        n.name for n in ast.parse((PKG / "runtime.py").read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_no_module_registers_attention_at_import():
+    """Importing any module of the package leaves transformers' attention interfaces as they were;
+    `register_attention` (called by FeatureTarget) and `register_amx_attention` (called by
+    use_amx_attention) register the package's functions."""
+    code = textwrap.dedent("""
+        import importlib, pkgutil
+        import peagle_train
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        ours = lambda: sorted(k for m in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping)
+                              for k in m if k.startswith("peagle"))
+        before = ours()
+        for m in pkgutil.walk_packages(peagle_train.__path__, "peagle_train."):
+            if m.name.endswith("__main__"):
+                continue
+            try:
+                importlib.import_module(m.name)
+            except ModuleNotFoundError as e:  # an optional dependency (vllm) that is not installed
+                if (e.name or "").startswith("peagle_train"):
+                    raise
+        print(before, ours())
+        from peagle_train.target.capture import register_attention
+        from peagle_train.accel.cpu.attention import register_amx_attention
+        register_attention()
+        register_amx_attention()
+        print(ours())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == [
+        "[] []", "['peagle_amx_decode', 'peagle_amx_decode', 'peagle_decode', 'peagle_decode', 'peagle_documents']"]
 
 
 def test_trainer_has_no_algorithm_branch():

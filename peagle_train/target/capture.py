@@ -92,16 +92,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def _register_attention() -> None:
+def register_attention() -> None:
+    """Register `document_attention` (as DOCUMENT_ATTENTION) and `decode_attention` (as
+    DECODE_ATTENTION, with the masks `sdpa` gets: causal, sliding window) in transformers' attention
+    interface, each name only where nothing is registered under it yet (a function registered
+    there first, e.g. a test's spy, is kept). `FeatureTarget` calls it, since its packed and
+    decoding forwards name these functions; importing this module registers nothing."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks `sdpa` gets (causal, sliding window)
-
-
-_register_attention()
+    for name, fn in ((DOCUMENT_ATTENTION, document_attention), (DECODE_ATTENTION, decode_attention)):
+        if name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(name, fn)
+    if DECODE_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
 def decoding_attention(config) -> str:
@@ -125,7 +130,7 @@ def keeps_cache_dtype(config, dtype: torch.dtype, head_dim: int) -> bool:
 
 @contextmanager
 def attention_implementation(config, name: str | None):
-    """Run the target's forwards with attention function `name` (registered above) instead of its
+    """Run the target's forwards with attention function `name` (`register_attention`) instead of its
     own; None, or a target that does not use `sdpa`, leaves it unchanged."""
     saved = config._attn_implementation
     if name is None or saved != "sdpa":
@@ -160,6 +165,7 @@ class FeatureTarget:
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None, aux_count: int | None = 3):
+        register_attention()  # the functions that forward_documents and the decoding forwards name
         self.model = model
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers

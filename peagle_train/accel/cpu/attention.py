@@ -1,10 +1,11 @@
 """The AMX decoding attention hooked into transformers' attention interface.
 
-`amx_decode_attention` is registered under its own name (`AMX_DECODE_ATTENTION`) in
-`AttentionInterface` (and the masks `sdpa` gets in `AttentionMaskInterface`); `use_amx_attention`
-names it in a target's config (`peagle_decode_attention`), so that the target's decoding forwards
+`use_amx_attention` registers `amx_decode_attention` under its own name (`AMX_DECODE_ATTENTION`)
+in `AttentionInterface` (and the masks `sdpa` gets in `AttentionMaskInterface`) and names it in a
+target's config (`peagle_decode_attention`), so that the target's decoding forwards
 (target/capture.py `decoding_attention`) select it as their attn_implementation. Nothing of
-transformers is patched. Inputs the kernel does not take go to the core's `decode_attention`.
+transformers is patched, and importing this module registers nothing. Inputs the kernel does not
+take go to the core's `decode_attention`.
 """
 
 from __future__ import annotations
@@ -59,15 +60,15 @@ def amx_decode_attention(module, query, key, value, attention_mask, scaling=None
 amx_decode_attention.keeps_cache_dtype = amx_attention_available  # read by target/capture.py `keeps_cache_dtype`
 
 
-def _register() -> None:
+def register_amx_attention() -> None:
+    """Register `amx_decode_attention` as AMX_DECODE_ATTENTION in transformers' attention interface
+    (with the masks `sdpa` gets: causal, sliding window). `use_amx_attention` calls it before it
+    names the function in a config; importing this module registers nothing."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(AMX_DECODE_ATTENTION, amx_decode_attention)
-    AttentionMaskInterface.register(AMX_DECODE_ATTENTION, sdpa_mask)  # the masks `sdpa` gets (causal, sliding window)
-
-
-_register()
+    AttentionMaskInterface.register(AMX_DECODE_ATTENTION, sdpa_mask)
 
 
 def _configs(model: nn.Module) -> list:
@@ -82,6 +83,7 @@ def use_amx_attention(model: nn.Module) -> bool:
     when the AMX kernel is built; returns whether it did. `drop_amx_attention` undoes it."""
     if amx_linear.kernel() is None or not hasattr(model, "get_decoder"):
         return False
+    register_amx_attention()
     for cfg in _configs(model):
         cfg.peagle_decode_attention = AMX_DECODE_ATTENTION
     return True

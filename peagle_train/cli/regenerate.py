@@ -8,10 +8,10 @@
 Reads data.path (any format of `peagle prepare`), keeps the normalisable conversations,
 shuffles them with `seed`, takes data.num_conversations, and rewrites every assistant turn with the
 target, turn by turn with the target's own history (peagle_train/data/regenerate.py), through the
-backend regenerate.backend names (`backend_from_config`). The output
-(regenerate.output, a `messages` JSONL) is resumable after a kill and is a valid data.path once the
-run has finished (its sidecar regenerate.output + ".manifest" says so and records its sha256; the
-data readers refuse an unfinished, cut or altered file, naming the command that completes it):
+backend regenerate.backend names (`backend_from_config`). The output (regenerate.output, a
+`messages` JSONL) is resumable after a kill and is a valid data.path once the run has finished (its
+sidecar regenerate.output + ".manifest" says so and records its sha256; the data readers refuse an
+unfinished, cut or altered file, naming the command that completes it):
 
     peagle prepare data.path=/tmp/regen/regenerated.jsonl output_dir=/tmp/prepared
 """

@@ -17,10 +17,10 @@ from ..errors import UserError
 
 
 class VllmBackend:
-    """Generation by vLLM's offline engine in its own environment (vllm_engine.py
-    `VllmSession`): the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does (chat
-    template with add_generation_prompt=True, template_kwargs), vLLM generates from those token
-    ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
+    """Generation by vLLM's offline engine in its own environment (vllm_engine.py `VllmSession`):
+    the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does
+    (chat template with add_generation_prompt=True, template_kwargs), vLLM generates from those
+    token ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
     `max_num_seqs` sequences decode together (the regeneration batch: `regenerate.batch_size`)."""
 
     def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,

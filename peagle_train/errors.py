@@ -39,6 +39,10 @@ class CorruptFileError(UserError, ValueError):
     """A file that exists but cannot be read as what it should be (cut off, altered, missing a key)."""
 
 
+class ExportError(UserError, ValueError):
+    """An export directory that does not match the speculators format; the message lists every problem."""
+
+
 class WriteError(UserError, OSError):
     """Writing a file failed for a reason outside the program (full disk, read-only, permission):
     the message names the path, the cause and the fix; `err` is the cause's errno (None if unknown).

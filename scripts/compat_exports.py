@@ -18,7 +18,7 @@ from peagle_train.cli import parse_pairs
 from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.runtime import cli_main
 from peagle_train.export.speculators import write_export
-from peagle_train.target.capture import default_aux_layer_ids
+from peagle_train.target.aux_layers import AuxLayers
 
 
 @dataclass
@@ -38,7 +38,7 @@ def main(out: Path):
         for algorithm in ("peagle", "eagle3"):
             for opts in ({}, {"norm_before_fc": True}, {"fc_norm": True, "norm_before_residual": True}):
                 cfg = DraftConfig.from_target(model.config, num_layers=2, draft_vocab_size=64, mask_token_id=255,
-                                              num_depths=4, aux_layer_ids=default_aux_layer_ids(8), algorithm=algorithm, **opts)
+                                              num_depths=4, aux_layer_ids=AuxLayers.default(8), algorithm=algorithm, **opts)
                 head = make_draft_head(cfg)
                 ids = torch.arange(0, 256, 4)
                 head.init_from_target(model, ids, ids - torch.arange(64), torch.zeros(256, dtype=torch.bool).index_fill_(0, ids, True))

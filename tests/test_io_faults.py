@@ -21,11 +21,12 @@ from accelerate import Accelerator
 
 import peagle_train.data.prepare as prepare_mod
 from peagle_train.data.prepare import load_prepared, save_prepared
-from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
-from peagle_train.export.speculators import load_head
+from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
+from peagle_train.draft.head_files import load_head
 from peagle_train.errors import CorruptFileError, WriteError, io_failure
-from peagle_train.export.speculators import load_export, write_export
+from peagle_train.export.speculators import write_export
 from peagle_train.runtime import RESUME_PREPARE, RESUME_TRAIN, user_error_message
+from peagle_train.draft.head_files import load_export
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.shards import FeatureShardError, write_features
 from peagle_train.training.checkpoint import list_checkpoints, save_training_checkpoint
@@ -260,7 +261,7 @@ def test_full_disk_while_saving_prepared_data_leaves_no_manifest(tmp_path, chatm
 KILL_SAVE = textwrap.dedent("""
     import os, sys, pathlib, torch
     import peagle_train.io as io
-    from peagle_train.draft.head_checkpoint import load_checkpoint, save_checkpoint
+    from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
     ckpt, where = pathlib.Path(sys.argv[1]), sys.argv[2]
     draft, _ = load_checkpoint(ckpt)
     with torch.no_grad():

@@ -127,7 +127,7 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
         (["draft.num_depths"] if schema == "train" else []) + ["distributed.zero_stage"]
     # a range is written for every numeric key
     assert [k.name for k in C.schema_entries(C.schema_of(schema)) if k.name in keys and k.range is None] == \
-        ["target.aux_layer_ids"]  # its rule is aux_layer_ids_problem
+        ["target.aux_layer_ids"]  # its rule is AuxLayers.problem
     assert codes.get("training.lr=nan", 2) == 2 and codes.get("training.lr=-1", 2) == 2
     for key in keys:
         assert codes[f"{key}=heavy"] == 2 and codes[f"{key}=-1"] == 2, key  # no key admits a word or -1
@@ -300,15 +300,15 @@ def test_aux_layer_ids_checked_at_parse(ids, message):
 
 
 def test_aux_layer_ids_out_of_the_targets_range_when_it_is_loaded():
-    from peagle_train.target.capture import check_aux_layer_ids
+    from peagle_train.target.aux_layers import AuxLayers
 
     with pytest.raises(ConfigError) as e:
-        check_aux_layer_ids([2, 5, 8], 8)
+        AuxLayers.resolve([2, 5, 8], 8)
     assert str(e.value) == (
         "target.aux_layer_ids=[2, 5, 8] must be 3 distinct layer ids in [0, 8) for this 8-layer target (id k = the "
         "hidden state entering decoder layer k, HF hidden_states[k], as vLLM reads it). "
         "Fix: target.aux_layer_ids=null for the default [2, 4, 5], or 3 ids in that range.")
-    check_aux_layer_ids([0, 4, 7], 8)
+    AuxLayers.resolve([0, 4, 7], 8)
 
 
 def test_k_beyond_k_train():
@@ -386,7 +386,7 @@ def test_parse_pairs_checks_the_same_ranges():
 
 def test_export_validate_of_no_export(tmp_path, target_model, chatml_tokenizer):
     from peagle_train.cli.export import export_dir_problem
-    from peagle_train.draft.head_checkpoint import save_checkpoint
+    from peagle_train.draft.head_files import save_checkpoint
 
     from .test_decoding import make_draft
 

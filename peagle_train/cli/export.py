@@ -23,7 +23,7 @@ from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed
                                              validate_export, verifier_name, write_export)
 from peagle_train.job import dtype_of
 from peagle_train.target.load import load_target_config
-from peagle_train.draft.head_checkpoint import load_checkpoint
+from peagle_train.draft.head_files import load_checkpoint
 
 logger = logging.getLogger(__name__)
 

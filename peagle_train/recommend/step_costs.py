@@ -20,15 +20,11 @@ import statistics
 import time
 
 import torch
-from ..draft.peagle import Eagle3Draft, PEagleDraft
+from ..draft import DraftHead, Eagle3Draft, PEagleDraft
 from ..target.capture import FeatureTarget
 from ..decoding.acceptance import first_argmax
 from ..decoding.engine import target_cache
 from ..draft.kv_cache import SlotCache
-
-
-class MemoryLimitError(RuntimeError):
-    """A batch size whose caches and activations do not fit the memory available."""
 
 
 def _sync(device: torch.device) -> None:
@@ -55,7 +51,7 @@ def _mask(batch: int, n_new: int, cached: int, device) -> torch.Tensor:
     return m[None].expand(batch, -1, -1)
 
 
-def estimate_bytes(target_config, draft: PEagleDraft, batch: int, K: int, context: int, dtype_bytes: int = 4) -> int:
+def estimate_bytes(target_config, draft: DraftHead, batch: int, K: int, context: int, dtype_bytes: int = 4) -> int:
     """Rough peak bytes of one verify step at (batch, K) beyond the weights: the target's KV cache
     over context + K + 1 positions, full-vocabulary logits (fp32) and 4 hidden-size activations per
     layer, plus the draft's KV cache. Used to refuse batch sizes before they run out of memory."""
@@ -92,7 +88,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 @torch.no_grad()
-def time_draft(draft: PEagleDraft, batch: int, K: int, context: int, repeats: int = 5, warmup: int = 1,
+def time_draft(draft: DraftHead, batch: int, K: int, context: int, repeats: int = 5, warmup: int = 1,
                sequential: bool | None = None) -> float:
     """Mean ms of one drafting step proposing K tokens for each of `batch` sequences.
 

@@ -22,10 +22,10 @@ ANSWER = "I am fine, thank you. The answer is 4."
 
 
 def run(script, *args, cwd=REPO_ROOT, tmp=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     """`script` (a file of the checkout: train.py) or `peagle <command>` (as `python -m peagle_train.cli
     <command>`) with `args`, as a user runs it."""
-    entry = ["-m", "peagle_train.cli", script.split()[1]] if script.startswith("peagle ") else [str(script)]
+    entry = ["-m", "peagle_train.cli", script.split()[1]] if str(script).startswith("peagle ") else [str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("PEAGLE_TRACEBACK", None)
     if tmp is not None:

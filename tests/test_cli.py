@@ -36,7 +36,8 @@ def test_bare_command_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["prepare", "regenerate", "features", "train", "evaluate", "export", "recommend-k", "plan", "sweep"]
+    assert listed == ["prepare", "regenerate", "features", "convert-features", "train", "evaluate", "export", "recommend-k",
+                      "plan", "sweep"]
     assert main([]) == 2 and "usage: peagle <command>" in capsys.readouterr().out
     assert main(["trian"]) == 2
     assert "peagle: error: unknown command 'trian'. Did you mean train?" in capsys.readouterr().err

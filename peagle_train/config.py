@@ -566,18 +566,6 @@ def default_config(command: str = "train"):
     return OmegaConf.create(OmegaConf.to_container(typed, resolve=False, enum_to_str=True))
 
 
-def train_config(cfg):
-    """The trainer's config (`train_cfg`): the `training` group plus the keys of other groups the
-    trainer reads (draft.num_depths, seed, algorithm, precision, distributed.engine/zero_stage), as
-    plain values (Enums as strings). `cfg`: a composed train config."""
-    from omegaconf import OmegaConf
-
-    t = OmegaConf.to_container(cfg.training, resolve=True, enum_to_str=True)
-    return OmegaConf.create({**t, "num_depths": cfg.draft.num_depths, "seed": cfg.seed,
-                             "algorithm": str(cfg.algorithm), "precision": str(cfg.precision),
-                             "engine": str(cfg.distributed.engine), "zero_stage": cfg.distributed.zero_stage})
-
-
 # ------------------------------------------------------------------------------------------------
 # keys, types and help of a schema
 

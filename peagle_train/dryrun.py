@@ -54,13 +54,12 @@ def dry_run(cfg, out_dir: Path) -> dict:
     evaluation's (`tracking.eval_scalars`). Returns {"family", "draft_layers", "num_depths", "steps",
     "loss", "precision" (the draft's autocast), "engine", "training", "eval" (the acceptance dict),
     "export" (its directory)}."""
-    from .config import train_config
     from .data.vocab import DraftVocab
     from .draft.head_files import load_checkpoint
     from .job import dtype_of
     from .pipeline import JobInputs, run_training_job
     from .target.capture import FeatureTarget
-    from .training.checks import check_training_config
+    from .training.checks import TrainSettings, check_training_config
     from .training.tracking import tracked_accelerator
 
     out_dir = Path(out_dir)
@@ -73,16 +72,16 @@ def dry_run(cfg, out_dir: Path) -> dict:
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
     prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
                for i in range(2)]
-    train_cfg = OmegaConf.merge(train_config(cfg), {"tokens_per_step": 96, "max_steps": 2, "epochs": 1,
-                                                    "save_every": None, "val_conversations": 0, "resume": False,
-                                                    "grad_accum": 1, "max_anchors": 32,
-                                                    "attention": "dense",
-                                                    # 2 steps: the recipe's warm-up is sized for its data (peagle plan)
-                                                    "warmup_steps": min(int(cfg.training.warmup_steps), 1)})
-    check_training_config(train_cfg)
+    settings = TrainSettings.from_config(cfg, training=OmegaConf.merge(cfg.training, {
+        "tokens_per_step": 96, "max_steps": 2, "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
+        "grad_accum": 1, "max_anchors": 32, "attention": "dense",
+        # 2 steps: the recipe's warm-up is sized for its data (peagle plan)
+        "warmup_steps": min(int(cfg.training.warmup_steps), 1)}))
+    check_training_config(settings)
     job_cfg = OmegaConf.merge(cfg, {"eval": {"enabled": True}, "export": {"enabled": True}})
-    acc = tracked_accelerator(train_cfg.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True), cpu=True)
-    res = run_training_job(job_cfg, acc, out_dir, JobInputs(target, None, rows, vocab, V - 1, prompts), train_cfg,
+    acc = tracked_accelerator(settings.training.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True),
+                              cpu=True)
+    res = run_training_job(job_cfg, acc, out_dir, JobInputs(target, None, rows, vocab, V - 1, prompts), settings,
                               verifier=cfg.target.name_or_path, eval_settings={
                                   "max_new_tokens": 16, "plot": False, "benchmark": "random"})
     back, _ = load_checkpoint(out_dir / "checkpoint")  # the round trip

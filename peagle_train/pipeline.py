@@ -10,10 +10,12 @@ from pathlib import Path
 
 from .data.vocab import DraftVocab
 from .draft.head_checkpoint import save_checkpoint
-from .evaluation.run import evaluate_from_config
+from .evaluation.run import evaluate_acceptance
+from .evaluation.settings import EvalSettings
 from .export.speculators import write_export
 from .job import build_draft, dtype_of
 from .target.capture import FeatureTarget
+from .training.checks import TrainSettings
 from .training.engines import end_distributed
 from .training.tracking import eval_scalars
 from .training.trainer import train
@@ -42,19 +44,19 @@ class JobInputs:
     data_summary: dict = field(default_factory=dict)
 
 
-def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, *, verifier: str,
-                     eval_settings: dict | None = None) -> dict:
+def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_settings: TrainSettings, *,
+                     verifier: str, eval_settings: dict | None = None) -> dict:
     """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (job.build_draft), train
-    it (training/trainer.py, `train_cfg`), release the process group (`end_distributed`: the other
-    processes return at once), then on the main process alone save it to `out`/checkpoint
+    it (training/trainer.py, with `train_settings`), release the process group (`end_distributed`:
+    the other processes return at once), then on the main process alone save it to `out`/checkpoint
     (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`
-    (`evaluate_from_config` into `out`/eval, `eval_settings` overriding the eval group's keys; its
+    (`evaluate_acceptance` into `out`/eval, `eval_settings` overriding the eval group's keys; its
     τ goes to the trackers) and export it when `cfg.export.enabled` (`out`/export, validated, with
     the model card). Returns {"data", "training", "eval"?, "export"?}.
     Raises what the stages raise (ConfigError, ExportError, WriteError, ...)."""
     out = Path(out)
     draft = build_draft(inputs.target, cfg.draft, inputs.vocab, inputs.mask_token_id, cfg.algorithm)
-    result = train(accelerator, draft, inputs.target, inputs.rows, inputs.vocab.draft_ids, train_cfg, out,
+    result = train(accelerator, draft, inputs.target, inputs.rows, inputs.vocab.draft_ids, train_settings, out,
                    features=inputs.features)
     # the last collective: from here the main process works alone (evaluation and export can take longer
     # than any process-group timeout), the other processes return
@@ -70,11 +72,10 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_cfg, 
                                                 "verifier_architectures": architectures, "train": result})
     draft.eval()
     if cfg.eval.enabled:
-        settings = {"benchmark": "spec_bench",
-                    "train_metrics": {**result["last20_metrics"], "source": "last 20 training steps"},
-                    **(eval_settings or {})}
-        summary["eval"] = evaluate_from_config(cfg.eval, inputs.target, draft, inputs.tokenizer, inputs.prompts,
-                                               out_dir=out / "eval", precision=cfg.precision, **settings)
+        settings = EvalSettings.from_config(cfg.eval, **{"benchmark": "spec_bench", **(eval_settings or {})})
+        summary["eval"] = evaluate_acceptance(
+            inputs.target, draft, inputs.tokenizer, inputs.prompts, settings, out_dir=out / "eval",
+            precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         accelerator.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
     if cfg.export.enabled:
         used = {t for ids in inputs.rows["input_ids"] for t in ids}

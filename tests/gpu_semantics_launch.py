@@ -53,13 +53,13 @@ def inject() -> None:
 
     trainer.Trainer.setup, trainer.Trainer.fit = late_setup, reporting_fit
 
-    evaluate = pipeline.evaluate_from_config
+    evaluate = pipeline.evaluate_acceptance
 
     def slow_evaluate(*a, **k):
         time.sleep(slow_eval)
         return evaluate(*a, **k)
 
-    pipeline.evaluate_from_config = slow_evaluate
+    pipeline.evaluate_acceptance = slow_evaluate
 
 
 if __name__ == "__main__":

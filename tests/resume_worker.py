@@ -1,10 +1,11 @@
 """A real training process for tests/test_resume.py: tiny in-process target, checkpoints every 3
 steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL it mid-epoch.
 
-    PYTHONPATH=. python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [training.key=value ...]
+    PYTHONPATH=. python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [key=value ...]
 
-(`training.algorithm=dflash` trains a DFlash head instead of a P-EAGLE one; `draft.key=value` sets
-a key of the head, e.g. draft.train_embeddings=mask_row.)
+(schema keys: `training.key=value` and `distributed.key=value` set the trainer's groups;
+`algorithm=dflash` trains a DFlash head instead of a P-EAGLE one; `draft.key=value` sets a key of
+the head, e.g. draft.train_embeddings=mask_row.)
 
 Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
 """
@@ -24,6 +25,7 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.job import build_draft
 from peagle_train.logs import setup_logging
 from peagle_train.target.capture import FeatureTarget
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
 
 
@@ -40,15 +42,17 @@ def main(out: Path, resume: bool):
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    dcfg = OmegaConf.merge(dcfg, OmegaConf.from_dotlist(sys.argv[4:]).get("draft", {}))
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 3,
-                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16, "save_every": 3, "keep_last": 2,
-                                 "val_conversations": 2, "resume": resume})
-    train_cfg = OmegaConf.merge(train_cfg, OmegaConf.from_dotlist(sys.argv[4:]).get("training", {}))
-    draft = build_draft(t, dcfg, vocab, 127, algorithm=str(train_cfg.algorithm))  # training.algorithm=dflash: a DFlash head
+    over = OmegaConf.from_dotlist(sys.argv[4:])  # schema keys: training.*, draft.*, distributed.*, algorithm
+    dcfg = OmegaConf.merge(dcfg, over.get("draft", {}))
+    training = OmegaConf.merge(default_config().training,
+                               {"tokens_per_step": 64, "epochs": 3, "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16,
+                                "save_every": 3, "keep_last": 2, "val_conversations": 2, "resume": resume},
+                               over.get("training", {}))
+    settings = TrainSettings(training, draft=dcfg, algorithm=over.get("algorithm", "peagle"), seed=0,
+                             distributed=OmegaConf.merge(default_config().distributed, over.get("distributed", {})))
+    draft = build_draft(t, dcfg, vocab, 127, algorithm=settings.algorithm)  # algorithm=dflash: a DFlash head
     acc = Accelerator(cpu=True)
-    train(acc, draft, t, tiny_rows(n=14), vocab.draft_ids, train_cfg, out)
+    train(acc, draft, t, tiny_rows(n=14), vocab.draft_ids, settings, out)
     acc.wait_for_everyone()  # as `peagle train` ends: no rank tears its group down while another still works
     acc.end_training()  # a process that exits with a live gloo group can abort ("terminate called ...")
 

@@ -82,10 +82,13 @@ def test_choices_are_enums_that_compare_print_and_serialise_as_strings():
     assert {"eagle3": 1}[cfg.algorithm] == 1  # hashes as its string: registries keyed by name find it
     assert json.loads(json.dumps({"a": cfg.algorithm, "d": cfg.target.dtype})) == {"a": "eagle3", "d": "bfloat16"}
     assert "algorithm: eagle3" in OmegaConf.to_yaml(cfg)
-    train_cfg = C.train_config(cfg)  # the trainer's config: plain strings
-    assert type(train_cfg.algorithm) is str and type(train_cfg.schedule) is str
-    assert (train_cfg.algorithm, train_cfg.precision, train_cfg.engine, train_cfg.num_depths, train_cfg.lr) == (
-        "eagle3", "auto", "ddp", 8, 1.0e-3)
+    from peagle_train.training.checks import TrainSettings
+
+    settings = TrainSettings.from_config(cfg)  # the trainer's settings: plain strings
+    assert type(settings.algorithm) is str and type(settings.training.schedule) is str
+    assert type(settings.distributed.engine) is str
+    assert (settings.algorithm, settings.precision, settings.distributed.engine, settings.num_depths,
+            settings.training.lr) == ("eagle3", "auto", "ddp", 8, 1.0e-3)
 
 
 def test_the_choices_are_the_ones_the_code_accepts():

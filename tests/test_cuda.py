@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from peagle_train.config import default_config
 from peagle_train.algorithms.cod import cod_sample
 from peagle_train.precision import autocast_context
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
 
 from .conftest import tiny_llama
@@ -66,9 +67,9 @@ def test_one_gpu_training_learns(tmp_path):
     target = tiny_llama().cuda()
     t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
     base = default_config().training
-    train_cfg = OmegaConf.merge(base, {"num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "auto",
-                                       "tokens_per_step": 64, "max_steps": 30, "warmup_steps": 2, "lr": 3e-3,
-                                       "max_anchors": None, "epochs": 3})
+    train_cfg = TrainSettings(OmegaConf.merge(base, {"tokens_per_step": 64, "max_steps": 30, "warmup_steps": 2,
+                                                     "lr": 3e-3, "max_anchors": None, "epochs": 3}),
+                              draft={"num_depths": 4}, algorithm="peagle", seed=0, precision="auto")
     res = train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), train_cfg, tmp_path)
     assert res["precision"] == "bf16" and res["steps"] > 10
     import json
@@ -122,10 +123,10 @@ def test_each_engine_as_a_world_of_one_trains_in_bf16_with_ddps_losses(tmp_path,
         for m in d.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(lambda mod, a, o: seen.add(o.dtype))
-        cfg = OmegaConf.merge(default_config().training, {
-            "num_depths": 4, "seed": 0, "algorithm": "peagle", "precision": "bf16", "tokens_per_step": 64,
-            "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2, "engine": kind,
-            "zero_stage": 2})
+        cfg = TrainSettings(OmegaConf.merge(default_config().training, {
+            "tokens_per_step": 64, "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2}),
+            draft={"num_depths": 4}, algorithm="peagle", seed=0, precision="bf16",
+            distributed=OmegaConf.merge(default_config().distributed, {"engine": kind, "zero_stage": 2}))
         train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), cfg, out)
         import json
 

@@ -3,6 +3,7 @@
 batched rejection sampling follows the target's distribution, sliding-window targets and cache
 growth keep the oracle's tokens, lossless under bf16 is counted, and a killed evaluation resumes."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 from peagle_train.decoding.engine import generate
 from peagle_train.evaluation.report import per_position_acceptance
 from peagle_train.evaluation.run import evaluate_acceptance
+from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.target.capture import FeatureTarget
 
 from .reference_decoder import draft_parallel, draft_sequential, speculative_generate, target_generate
@@ -175,8 +177,8 @@ def test_lossless_is_exact_in_fp32_and_in_bf16_with_the_verifiers_numerics(tmp_p
     for prec in ("fp32", "bf16"):
         t, d = small_pair(K=3)
         ref = FeatureTarget(small_pair(K=3)[0].model, [0, 1, 2])  # an fp32 copy of the same target
-        r = evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=32,
-                                out_dir=tmp_path / prec, plot=False, precision=prec)
+        settings = EvalSettings(num_speculative_tokens=3, max_new_tokens=32, plot=False)
+        r = evaluate_acceptance(t, d, None, prompts, settings, out_dir=tmp_path / prec, precision=prec)
         recs = [json.loads(x) for x in (tmp_path / prec / "results.jsonl").read_text().splitlines()]
         by = {(x["id"], x["decoder"]): x["tokens"] for x in recs}
         assert r["precision"] == prec and r["lossless"] is True and r["lossless_mismatches"] == 0
@@ -200,12 +202,14 @@ import sys, torch
 torch.set_num_threads(1)
 from tests.test_evaluate import small_pair
 from peagle_train.evaluation.run import evaluate_acceptance
+from peagle_train.evaluation.settings import EvalSettings
 t, d = small_pair(K=3)
 _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
 prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
            for i in range(int(sys.argv[2]))]
-evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=int(sys.argv[3]), out_dir=sys.argv[1],
-                    baseline_draft=e3, plot=False, benchmark="random", precision="fp32")
+evaluate_acceptance(t, d, None, prompts, EvalSettings(num_speculative_tokens=3, max_new_tokens=int(sys.argv[3]),
+                                                     plot=False, benchmark="random"),
+                    out_dir=sys.argv[1], baseline_draft=e3, precision="fp32")
 """
 
 TIMING = ("tokens_per_second", "speedup", "time_shares", "latency", "draft_seconds_per_step",
@@ -244,8 +248,8 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
     _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
     prompts = [{"id": i, "category": "c%d" % (i % 2), "input_ids": torch.randint(0, 127, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()}
                for i in range(n)]
-    kw = dict(num_speculative_tokens=3, max_new_tokens=new, baseline_draft=e3, plot=False,
-              benchmark="random", precision="fp32")
+    settings = EvalSettings(num_speculative_tokens=3, max_new_tokens=new, plot=False, benchmark="random")
+    kw = dict(settings=settings, baseline_draft=e3, precision="fp32")
     with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
         resumed = evaluate_acceptance(t, d, None, prompts, out_dir=killed, **kw)
     reused = len(kept.splitlines())
@@ -266,7 +270,7 @@ def test_killed_evaluation_resumes_and_decodes_only_what_is_missing(tmp_path, ca
     assert (killed / "acceptance.json").read_text() == first
     caplog.clear()  # other settings: the old results are moved aside, never mixed in
     with caplog.at_level(logging.INFO, logger="peagle_train.evaluation.run"):
-        evaluate_acceptance(t, d, None, prompts[:2], out_dir=killed, **{**kw, "max_new_tokens": 8})
+        evaluate_acceptance(t, d, None, prompts[:2], out_dir=killed, **{**kw, "settings": dataclasses.replace(settings, max_new_tokens=8)})
     assert "max_new_tokens" in caplog.text and "decoded 6 results, reused 0" in caplog.text
     assert (killed / "results.stale.jsonl").read_text() == after
 

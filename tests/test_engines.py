@@ -38,10 +38,10 @@ def _launch():
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
             "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2", "--main_process_port", _free_port(), WORKER]
 COMMON = ["training.max_steps=6"]  # checkpoints (with validation) at steps 3 and 6
-DFLASH = ["training.algorithm=dflash"]
-ENGINES = {"zero2": ["training.engine=deepspeed", "training.zero_stage=2"],
-           "zero3": ["training.engine=deepspeed", "training.zero_stage=3"],
-           "fsdp": ["training.engine=fsdp"]}
+DFLASH = ["algorithm=dflash"]
+ENGINES = {"zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
+           "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
+           "fsdp": ["distributed.engine=fsdp"]}
 
 
 def _needs(engine):

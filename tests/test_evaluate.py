@@ -2,6 +2,7 @@
 evaluator writes τ, latency, calibration and skip counts; bad heads and bad files are refused."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from .reference_decoder import (
 from peagle_train.evaluation.benchmarks import BenchmarkError, chat_ids, load_humaneval, load_jsonl_prompts, load_mt_bench
 from peagle_train.evaluation.report import training_eal
 from peagle_train.evaluation.run import HeadMismatchError, check_head_target, evaluate_acceptance
+from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.draft import DraftConfig, make_draft_head
 from peagle_train.paths import SPEC_BENCH
 from peagle_train.target.capture import FeatureTarget
@@ -118,8 +120,9 @@ def test_evaluate_writes_tau_latency_calibration_and_skips(tmp_path, chatml_toke
                {"id": 2, "category": "math", "turns": ["What is two plus two?"]},
                {"id": 3, "category": "math", "turns": ["  "]},                      # empty: skipped
                {"id": 4, "category": "math", "turns": ["hello " * 400, "again"]}]  # > 512 context: skipped
-    r = evaluate_acceptance(t, d, tok, prompts, num_speculative_tokens=3, max_new_tokens=12, out_dir=tmp_path,
-                            batch_size=batch_size, baseline_draft=e3, train_metrics={"cond_acc": [0.5, 0.2, 0.0, 0.0]})
+    r = evaluate_acceptance(t, d, tok, prompts, EvalSettings(num_speculative_tokens=3, max_new_tokens=12,
+                                                           batch_size=batch_size), out_dir=tmp_path,
+                            baseline_draft=e3, train_metrics={"cond_acc": [0.5, 0.2, 0.0, 0.0]})
     saved = json.loads((tmp_path / "acceptance.json").read_text())
     assert saved["lossless"] is True and saved["baseline"]["lossless"] is True
     assert saved["skipped"] == {"empty_prompt": 1, "too_long": 1}
@@ -244,8 +247,8 @@ def test_duplicate_prompt_ids_are_refused(tmp_path):
     t, d = small_pair(K=3)
     prompts = [{"id": i, "category": "c", "input_ids": [5, 17, 33 + n]} for n, i in enumerate((7, 8, 7))]
     with pytest.raises(BenchmarkError) as e:
-        evaluate_acceptance(t, d, None, prompts, num_speculative_tokens=3, max_new_tokens=4, out_dir=tmp_path / "e",
-                            plot=False, benchmark="mine")
+        evaluate_acceptance(t, d, None, prompts, EvalSettings(num_speculative_tokens=3, max_new_tokens=4, plot=False,
+                                                              benchmark="mine"), out_dir=tmp_path / "e")
     assert str(e.value) == ("mine: prompts 1 and 3 share the id 7; results are keyed by id, so one would be decoded and "
                             "reported twice. Fix: give every prompt a unique 'id'.")
     assert not (tmp_path / "e").exists()  # refused before anything is decoded
@@ -265,7 +268,7 @@ def test_speedup_needs_a_warm_up_and_enough_timed_tokens(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_mod, "generate", spy)
     prompts = [{"id": 0, "category": "c", "input_ids": [5, 17, 33, 2, 90]}]  # a quick run: 1 prompt, few tokens
-    kw = dict(num_speculative_tokens=3, max_new_tokens=40, plot=False, precision="fp32")
+    kw = dict(settings=EvalSettings(num_speculative_tokens=3, max_new_tokens=40, plot=False), precision="fp32")
     r = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "quick", **kw)
     assert calls == [("target", 1, 16), ("head", 1, 16), ("target", 1, 40), ("head", 1, 40)]  # warm-up, then timed
     decoded = {x["decoder"]: len(x["tokens"]) for x in map(json.loads, (tmp_path / "quick" / "results.jsonl").open())}
@@ -310,8 +313,9 @@ def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
     t, d = small_pair(K=3)
     _, e3 = small_pair(algorithm="eagle3", K=3, seed=1)
     prompts = [{"id": i, "category": "c", "input_ids": [5 + i, 17, 33, 2, 90][: 3 + i]} for i in range(3)]
-    kw = dict(num_speculative_tokens=3, max_new_tokens=12, plot=False, precision="bf16", baseline_draft=e3)
-    r = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "b2", batch_size=2, **kw)
+    kw = dict(precision="bf16", baseline_draft=e3)
+    s2 = EvalSettings(num_speculative_tokens=3, max_new_tokens=12, plot=False, batch_size=2)
+    r = evaluate_acceptance(t, d, None, prompts, s2, out_dir=tmp_path / "b2", **kw)
     why = ("not checked: bf16 at batch 2; the rounding of every forward depends on which rows share the batch, and no "
            "target-alone pass can share the speculative run's batches. Run with eval.batch_size=1 (compared with the "
            "target alone in the verifier's numerics) or precision=fp32 (exact) to check it")
@@ -322,7 +326,8 @@ def test_bf16_batches_report_lossless_as_not_checked(tmp_path, monkeypatch):
     assert r["turns_differing_from_target_alone"] == sum(res[(i, "head")] != res[(i, "target")] for i in range(3))
     rows = list(csv.DictReader(open(tmp_path / "b2" / "per_prompt.csv")))
     assert [x["lossless"] for x in rows] == ["", "", ""] and {x["equals_target_alone"] for x in rows} <= {"True", "False"}
-    one = evaluate_acceptance(t, d, None, prompts, out_dir=tmp_path / "b1", batch_size=1, **kw)  # batch 1: checked
+    one = evaluate_acceptance(t, d, None, prompts, dataclasses.replace(s2, batch_size=1), out_dir=tmp_path / "b1",
+                              **kw)  # batch 1: checked
     assert isinstance(one["lossless"], bool) and "lossless_not_checked" not in one
     assert one["lossless_definition"].startswith("speculative output == the target alone decoded in the verifier's")
     # a turn that differs from the target alone in a bf16 batch is counted, never reported as a failure
@@ -348,7 +353,7 @@ def test_three_drafters_in_one_run(tmp_path, chatml_tokenizer):
     _, dfl = small_pair(vocab=len(tok), algorithm="dflash", K=3, seed=2, mask=len(tok) - 1)
     prompts = [{"id": 1, "category": "writing", "turns": ["hello there, how are you?"]},
                {"id": 2, "category": "math", "turns": ["What is two plus two?"]}]
-    kw = dict(num_speculative_tokens=3, max_new_tokens=16, precision="fp32")
+    kw = dict(settings=EvalSettings(num_speculative_tokens=3, max_new_tokens=16), precision="fp32")
     r = evaluate_acceptance(t, d, tok, prompts, out_dir=tmp_path / "three", baseline_draft=e3,
                             more_heads=[("heads/dflash", dfl, None)], **kw)
     (m,) = r["more_heads"]
@@ -371,8 +376,8 @@ def test_three_drafters_in_one_run(tmp_path, chatml_tokenizer):
 
 def _quick_eval(t, d, out, **over):
     prompts = [{"id": i, "category": "c", "input_ids": [5, 17, 33 + i]} for i in range(2)]
-    kw = {**dict(num_speculative_tokens=3, max_new_tokens=6, plot=False, precision="fp32"), **over}
-    return evaluate_acceptance(t, d, None, prompts, out_dir=out, **kw)
+    settings = EvalSettings(**{"num_speculative_tokens": 3, "max_new_tokens": 6, "plot": False, **over})
+    return evaluate_acceptance(t, d, None, prompts, settings, out_dir=out, precision="fp32")
 
 
 def test_cut_report_files_are_refused_with_the_file_named(tmp_path):

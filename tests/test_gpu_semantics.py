@@ -49,6 +49,7 @@ def deepspeed_step_output_dtypes(out_dir: str) -> list[str]:
     from peagle_train.data.vocab import DraftVocab
     from peagle_train.job import build_draft
     from peagle_train.target.capture import FeatureTarget
+    from peagle_train.training.checks import TrainSettings
     from peagle_train.training.trainer import train
     from tests.test_loop import tiny_rows
 
@@ -65,9 +66,10 @@ def deepspeed_step_output_dtypes(out_dir: str) -> list[str]:
     for m in draft.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_hook(lambda mod, args, out: seen.add(str(out.dtype)))
-    train_cfg = OmegaConf.merge(default_config().training, {
-        "num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "max_steps": 1, "warmup_steps": 1,
-        "max_anchors": 16, "precision": "bf16", "engine": "deepspeed", "zero_stage": 2, "partitions": 2})
+    train_cfg = TrainSettings(OmegaConf.merge(default_config().training, {
+        "tokens_per_step": 64, "max_steps": 1, "warmup_steps": 1, "max_anchors": 16, "partitions": 2}),
+        draft=dcfg, algorithm="peagle", seed=0, precision="bf16",
+        distributed=OmegaConf.merge(default_config().distributed, {"engine": "deepspeed", "zero_stage": 2}))
     out = train(Accelerator(cpu=True), draft, t, tiny_rows(n=6), vocab.draft_ids, train_cfg, out_dir)
     assert out["steps"] == 1 and out["engine"] == "deepspeed ZeRO-2"
     return sorted(seen)

@@ -10,7 +10,7 @@ from peagle_train.draft.peagle import DraftConfig
 from peagle_train.export.speculators import write_export
 from peagle_train.draft.head_files import load_export
 from peagle_train.algorithms.cod import cod_sample
-from peagle_train.training.checks import check_training_config
+from peagle_train.training.checks import TrainSettings, check_training_config
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft
@@ -79,22 +79,27 @@ def test_head_target_mismatch_is_named():
 
 
 def test_bad_training_config_is_named():
+    import dataclasses
+
     from peagle_train.config import default_config
 
-    base = default_config().training
-    good = OmegaConf.merge(base, {"num_depths": 8, "seed": 0, "algorithm": "peagle"})
+    good = TrainSettings(default_config().training, draft={"num_depths": 8}, algorithm="peagle", seed=0)
     check_training_config(good)
+
+    def training(**keys):  # `good` with keys of its training group changed
+        return dataclasses.replace(good, training=OmegaConf.merge(good.training, keys))
+
     with pytest.raises(ValueError, match=r"^Invalid training config: training\.down_sample_ratio=1\.5 is out of range: it "
                                          r"must be a number in \(0, 1\]\. Fix: training\.down_sample_ratio=0\.7 \(the "
                                          r"default\) or another number in \(0, 1\]\.$"):
-        check_training_config(OmegaConf.merge(good, {"down_sample_ratio": 1.5}))
+        check_training_config(training(down_sample_ratio=1.5))
     with pytest.raises(ValueError, match="num_depths=0"):
-        check_training_config(OmegaConf.merge(good, {"num_depths": 0}))
+        check_training_config(dataclasses.replace(good, draft={"num_depths": 0}))
     with pytest.raises(ValueError, match="algorithm='medusa'"):
-        check_training_config(OmegaConf.merge(good, {"algorithm": "medusa"}))
+        check_training_config(dataclasses.replace(good, algorithm="medusa"))
     with pytest.raises(ValueError, match="training.attention='fast'"):
-        check_training_config(OmegaConf.merge(good, {"attention": "fast"}))
-    # every rule is the schema's (config.py), checked here through the trainer's flat config
+        check_training_config(training(attention="fast"))
+    # every rule is the schema's (config.py), checked here through the trainer's settings
     for key, value, allowed in (("ttt_decay", 0, r"a number in \(0, 1\]"), ("down_sample_ratio_min", 1.5, r"a number in \(0, 1\]"),
                                 ("partitions", 0, "an integer ≥ 1"), ("tokens_per_step", 0, "an integer ≥ 1"),
                                 ("epochs", 0, "an integer ≥ 1"), ("grad_accum", 0, "an integer ≥ 1"),
@@ -103,10 +108,11 @@ def test_bad_training_config_is_named():
                                 ("max_anchors", 0, r"an integer ≥ 1, or null \(all\)"), ("lr", -1, "a number > 0")):
         with pytest.raises(ValueError, match=rf"^Invalid training config: training\.{key}={value} is out of range: it "
                                              rf"must be {allowed}[.;]"):
-            check_training_config(OmegaConf.merge(good, {key: value}))
+            check_training_config(training(**{key: value}))
     for key, value in (("loss", "l2"), ("schedule", "step"), ("tracker", "mlflow"), ("precision", "fp8")):
         with pytest.raises(ValueError, match=rf"^Invalid training config: (training\.)?{key}='{value}' must be "):
-            check_training_config(OmegaConf.merge(good, {key: value}))
+            check_training_config(dataclasses.replace(good, precision=value) if key == "precision" else
+                                  training(**{key: value}))
     with pytest.raises(ValueError) as e:  # all named at once, one per line
-        check_training_config(OmegaConf.merge(good, {"epochs": 0, "attention": "fast"}))
+        check_training_config(training(epochs=0, attention="fast"))
     assert str(e.value).count("\n  ") == 1

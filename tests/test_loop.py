@@ -16,6 +16,7 @@ from peagle_train.job import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
 
 
@@ -36,9 +37,9 @@ def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
                              "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127, algorithm)
     assert isinstance(draft, Eagle3Draft if algorithm == "eagle3" else PEagleDraft)
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 3, "seed": 0, "algorithm": algorithm, "tokens_per_step": 64, "epochs": 4,
-                                 "lr": 3e-3, "warmup_steps": 2, "max_anchors": 16})
+    train_cfg = TrainSettings(OmegaConf.merge(default_config().training,
+                                              {"tokens_per_step": 64, "epochs": 4, "lr": 3e-3, "warmup_steps": 2,
+                                               "max_anchors": 16}), draft=dcfg, algorithm=algorithm, seed=0)
     res = train(Accelerator(cpu=True), draft, t, tiny_rows(), vocab.draft_ids, train_cfg, tmp_path)
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == res["steps"] > 10

@@ -19,6 +19,7 @@ from peagle_train.features.shards import OfflineFeatures
 from peagle_train.features.online import packed_row
 from peagle_train.features.shards import (FeatureShardError, convert_features, dequantize_int8, quantize_int8,
                                          write_features)
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
 
 from .conftest import tiny_llama
@@ -58,9 +59,9 @@ def test_offline_training_gives_the_online_losses(tmp_path, setup):
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16})
+    train_cfg = TrainSettings(OmegaConf.merge(default_config().training,
+                                              {"tokens_per_step": 48, "epochs": 2, "lr": 3e-3, "warmup_steps": 1,
+                                               "max_anchors": 16}), draft=dcfg, algorithm="peagle", seed=0)
     losses = {}
     for mode, feats in (("online", None), ("offline", OfflineFeatures(d, t, tok, data))):
         torch.manual_seed(0)
@@ -237,9 +238,10 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 48, "epochs": 2,
-                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "val_conversations": 2, "save_every": 2})
+    train_cfg = TrainSettings(OmegaConf.merge(default_config().training,
+                                              {"tokens_per_step": 48, "epochs": 2, "lr": 3e-3, "warmup_steps": 1,
+                                               "max_anchors": 16, "val_conversations": 2, "save_every": 2}),
+                              draft=dcfg, algorithm="peagle", seed=0)
     torch.manual_seed(0)
     draft = build_draft(t, dcfg, vocab, 127)
 
@@ -252,7 +254,8 @@ def test_offline_int8_training_validates_on_int8_features(tmp_path, setup, monke
     val = res["validation"]
     _, val_idx = split_validation(len(data), 2, 0)
     batches = [[val_idx[j] for j in b] for b in pack_documents([len(data[i]["input_ids"]) for i in val_idx], 48, 0)]
-    obj, head = make_objective(train_cfg), res["draft"].eval()
+    obj = make_objective(train_cfg.algorithm, train_cfg.training, train_cfg.num_depths)
+    head = res["draft"].eval()
 
     def val_loss(source):
         sums = [0.0, 0.0]

@@ -14,6 +14,7 @@ from peagle_train.data.prepare import prepare_data
 from peagle_train.job import build_draft, build_target
 from peagle_train.config import default_config
 from peagle_train.paths import resolve_path
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
 
 pytestmark = pytest.mark.real
@@ -29,12 +30,11 @@ def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
     for name in ("fp32", "bf16"):  # bf16: the target's forward and the draft under bf16 autocast
         torch.manual_seed(0)
         draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)  # same fp32 init for both
-        train_cfg = OmegaConf.merge(cfg.training, {
-            "num_depths": 8, "seed": 0, "algorithm": "peagle", "precision": name, "tokens_per_step": 1024,
-            "max_steps": 9, "warmup_steps": 4,
+        train_cfg = TrainSettings.from_config(cfg, seed=0, algorithm="peagle", precision=name, training=OmegaConf.merge(
+            cfg.training, {"tokens_per_step": 1024, "max_steps": 9, "warmup_steps": 4,
             "lr": 3e-4,  # 5e-4 spikes at steps 4-5 on the aux states [2, 15, 27] (vLLM's numbering) and the
             # two runs then part by chance: val loss 3.8% apart (0.2% at 3e-4; 0.1% at 5e-4 on [3, 16, 28])
-            "val_conversations": 12, "save_every": 9})
+            "val_conversations": 12, "save_every": 9}))
         res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name)
         assert res["precision"] == name and res["steps"] == 9
         assert all(p.dtype == torch.float32 for p in res["draft"].parameters())  # master weights stay fp32

@@ -20,6 +20,7 @@ from .conftest import REPO_ROOT
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training import checkpoint as ckpt_mod
 from peagle_train.training.checkpoint import best_checkpoint, list_checkpoints
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.tracking import tracked_accelerator
 from peagle_train.draft.head_files import load_checkpoint
 from peagle_train.features.rows import pack_documents, split_validation
@@ -70,22 +71,24 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     assert got_val == ref_val
 
 
-def tiny_setup(**over):
+def tiny_setup(seed: int = 0, precision: str | None = None, **training):
+    """(target, vocab, head, TrainSettings) of a tiny P-EAGLE run; `training`: keys of the training group."""
     t = FeatureTarget(__import__("tests.conftest", fromlist=["tiny_llama"]).tiny_llama())
     vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 2, "norm_before_fc": True, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False})
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 2, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
-                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 8, "save_every": 2, "keep_last": 1,
-                                 "val_conversations": 2, "max_steps": 4, **over})
-    return t, vocab, build_draft(t, dcfg, vocab, 127), train_cfg
+    settings = TrainSettings(OmegaConf.merge(default_config().training,
+                                             {"tokens_per_step": 64, "epochs": 1, "lr": 3e-3, "warmup_steps": 1,
+                                              "max_anchors": 8, "save_every": 2, "keep_last": 1,
+                                              "val_conversations": 2, "max_steps": 4, **training}),
+                             draft=dcfg, algorithm="peagle", seed=seed, precision=precision)
+    return t, vocab, build_draft(t, dcfg, vocab, 127), settings
 
 
 def run(out, **over):
-    t, vocab, draft, train_cfg = tiny_setup(**over)
-    acc = tracked_accelerator(train_cfg.tracker, out, cpu=True)  # training.tracker through Accelerate's trackers
-    res = train(acc, draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, out)
+    t, vocab, draft, settings = tiny_setup(**over)
+    acc = tracked_accelerator(settings.training.tracker, out, cpu=True)  # training.tracker through Accelerate's trackers
+    res = train(acc, draft, t, tiny_rows(n=10), vocab.draft_ids, settings, out)
     acc.end_training()
     return res
 

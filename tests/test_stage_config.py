@@ -99,29 +99,28 @@ def test_data_from_config_reads_prepared_dir_and_checks_it_against_the_group(tmp
 
 
 def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):
-    """evaluate_from_config / prompts_from_config pass the eval group's keys by name (train's group has
-    fewer); backend_from_config builds the endpoint backend from the regenerate and data groups."""
+    """EvalSettings.from_config takes the eval group's keys by name (train's group has fewer: the
+    others keep their defaults); backend_from_config builds the endpoint backend from the regenerate
+    and data groups."""
+    import pytest
+
     from peagle_train.config import compose
     from peagle_train.cli.regenerate import backend_from_config
     from peagle_train.serving.backends import EndpointBackend
-    from peagle_train.evaluation import run
     from peagle_train.evaluation.benchmarks import prompts_from_config
+    from peagle_train.evaluation.settings import EvalSettings
 
-    got = {}
-    monkeypatch.setattr(run, "evaluate_acceptance", lambda *a, **k: got.update(k) or "result")
     cfg = compose("evaluate", ["eval.benchmark=mt_bench", "eval.temperature=0.7", "eval.seed=3", "eval.plot=false",
                                "eval.batch_size=4", "eval.num_speculative_tokens=6"])
-    assert run.evaluate_from_config(cfg.eval, None, None, None, [], out_dir="o", precision="fp32",
-                                    baseline_draft="b") == "result"
-    assert got == {"out_dir": "o", "precision": "fp32", "num_speculative_tokens": 6,
-                   "max_new_tokens": 128, "batch_size": 4, "temperature": 0.7, "seed": 3, "plot": False,
-                   "benchmark": "mt_bench", "baseline_draft": "b"}
-    assert type(got["benchmark"]) is str
-    got.clear()
-    run.evaluate_from_config(compose("train").eval, None, None, None, [], out_dir="o", precision=None,
-                             benchmark="spec_bench", num_speculative_tokens=3)
-    assert got == {"out_dir": "o", "precision": None, "num_speculative_tokens": 3,
-                   "max_new_tokens": 128, "batch_size": 1, "benchmark": "spec_bench"}
+    got = EvalSettings.from_config(cfg.eval)
+    assert got == EvalSettings(num_speculative_tokens=6, max_new_tokens=128, batch_size=4, temperature=0.7, seed=3,
+                               plot=False, benchmark="mt_bench")
+    assert type(got.benchmark) is str
+    got = EvalSettings.from_config(compose("train").eval, benchmark="spec_bench", num_speculative_tokens=3)
+    assert got == EvalSettings(num_speculative_tokens=3, max_new_tokens=128, batch_size=1, benchmark="spec_bench")
+    assert (got.temperature, got.seed, got.plot) == (0.0, 0, True)  # evaluate_acceptance's defaults, as before
+    with pytest.raises(TypeError):
+        EvalSettings.from_config(compose("train").eval, num_prompts=3)  # not an evaluation setting
 
     prompts = prompts_from_config(compose("train").eval)  # Spec-Bench's MT-Bench categories, 20 prompts
     assert len(prompts) == 20 and {p["category"] for p in prompts} <= {"writing", "roleplay", "reasoning", "math",

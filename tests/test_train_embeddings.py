@@ -2,6 +2,7 @@
 rows stay frozen without a gradient or optimizer state, and the head saves, exports and loads as
 one `embed_tokens.weight` (peagle_train/draft/embedding.py)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -23,6 +24,7 @@ from peagle_train.export.speculators import write_export
 from peagle_train.draft.head_files import load_export
 from peagle_train.job import build_draft
 from peagle_train.target.capture import FeatureTarget
+from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import adamw, train
 
 from .conftest import tiny_llama
@@ -176,10 +178,10 @@ def test_the_trainer_keeps_no_gradient_or_optimizer_state_for_frozen_rows_and_re
     dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": False, "fc_norm": False,
                              "norm_before_residual": False, "gradient_checkpointing": False,
                              "train_embeddings": "mask_row"})
-    train_cfg = OmegaConf.merge(default_config().training,
-                                {"num_depths": 3, "seed": 0, "algorithm": "peagle", "tokens_per_step": 64, "epochs": 1,
-                                 "lr": 3e-3, "warmup_steps": 1, "max_anchors": 16, "max_steps": 3, "save_every": 1,
-                                 "weight_decay": 0.1})
+    train_cfg = TrainSettings(OmegaConf.merge(default_config().training,
+                                              {"tokens_per_step": 64, "epochs": 1, "lr": 3e-3, "warmup_steps": 1,
+                                               "max_anchors": 16, "max_steps": 3, "save_every": 1, "weight_decay": 0.1}),
+                              draft=dcfg, algorithm="peagle", seed=0)
     res = train(Accelerator(cpu=True), build_draft(t, dcfg, vocab, MASK), t, tiny_rows(), vocab.draft_ids, train_cfg,
                 tmp_path)
     assert res["draft"].embed_tokens.weight.grad is None
@@ -195,7 +197,7 @@ def test_the_trainer_keeps_no_gradient_or_optimizer_state_for_frozen_rows_and_re
     # state): step 3 as in the uninterrupted run
     log = losses(tmp_path)
     shutil.rmtree(tmp_path / "checkpoints" / "step_000003")
-    more = OmegaConf.merge(train_cfg, {"resume": True})
+    more = dataclasses.replace(train_cfg, training=OmegaConf.merge(train_cfg.training, {"resume": True}))
     train(Accelerator(cpu=True), build_draft(t, dcfg, vocab, MASK), t, tiny_rows(), vocab.draft_ids, more, tmp_path)
     assert losses(tmp_path) == log and sorted(log[0]) == [1, 2, 3]  # bit for bit
     # the fingerprint holds the choice: the other form does not resume this run

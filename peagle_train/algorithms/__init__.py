@@ -11,11 +11,12 @@ from .peagle import PEagleObjective
 OBJECTIVES = {"peagle": PEagleObjective, "eagle3": Eagle3Objective, "dflash": DFlashObjective}
 
 
-def make_objective(train_cfg) -> Objective:
-    """The objective of `train_cfg.algorithm` (peagle | eagle3 | dflash); ValueError naming the accepted ones."""
-    if train_cfg.algorithm not in OBJECTIVES:
-        raise ValueError(f"algorithm={train_cfg.algorithm!r} must be one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[train_cfg.algorithm](train_cfg)
+def make_objective(algorithm: str, training, num_depths: int) -> Objective:
+    """The objective of `algorithm` (peagle | eagle3 | dflash) with the `training` config group and
+    K_train `num_depths` (draft.num_depths); ValueError naming the accepted ones."""
+    if algorithm not in OBJECTIVES:
+        raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[algorithm](training, num_depths)
 
 
 __all__ = ["OBJECTIVES", "Objective", "PEagleObjective", "Eagle3Objective", "DFlashObjective", "make_objective"]

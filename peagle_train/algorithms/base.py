@@ -9,15 +9,16 @@ class Objective:
     """One training algorithm: how a packed row is sampled, the step over a few rows (forward, loss,
     backward) with its metric counts, and (where implemented) the validation forward.
 
-    `train_cfg`: the training config (training/checks.py `check_training_config` checked it). Counts are
+    `training`: the `training` config group (training/checks.py `check_training_config` checked it);
+    `num_depths`: K_train (draft.num_depths), the depths trained. Counts are
     the [4, K] float64 tensors of algorithms/loss.py (`depth_counts`, `chain_counts`), summable over
     rows, steps and processes; `metrics_from_counts` turns them into accuracies and EAL.
     """
 
     name = "base"
 
-    def __init__(self, train_cfg):
-        self.train_cfg = train_cfg
+    def __init__(self, training, num_depths: int):
+        self.training, self.num_depths = training, int(num_depths)
 
     def check(self, engine_kind: str, validating: bool) -> None:
         """Raise ValueError, naming the setting and the fix, for a distributed engine (ddp |

@@ -125,25 +125,25 @@ class DFlashObjective(Objective):
     name = "dflash"
 
     def sample(self, row: PackedRow, generator: torch.Generator) -> DFlashBlocks:
-        t = self.train_cfg
-        return dflash_blocks(row.valid, row.doc_ids, t.num_depths, t.max_anchors, generator)
+        t = self.training
+        return dflash_blocks(row.valid, row.doc_ids, self.num_depths, t.max_anchors, generator)
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
-        t = self.train_cfg
+        t = self.training
         backward = backward or (lambda x: x.backward())
         norm = global_loss_norm(accelerator, sum(int(b.valid.sum()) for _, b in micro))
-        loss_value, counts = 0.0, torch.zeros(4, t.num_depths, dtype=torch.float64)
+        loss_value, counts = 0.0, torch.zeros(4, self.num_depths, dtype=torch.float64)
         for row, blocks in micro:
-            blocks = with_a_block(blocks, t.num_depths)  # every process runs one forward and backward per row
+            blocks = with_a_block(blocks, self.num_depths)  # every process runs one forward and backward per row
             with amp:
-                loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, norm)
+                loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, norm)
             backward(loss)
             loss_value, counts = loss_value + loss.item(), counts + c
         return loss_value, counts
 
     @torch.no_grad()
     def validate_row(self, model, row: PackedRow, generator: torch.Generator):
-        t = self.train_cfg
-        blocks = with_a_block(self.sample(row, generator), t.num_depths)  # lockstep engines gather in forward
-        loss, c = dflash_loss(model, row, blocks, t.loss, t.num_depths, 1.0)
+        t = self.training
+        blocks = with_a_block(self.sample(row, generator), self.num_depths)  # lockstep engines gather in forward
+        loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, 1.0)
         return float(loss), float(blocks.valid.sum()), c

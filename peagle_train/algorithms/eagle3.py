@@ -98,14 +98,14 @@ class Eagle3Objective(Objective):
                              "backward passes. Fix: distributed.engine=ddp for the EAGLE-3 baseline.")
 
     def sample(self, row, generator: torch.Generator) -> torch.Tensor:
-        return ttt_anchors(row.valid, row.doc_ids, self.train_cfg.max_anchors, generator)
+        return ttt_anchors(row.valid, row.doc_ids, self.training.max_anchors, generator)
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
-        t = self.train_cfg
+        t = self.training
         loss_value, counts = 0.0, 0
         for row, anchors in micro:  # eagle3_step normalises per row: mean over the micro-rows
             with amp:
-                lv, _, c = eagle3_step(model, row, anchors, t.num_depths, t.ttt_decay, t.loss)
+                lv, _, c = eagle3_step(model, row, anchors, self.num_depths, t.ttt_decay, t.loss)
             loss_value, counts = loss_value + lv / len(micro), counts + c
         if len(micro) > 1:
             for p in model.parameters():
@@ -118,6 +118,6 @@ class Eagle3Objective(Objective):
         """The TTT forward over a held-out row with seed-stable anchors, no backward: (Σ loss over
         every step's valid elements, their count, chain counts [4, num_depths]) — the counts that
         `eagle3_step` reports for the same row and anchors."""
-        t = self.train_cfg
-        terms, counts = ttt_step_losses(model, row, self.sample(row, generator), t.num_depths, t.loss)
+        t = self.training
+        terms, counts = ttt_step_losses(model, row, self.sample(row, generator), self.num_depths, t.loss)
         return sum(float(total) for total, _ in terms), float(sum(n for _, n in terms)), counts

@@ -123,26 +123,26 @@ class PEagleObjective(Objective):
     name = "peagle"
 
     def sample(self, row: PackedRow, generator: torch.Generator) -> CODElements:
-        t = self.train_cfg
-        return cod_sample(row.valid.cpu(), row.doc_ids.cpu(), t.num_depths, t.down_sample_ratio,
+        t = self.training
+        return cod_sample(row.valid.cpu(), row.doc_ids.cpu(), self.num_depths, t.down_sample_ratio,
                           t.down_sample_ratio_min, t.max_anchors, generator)
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
-        t = self.train_cfg
+        t = self.training
         norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())
                                                  for row, el in micro))
         loss_value, counts = 0.0, 0
         for row, el in micro:
             with amp:
-                lv, _, c = draft_step(model, row, el, t.loss, t.num_depths, partitions=t.partitions,
+                lv, _, c = draft_step(model, row, el, t.loss, self.num_depths, partitions=t.partitions,
                                       attention=t.attention, loss_norm=norm, backward=backward)
             loss_value, counts = loss_value + lv, counts + c
         return loss_value, counts
 
     @torch.no_grad()
     def validate_row(self, model, row: PackedRow, generator: torch.Generator):
-        t = self.train_cfg
-        K = t.num_depths
+        t = self.training
+        K = self.num_depths
         dev = row.tokens.device
         kind = attention_kind(t.attention, dev)
         el = self.sample(row, generator)

@@ -31,12 +31,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from peagle_train.export.speculators import load_head
-from peagle_train.config import check_config, dflash_block_note, k_beyond_k_train_problem, register
-from peagle_train.errors import ConfigError
+from peagle_train.config import check_config, register
 from peagle_train.runtime import RESUME_EVALUATE, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
-from peagle_train.evaluation.run import check_head_target, evaluate_from_config
+from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
+from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
 from peagle_train.job import build_target
 from peagle_train.target.capture import FeatureTarget, aux_count
@@ -78,11 +78,8 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit("Give the head to evaluate: head=runs/<run>/checkpoint (or an export directory).")
     draft, train_metrics = load_head_and_metrics(head)
     draft.eval()
-    K = int(cfg.eval.num_speculative_tokens)
-    if (problem := k_beyond_k_train_problem(K, draft.config.num_depths, f"head={head}")):
-        raise ConfigError(problem)  # before the target is loaded
-    if (note := dflash_block_note(K, draft.config, f"head={head}")):
-        logger.warning(note)
+    settings = EvalSettings.from_config(cfg.eval)
+    settings.check_head(draft.config, f"head={head}")  # K ≤ K_train, before the target is loaded
     ids = list(draft.config.aux_layer_ids)
     with open_dict(cfg.target):
         if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
@@ -103,10 +100,7 @@ def main(cfg: DictConfig) -> dict:
     def other_head(path: str, setting: str):
         """(head, the target giving its aux layers) for a head decoded beside `head`."""
         other = load_head(path)[0].eval()
-        if (problem := k_beyond_k_train_problem(K, other.config.num_depths, f"{setting}={path}")):
-            raise ConfigError(problem)
-        if (note := dflash_block_note(K, other.config, f"{setting}={path}")):
-            logger.warning(note)
+        settings.check_head(other.config, f"{setting}={path}")
         oids = list(other.config.aux_layer_ids)
         if not all(0 <= i < n_layers for i in oids):
             raise SystemExit(f"{setting}={path}: aux layers {oids} outside the target's {n_layers} layers.")
@@ -124,10 +118,9 @@ def main(cfg: DictConfig) -> dict:
         return evaluate_in_vllm(cfg, head, draft, target, tok, prompts)
     acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
                               cpu=device == "cpu")
-    result = evaluate_from_config(cfg.eval, target, draft, tok, prompts,
-                                  out_dir=Path(cfg.output_dir) / "eval", precision=cfg.precision,
-                                  baseline_draft=baseline, baseline_target=btarget, train_metrics=train_metrics,
-                                  more_heads=more)
+    result = evaluate_acceptance(target, draft, tok, prompts, settings, out_dir=Path(cfg.output_dir) / "eval",
+                                 precision=cfg.precision, baseline_draft=baseline, baseline_target=btarget,
+                                 train_metrics=train_metrics, more_heads=more)
     acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
     acc.end_training()
     if engine == "both":

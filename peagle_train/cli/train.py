@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.config import check_config, register, train_config
+from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.errors import ConfigError
 from peagle_train.runtime import RESUME_TRAIN, cli_main
@@ -31,7 +31,7 @@ from peagle_train.features import open_features
 from peagle_train.job import build_target, run_metadata, write_json
 from peagle_train.pipeline import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
-from peagle_train.training.checks import check_training_config
+from peagle_train.training.checks import TrainSettings, check_training_config
 from peagle_train.training.engines import check_distributed_config, process_group_kwargs
 from peagle_train.training.tracking import tracked_accelerator
 
@@ -59,8 +59,8 @@ def main(cfg: DictConfig) -> dict:
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    train_cfg = train_config(cfg)  # the training group plus the keys of other groups the trainer reads
-    check_training_config(train_cfg)  # fail at start-up, naming the setting
+    settings = TrainSettings.from_config(cfg)  # the training group and the values of other groups the trainer reads
+    check_training_config(settings)  # fail at start-up, naming the setting
     check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
     verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \
         else cfg.target.name_or_path  # the verifier the export names: refused now, not after training
@@ -81,7 +81,7 @@ def main(cfg: DictConfig) -> dict:
     log = logger.info
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
-    train_cfg.precision = prec.name  # the target forward and the draft's autocast
+    settings.precision = prec.name  # the target forward and the draft's autocast
     prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), prec)
     log_precision(prec)
     logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",
@@ -106,7 +106,7 @@ def main(cfg: DictConfig) -> dict:
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     inputs = JobInputs(target, tok, data.rows, data.vocab, data.mask_token_id,
                        prompts_from_config(cfg.eval) if cfg.eval.enabled else [], features, data.summary)
-    summary = run_training_job(cfg, acc, out, inputs, train_cfg, verifier=verifier)
+    summary = run_training_job(cfg, acc, out, inputs, settings, verifier=verifier)
     if acc.is_main_process:
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)

@@ -33,6 +33,7 @@ from ..io import atomic_write_text
 from ..precision import log_precision, resolve_precision
 from .benchmarks import BenchmarkError, chat_ids
 from .report import _tau, format_acceptance, summarize, write_report
+from .settings import EvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -240,25 +241,9 @@ def check_unique_ids(prompts: list[dict], benchmark: str = "prompts") -> None:
         first[key] = n
 
 
-EVAL_KEYS = ("num_speculative_tokens", "max_new_tokens", "batch_size", "temperature", "seed", "plot", "benchmark")
-
-
-def evaluate_from_config(ecfg, target, draft, tokenizer, prompts: list[dict], *, out_dir: str | Path,
-                         precision: str | None, **extra) -> dict:
-    """`evaluate_acceptance` for the `eval` config group: its keys among EVAL_KEYS (train's group has
-    K, max_new_tokens and batch_size; evaluate's adds benchmark, temperature, seed and plot) passed by
-    name; `extra` (baseline_draft, train_metrics, ... or a key to override) as given."""
-    settings = {k: ecfg[k] for k in EVAL_KEYS if k in ecfg}
-    if "benchmark" in settings:
-        settings["benchmark"] = str(settings["benchmark"])
-    return evaluate_acceptance(target, draft, tokenizer, prompts, out_dir=out_dir, precision=precision,
-                               **{**settings, **extra})
-
-
-def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_speculative_tokens: int,
-                        max_new_tokens: int, out_dir: str | Path, temperature: float = 0.0, seed: int = 0,
-                        batch_size: int = 1, baseline_draft=None, baseline_target=None, train_metrics: dict | None = None,
-                        plot: bool = True, benchmark: str = "prompts", precision: str | None = None,
+def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings: EvalSettings, *,
+                        out_dir: str | Path, baseline_draft=None, baseline_target=None,
+                        train_metrics: dict | None = None, precision: str | None = None,
                         more_heads: list[tuple] | None = None) -> dict:
     """Decode every prompt (every turn) with the target alone, with `draft`, with `baseline_draft`
     (optional, e.g. an EAGLE-3 head) and with each of `more_heads` (optional [(name, head, target
@@ -269,6 +254,9 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
     tokenised; no tokenizer needed). Multi-turn items are asked turn by turn with the target's own
     answer as the history. Prompts that are empty or do not fit the target's context
     (prompt + max_new_tokens + K + 1 > max_position_embeddings) are skipped and counted.
+    settings: K (num_speculative_tokens), max_new_tokens, batch_size, temperature, seed, plot and the
+    benchmark name (`EvalSettings.from_config` of the eval group; the caller checks every head's
+    K_train with `EvalSettings.check_head`).
     precision: None decodes in the dtypes the target and heads have (the head's features are cast
     to its dtype); auto | fp32 | bf16 first puts both in that precision (`prepare_for_decoding`).
     Greedy with batch_size > 1 decodes each batch with shared forwards: speeds are then batch
@@ -296,7 +284,8 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
 
     Raises BenchmarkError when no prompt could be decoded or two prompts share an id.
     """
-    K = num_speculative_tokens
+    K, max_new_tokens, batch_size = settings.num_speculative_tokens, settings.max_new_tokens, settings.batch_size
+    temperature, seed, benchmark = settings.temperature, settings.seed, settings.benchmark
     check_unique_ids(prompts, benchmark)
     greedy = temperature <= 0
     more_heads = list(more_heads or [])
@@ -401,7 +390,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], *, num_sp
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
                        train_metrics=train_metrics,
                        more_heads=[(n, d.config.algorithm) for n, d, _ in more_heads])
-    write_report(result, rows, out_dir, plot)
+    write_report(result, rows, out_dir, settings.plot)
     logger.info(format_acceptance(result))
     return result
 

@@ -207,11 +207,13 @@ def recommend_k(cfg: DictConfig) -> dict:
         acc_src, acc = str(rc.acceptance), load_acceptance(rc.acceptance)
     else:
         from ..evaluation.benchmarks import prompts_from_config
-        from ..evaluation.run import evaluate_from_config
+        from ..evaluation.run import evaluate_acceptance
+        from ..evaluation.settings import EvalSettings
 
         k_eval = min(max(ks), k_train or max(ks))
-        acc = evaluate_from_config(cfg.eval, target, draft, tok, prompts_from_config(cfg.eval), out_dir=out / "eval",
-                                   precision=None, num_speculative_tokens=k_eval)
+        acc = evaluate_acceptance(target, draft, tok, prompts_from_config(cfg.eval),
+                                  EvalSettings.from_config(cfg.eval, num_speculative_tokens=k_eval),
+                                  out_dir=out / "eval", precision=None)
         acc_src = str(out / "eval" / "acceptance.json")
     a_measured = conditional_acceptance(acc["per_position_acceptance"], acc_src)
     a, n_extra = extend_acceptance(a_measured, max(ks), rc.extrapolate)

@@ -104,12 +104,20 @@ def data_fingerprint(lengths: list[int]) -> dict:
     return {"num_rows": len(lengths), "lengths_sha1": hashlib.sha1(json.dumps(lengths).encode()).hexdigest()[:16]}
 
 
-def flat_fingerprint(train_cfg, draft_config: dict, data_fingerprint: dict) -> dict:
+def flat_fingerprint(settings, draft_config: dict, data_fingerprint: dict) -> dict:
     """{"training.lr": ..., "draft.hidden_size": ..., "data.num_rows": ...}: what a checkpoint must
-    agree with to be resumed (flat dotted keys, JSON values)."""
+    agree with to be resumed (flat dotted keys, JSON values). `settings`: the trainer's
+    (training/checks.py `TrainSettings`); `draft_config`: the head's config (`to_dict()`).
+
+    The stored format: every key of the `training` group under training.<key>, and the trainer's
+    values from other groups there too (training.num_depths, .seed, .algorithm, .precision, .engine,
+    .zero_stage), as checkpoints have recorded them since resume began, so that those still resume."""
     from omegaconf import OmegaConf
 
-    t = OmegaConf.to_container(train_cfg, resolve=True) if not isinstance(train_cfg, dict) else dict(train_cfg)
+    t = OmegaConf.to_container(settings.training, resolve=True)
+    t.update(num_depths=settings.num_depths, seed=settings.seed, algorithm=settings.algorithm,
+             precision=settings.precision, engine=settings.distributed.engine,
+             zero_stage=settings.distributed.zero_stage)
     flat = {f"training.{k}": v for k, v in t.items()}
     flat.update({f"draft.{k}": v for k, v in draft_config.items()})
     flat.update({f"data.{k}": v for k, v in data_fingerprint.items()})

@@ -1,34 +1,97 @@
-"""Start-up checks of the training config: every out-of-range setting named at once, before any
-model is loaded. The rules are the schema's (peagle_train/config.py: the range written with each key,
-`opt(..., ge=1)`, and the choices of its Enums); this module only maps the trainer's flat config
-(`config.train_config`) back to the schema's keys. Once the run's optimizer steps are known (the
-trainer's setup; `peagle plan`'s estimate), `check_schedule` refuses a warm-up or a checkpoint cadence
-that does not fit them."""
+"""What the trainer reads and its start-up checks. `TrainSettings` holds the values of the schema
+(peagle_train/config.py) that the trainer needs, under the schema's own names: the `training` group
+whole, draft.num_depths (K_train), the `distributed` group and the top-level algorithm, seed and
+precision. `check_training_config` refuses every out-of-range setting at once, before any model is
+loaded, by the schema's rules (the range written with each key, `opt(..., ge=1)`, and the choices of its
+Enums), naming each value by its schema key. Once the run's optimizer steps are known (the trainer's
+setup; `peagle plan`'s estimate), `check_schedule` refuses a warm-up or a checkpoint cadence that does
+not fit them."""
 
 from __future__ import annotations
 
-from ..config import REMOVED_KEYS, Config, bad_value_message, range_problem, schema_entries
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import REMOVED_KEYS, Config, bad_value_message, default_config, range_problem, schema_entries
 from ..errors import ConfigError
 
-# the trainer's config keys that come from other groups than `training` (config.train_config)
-SCHEMA_KEY = {"num_depths": "draft.num_depths", "seed": "seed", "algorithm": "algorithm", "precision": "precision",
-              "engine": "distributed.engine", "zero_stage": "distributed.zero_stage"}
+
+def _group(value: Any) -> DictConfig:
+    """A config group (a DictConfig, a dict or a schema dataclass) as a plain DictConfig: resolved,
+    Enums as their strings, and no schema attached (a removed key given to it stays, to be named)."""
+    if not isinstance(value, DictConfig):
+        value = OmegaConf.create(value)
+    return OmegaConf.create(OmegaConf.to_container(value, resolve=True, enum_to_str=True))
 
 
-def check_training_config(train_cfg) -> None:
-    """Raise ConfigError (a ValueError) naming every training setting that is out of range (checked at
-    start-up, before any model is loaded): for each key of `train_cfg` (the trainer's config,
-    `config.train_config`), the schema key it comes from (`training.<key>`, or `SCHEMA_KEY`) decides
-    what it admits: a number its range (`config.range_problem`), a choice its values
-    (`config.bad_value_message`). The removed training.mixed_precision is named with its replacement."""
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)  # an Enum member: its string
+
+
+@dataclass
+class TrainSettings:
+    """The trainer's settings, each at its schema key (peagle_train/config.py `Config`):
+
+    training: the `training` group (`TrainingConfig`: the loop, schedule, sampling, checkpoints),
+    draft: the `draft` group, of which the trainer reads num_depths (K_train: the depths trained);
+    distributed: the `distributed` group (engine, zero_stage; default: the schema's, ddp);
+    algorithm: peagle | eagle3 | dflash (its objective, algorithms/); seed: data split, packing and
+    sampling; precision: auto | fp32 | bf16 of the draft's autocast and the target's forward (None =
+    fp32; `peagle train` passes the one it resolved).
+
+    Groups are kept as plain DictConfigs (Enums as their strings), whatever they were given as.
+    `from_config` builds them from a composed config; `check_training_config` checks them."""
+
+    training: Any
+    draft: Any
+    distributed: Any = field(default_factory=lambda: default_config().distributed)
+    algorithm: str = "peagle"
+    seed: int = 0
+    precision: str | None = None
+
+    def __post_init__(self):
+        self.training, self.draft, self.distributed = map(_group, (self.training, self.draft, self.distributed))
+        self.algorithm = str(_plain(self.algorithm))
+        self.precision = None if self.precision is None else str(_plain(self.precision))
+
+    @property
+    def num_depths(self) -> int:
+        """K_train: draft.num_depths."""
+        return int(self.draft.num_depths)
+
+    @classmethod
+    def from_config(cls, cfg, **override) -> "TrainSettings":
+        """The settings of a composed train config `cfg` (or `config.default_config()`); `override`
+        replaces fields by name (a group whole)."""
+        values = {f.name: cfg[f.name] for f in dataclasses.fields(cls)}
+        return cls(**{**values, **override})
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(schema key, value) of every setting: "training.lr", "draft.num_depths", "seed", ..."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, DictConfig):
+                yield from ((f"{f.name}.{k}", value[k]) for k in value)
+            else:
+                yield f.name, value
+
+
+def check_training_config(settings: TrainSettings) -> None:
+    """Raise ConfigError (a ValueError) naming every setting of `settings` that is out of range
+    (checked at start-up, before any model is loaded): each value is checked by the rule of its
+    schema key (`TrainSettings.items`): a number by its range (`config.range_problem`), a choice by
+    its values (`config.bad_value_message`). The removed training.mixed_precision is named with its
+    replacement."""
     keys = {k.name: k for k in schema_entries(Config) if not k.is_group}
-    problems = [REMOVED_KEYS["*"]["training.mixed_precision"]] if "mixed_precision" in train_cfg else []
-    for name in train_cfg:
-        key = keys.get(SCHEMA_KEY.get(name, f"training.{name}"))
+    problems = [REMOVED_KEYS["*"]["training.mixed_precision"]] if "mixed_precision" in settings.training else []
+    for name, value in settings.items():
+        key = keys.get(name)
         if key is None:
             continue
-        value = train_cfg[name]
-        value = getattr(value, "value", value)  # an Enum member: its string
+        value = _plain(value)
         problem = bad_value_message(key.name, value, "the training config") if isinstance(value, str) else \
             range_problem(key, value)
         if problem:
@@ -70,13 +133,13 @@ def schedule_problems(steps: int, warmup_steps: int, save_every: int | None, *, 
     return problems
 
 
-def check_schedule(steps: int, train_cfg, *, world_size: int = 1, rows: int | None = None) -> None:
+def check_schedule(steps: int, training, *, world_size: int = 1, rows: int | None = None) -> None:
     """Raise ConfigError (one line per problem of `schedule_problems`) for a run of `steps` optimizer
-    steps with the trainer's config `train_cfg` (warmup_steps, save_every, grad_accum, epochs).
+    steps with the `training` group `training` (warmup_steps, save_every, grad_accum, epochs).
     `peagle train` runs it at start-up, once `steps` is known (Trainer.setup); `peagle plan` runs the
     same rule on its estimate."""
-    problems = schedule_problems(steps, int(train_cfg.warmup_steps), train_cfg.get("save_every"),
-                                 world_size=world_size, grad_accum=int(train_cfg.get("grad_accum") or 1), rows=rows,
-                                 epochs=train_cfg.get("epochs"))
+    problems = schedule_problems(steps, int(training.warmup_steps), training.get("save_every"),
+                                 world_size=world_size, grad_accum=int(training.get("grad_accum") or 1), rows=rows,
+                                 epochs=training.get("epochs"))
     if problems:
         raise ConfigError("\n  ".join(problems))

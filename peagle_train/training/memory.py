@@ -318,14 +318,16 @@ def memory_problem(estimate: dict, capacity_bytes: int, reserve_bytes: int = RES
             "distributed.zero_stage=3, or fsdp) over more GPUs.")
 
 
-def check_step_memory(device, target_model, target_config, draft_cfg: DraftConfig, train_cfg, world_size: int,
-                      engine: str, zero_stage: int, *, attention: str, act_bytes: int, online: bool) -> None:
+def check_step_memory(device, target_model, target_config, draft_cfg: DraftConfig, training, num_depths: int,
+                      world_size: int, engine: str, zero_stage: int, *, attention: str, act_bytes: int,
+                      online: bool) -> None:
     """Refuse, on a CUDA device, a training step whose estimate (`estimate_step_memory` with the loaded
     target's own parameter count and dtype) plus RESERVE_BYTES exceeds the device's memory: raises
     ConfigError with `memory_problem`'s sentence. Other devices, and PEAGLE_MEMORY_CHECK=0 (an
     estimate can be wrong), skip it. `peagle train` calls it at start-up (Trainer.setup) with the
-    trainer's config `train_cfg` (tokens_per_step, max_anchors, num_depths, grad_accum, partitions,
-    down_sample_ratio(_min)) and the resolved engine, attention kind and compute dtype."""
+    `training` group `training` (tokens_per_step, max_anchors, grad_accum, partitions,
+    down_sample_ratio(_min)), K_train `num_depths` and the resolved engine, attention kind and compute
+    dtype."""
     import os
 
     from ..errors import ConfigError
@@ -335,14 +337,14 @@ def check_step_memory(device, target_model, target_config, draft_cfg: DraftConfi
     params = list(target_model.parameters())
     total = sum(p.numel() for p in params)
     target_bytes = params[0].element_size() if params else 2
-    est = estimate_step_memory(target_config, draft_cfg, int(train_cfg.tokens_per_step), train_cfg.get("max_anchors"),
-                               int(train_cfg.num_depths), world_size, engine, zero_stage,
-                               grad_accum=int(train_cfg.get("grad_accum") or 1),
-                               partitions=int(train_cfg.get("partitions") or 1), attention=attention,
+    est = estimate_step_memory(target_config, draft_cfg, int(training.tokens_per_step), training.get("max_anchors"),
+                               int(num_depths), world_size, engine, zero_stage,
+                               grad_accum=int(training.get("grad_accum") or 1),
+                               partitions=int(training.get("partitions") or 1), attention=attention,
                                act_bytes=act_bytes, feature_bytes=min(act_bytes, target_bytes),
                                target_bytes=target_bytes, online=online,
-                               down_sample_ratio=float(train_cfg.get("down_sample_ratio", 0.7)),
-                               down_sample_ratio_min=float(train_cfg.get("down_sample_ratio_min", 0.2)),
+                               down_sample_ratio=float(training.get("down_sample_ratio", 0.7)),
+                               down_sample_ratio_min=float(training.get("down_sample_ratio_min", 0.2)),
                                target_params={"total": total, "active": total})
     capacity = torch.cuda.get_device_properties(torch.device(device)).total_memory
     problem = memory_problem(est, capacity, RESERVE_BYTES, f" on {device} ({world_size} process(es), {engine})")

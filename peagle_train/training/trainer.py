@@ -2,7 +2,7 @@
 (Accelerate: one process or many). It knows no algorithm: sampling, the step's forward, loss and
 backward and its metric counts are the `Objective`'s (peagle_train/algorithms/).
 
-    train(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir)   # = Trainer(...).fit()
+    train(accelerator, draft, target, rows, draft_ids, settings, out_dir)   # = Trainer(...).fit()
 
 `Trainer.setup` packs the documents into rows, builds the optimizer, schedule, distributed engine
 and resumes; `step` runs one optimizer step over W × grad_accum rows; `validate` the held-out rows
@@ -28,7 +28,7 @@ from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.online import PackedRowSource, OnlineFeatures
 from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
-from .checks import check_schedule
+from .checks import TrainSettings, check_schedule
 from .memory import check_step_memory
 from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
                          flat_fingerprint, list_checkpoints, load_training_checkpoint, save_training_checkpoint)
@@ -58,15 +58,15 @@ class Trainer:
     """Train `draft` on `rows` (a datasets.Dataset of input_ids/loss_mask) with features from
     `features` (None = online: the frozen `target` runs in the step).
 
-    train_cfg fields: tokens_per_step, epochs, max_steps, max_minutes, lr, weight_decay, warmup_steps,
-    schedule, grad_clip, num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors, loss,
-    partitions, attention, mask_oov_targets, decay_fraction, algorithm (peagle | eagle3: TTT steps = num_depths, ttt_decay), seed;
-    optional: save_every (steps between resumable checkpoints, null = none), keep_last
-    (checkpoints kept, plus the best), resume (continue from the latest checkpoint in
-    out_dir/checkpoints; without it a folder holding checkpoints is refused), val_conversations
-    (documents held out for validation loss/EAL at each checkpoint, which choose the best one),
-    grad_accum, precision (auto | fp32 | bf16; unset = fp32), tracker, engine, zero_stage
-    (config.py `train_config` builds them). Process r of W takes packed rows r, r+W, ... Writes
+    settings (`TrainSettings`, training/checks.py): the `training` group (tokens_per_step, epochs,
+    max_steps, max_minutes, lr, weight_decay, warmup_steps, schedule, grad_clip, down_sample_ratio,
+    down_sample_ratio_min, max_anchors, loss, partitions, attention, mask_oov_targets, decay_fraction,
+    ttt_decay; save_every (steps between resumable checkpoints, null = none), keep_last (checkpoints
+    kept, plus the best), resume (continue from the latest checkpoint in out_dir/checkpoints; without
+    it a folder holding checkpoints is refused), val_conversations (documents held out for validation
+    loss/EAL at each checkpoint, which choose the best one), grad_accum, tracker), draft.num_depths
+    (K_train), distributed.engine and zero_stage, algorithm (peagle | eagle3: TTT steps = num_depths |
+    dflash), seed and precision (auto | fp32 | bf16; None = fp32). Process r of W takes packed rows r, r+W, ... Writes
     out_dir/train_log.jsonl (and out_dir/checkpoints/); every record also goes to the accelerator's
     trackers (`accelerator.log`; a `tracker` other than none needs an accelerator from
     `tracking.tracked_accelerator`, whose caller ends it with `end_training`).
@@ -76,27 +76,28 @@ class Trainer:
     when a checkpoint save fails (previous one intact).
     """
 
-    def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
-                 features: PackedRowSource | None = None):
-        self.accelerator, self.draft, self.target, self.rows, self.train_cfg = accelerator, draft, target, rows, train_cfg
+    def __init__(self, accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor,
+                 settings: TrainSettings, out_dir: Path, features: PackedRowSource | None = None):
+        self.accelerator, self.draft, self.target, self.rows = accelerator, draft, target, rows
+        self.settings, self.training = settings, settings.training
         self.out_dir = Path(out_dir)
         self.features = features if features is not None else OnlineFeatures(target)
-        self.objective = make_objective(train_cfg)
+        self.objective = make_objective(settings.algorithm, settings.training, settings.num_depths)
         self.draft_ids = draft_ids
 
     # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
-        acc, train_cfg = self.accelerator, self.train_cfg
-        tracker = tracker_name(train_cfg.get("tracker"))
+        acc, settings, training = self.accelerator, self.settings, self.training
+        tracker = tracker_name(training.get("tracker"))
         if tracker != "none" and acc.is_main_process and not acc.trackers:
             raise ConfigError(f"training.tracker={tracker}, but the accelerator has no started tracker. Fix: make it "
                               "with peagle_train.training.tracking.tracked_accelerator(tracker, out_dir, ...).")
         draft = self.draft
-        self.save_every, self.keep_last = train_cfg.get("save_every"), train_cfg.get("keep_last", 3)
-        n_val = train_cfg.get("val_conversations") or 0
+        self.save_every, self.keep_last = training.get("save_every"), training.get("keep_last", 3)
+        n_val = training.get("val_conversations") or 0
         keys = row_keys(self.rows) if n_val else None
-        train_idx, val_idx = split_validation(len(self.rows), n_val, train_cfg.seed, keys)
+        train_idx, val_idx = split_validation(len(self.rows), n_val, settings.seed, keys)
         if n_val and len(val_idx) < n_val:
             logger.warning("validation holds %d conversations, not training.val_conversations=%d: exact duplicates "
                            "are kept on the side of their twins (%d rows duplicate an earlier one)", len(val_idx), n_val,
@@ -107,51 +108,55 @@ class Trainer:
         all_lengths = [len(x) for x in self.rows["input_ids"]]
         lengths = [all_lengths[i] for i in train_idx]
         self.batches = []
-        for ep in range(train_cfg.epochs):
-            self.batches += [[train_idx[j] for j in b] for b in pack_documents(lengths, train_cfg.tokens_per_step, train_cfg.seed + ep)]
+        for ep in range(training.epochs):
+            self.batches += [[train_idx[j] for j in b]
+                             for b in pack_documents(lengths, training.tokens_per_step, settings.seed + ep)]
         self.val_batches = [[val_idx[j] for j in b] for b in pack_documents([all_lengths[i] for i in val_idx],
-                                                                             train_cfg.tokens_per_step, train_cfg.seed)] if n_val else []
+                                                                             training.tokens_per_step, settings.seed)
+                            ] if n_val else []
         if self.val_batches:
             self.objective.check("ddp", validating=True)
-        W, A = acc.num_processes, train_cfg.get("grad_accum") or 1
+        W, A = acc.num_processes, training.get("grad_accum") or 1
         self.W, self.r, self.A = W, acc.process_index, A
         steps = len(self.batches) // (W * A)
-        if train_cfg.max_steps:
-            steps = min(steps, train_cfg.max_steps)
+        if training.max_steps:
+            steps = min(steps, training.max_steps)
         if steps == 0:
             raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
                              "Fix: more data.num_conversations.")
         self.steps = steps
         # a warm-up or checkpoint cadence sized for another run (data, processes) is refused, naming the fix
-        check_schedule(steps, train_cfg, world_size=W, rows=len(self.batches))
+        check_schedule(steps, training, world_size=W, rows=len(self.batches))
         if n_val and not self.save_every:
             logger.warning("training.val_conversations=%d are held out, but training.save_every is null: validation "
                            "runs only at checkpoints, so never. Fix: set training.save_every", n_val)
         # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
-        if "mixed_precision" in train_cfg:  # removed: refused, not silently ignored
+        if "mixed_precision" in training:  # removed: refused, not silently ignored
             raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
         if getattr(acc, "mixed_precision", "no") == "fp16":  # Accelerate's fp16 + GradScaler: never applied here
             raise ConfigError("accelerate launch --mixed_precision fp16: peagle-train does not train in fp16 (its loop "
                               "autocasts to `precision`, and Accelerate's GradScaler would never run). Fix: "
                               "accelerate launch --mixed_precision no ... precision=bf16.")
-        self.prec = resolve_precision(train_cfg.get("precision") or "fp32", acc.device)
+        self.prec = resolve_precision(settings.precision or "fp32", acc.device)
         self.amp = autocast_context(self.prec, acc.device)
         self.target_amp = autocast_context(self.prec, acc.device)
-        self.fingerprint = flat_fingerprint(train_cfg, draft.config.to_dict(), data_fingerprint(all_lengths))
+        self.fingerprint = flat_fingerprint(settings, draft.config.to_dict(), data_fingerprint(all_lengths))
         self.ckpt_root = checkpoints_root(self.out_dir)
-        if self.save_every or train_cfg.get("resume"):  # every process writes and reads the same checkpoint folder
+        if self.save_every or training.get("resume"):  # every process writes and reads the same checkpoint folder
             check_shared_folder(self.ckpt_root)
-        self.resume_from = check_output_dir(self.ckpt_root, bool(train_cfg.get("resume")), self.fingerprint)
-        engine_kind, zero_stage = resolve_engine(acc, train_cfg.get("engine") or "ddp", train_cfg.get("zero_stage") or 2)
-        self.opt = adamw([p for p in draft.parameters() if p.requires_grad], train_cfg.lr, train_cfg.weight_decay,
+        self.resume_from = check_output_dir(self.ckpt_root, bool(training.get("resume")), self.fingerprint)
+        engine_kind, zero_stage = resolve_engine(acc, settings.distributed.engine, settings.distributed.zero_stage)
+        self.opt = adamw([p for p in draft.parameters() if p.requires_grad], training.lr, training.weight_decay,
                          fused=fused_optimizer(engine_kind))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(train_cfg.warmup_steps, steps, train_cfg.schedule,
-                                                                         train_cfg.get("decay_fraction", 0.2)))
-        attention_kind(train_cfg.attention, acc.device)  # raises now, not at the first backward
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(training.warmup_steps, steps,
+                                                                         training.schedule,
+                                                                         training.get("decay_fraction", 0.2)))
+        attention_kind(training.attention, acc.device)  # raises now, not at the first backward
         # on a CUDA device, a step that cannot fit its memory is refused now (the estimate `peagle plan` prints)
-        check_step_memory(acc.device, self.target.model, self.target.config, draft.config, train_cfg, W, engine_kind,
-                          zero_stage, attention=attention_kind(train_cfg.attention, acc.device),
+        check_step_memory(acc.device, self.target.model, self.target.config, draft.config, training,
+                          settings.num_depths, W, engine_kind, zero_stage,
+                          attention=attention_kind(training.attention, acc.device),
                           act_bytes=2 if self.prec.is_bf16 else 4, online=isinstance(self.features, OnlineFeatures))
         if acc.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
                                               "DEEPSPEED", "FSDP"):
@@ -165,7 +170,7 @@ class Trainer:
         self.objective.check(engine_kind, validating=bool(self.val_batches))
         draft = self.draft = draft.to(acc.device)
         self.gen = torch.Generator()  # re-seeded per packed row: the sample depends on the row, not on W or A
-        self.total_counts = torch.zeros(4, train_cfg.num_depths, dtype=torch.float64)
+        self.total_counts = torch.zeros(4, settings.num_depths, dtype=torch.float64)
         self.window = []
         self.tokens_seen, self.start_step, self.t0 = 0, 0, time.perf_counter()
         self.log_path = self.out_dir / "train_log.jsonl"
@@ -173,10 +178,10 @@ class Trainer:
         if W > 1:  # every process starts from rank 0's weights
             import torch.distributed as dist
 
-            for t in [*draft.parameters(), *draft.buffers()]:  # the tensors themselves: a state dict may hold
-                dist.broadcast(t.data, 0)                     # merged copies (draft/embedding.py)
+            for x in [*draft.parameters(), *draft.buffers()]:  # the tensors themselves: a state dict may hold
+                dist.broadcast(x.data, 0)                     # merged copies (draft/embedding.py)
         # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
-        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, train_cfg.grad_clip,
+        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, training.grad_clip,
                                autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None)
         self.model = self.eng.model
         logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
@@ -206,7 +211,7 @@ class Trainer:
         docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
         with self.target_amp:
             row = self.features.packed_row(doc_indices, docs, self.draft_ids)
-        if self.train_cfg.get("mask_oov_targets"):
+        if self.training.get("mask_oov_targets"):
             row = mask_out_of_vocab(row, self.in_draft_vocab)
         return row, len(docs)
 
@@ -215,12 +220,12 @@ class Trainer:
         """One optimizer step: this process's grad_accum micro-rows (global row g = (step·A + m)·W + r,
         so W·A rows per step whatever W is), the objective's step, gradient averaging, clipping and
         the optimizer. Returns the train_log record of the step."""
-        acc, train_cfg, W, A = self.accelerator, self.train_cfg, self.W, self.A
+        acc, W, A = self.accelerator, self.W, self.A
         micro, n_docs, n_tok = [], 0, 0
         for m in range(A):
             g = (step * A + m) * W + self.r
             row, nd = self._row(self.batches[g])
-            self.gen.manual_seed(train_cfg.seed * 1_000_003 + g)
+            self.gen.manual_seed(self.settings.seed * 1_000_003 + g)
             n_docs, n_tok = n_docs + nd, n_tok + row.tokens.numel()
             micro.append((row, self.objective.sample(row, self.gen)))
         loss_value, counts = self.objective.step(self.model, micro, accelerator=acc, amp=self.amp,
@@ -248,7 +253,7 @@ class Trainer:
     def past_deadline(self) -> bool:
         """Whether this process's own clock is past training.max_minutes (False when unset). Only an
         input to the collective decision in `step` (`stop_now`): a process never stops on it alone."""
-        limit = self.train_cfg.max_minutes
+        limit = self.training.max_minutes
         return bool(limit) and time.perf_counter() - self.t0 > 60 * limit
 
     # ------------------------------------------------------------------------------------------
@@ -266,13 +271,13 @@ class Trainer:
         was_training = model.training
         model.eval()
         W, r = acc.num_processes, acc.process_index
-        loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.train_cfg.num_depths, dtype=torch.float64)
+        loss_sum, count, counts = 0.0, 0.0, torch.zeros(4, self.settings.num_depths, dtype=torch.float64)
         n_iter = -(-len(val_batches) // W) * W if self.eng.lockstep else len(val_batches)
         for i in range(r, n_iter, W):
             keep = i < len(val_batches)
             i = i if keep else i % len(val_batches)
             row, _ = self._row(val_batches[i])
-            gen = torch.Generator().manual_seed(self.train_cfg.seed * 1000 + 99991 + i)
+            gen = torch.Generator().manual_seed(self.settings.seed * 1000 + 99991 + i)
             with self.amp:  # validation computes as training does (the target's rows under target_amp, in _row)
                 ls, c, cn = self.objective.validate_row(model, row, gen)
             if not keep:
@@ -305,7 +310,7 @@ class Trainer:
         tokens, seconds, tokens_per_second, last20_metrics, all_metrics, validation, final_loss,
         best_checkpoint, last_checkpoint, engine, draft (the unsharded head)."""
         self.setup()
-        train_cfg, acc, steps = self.train_cfg, self.accelerator, self.steps
+        acc, steps = self.accelerator, self.steps
         bar = tqdm(range(self.start_step, steps), desc="training", unit="step", disable=not acc.is_main_process,
                    initial=self.start_step, total=steps)
         step = self.start_step - 1
@@ -321,7 +326,7 @@ class Trainer:
                 if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
                     self.checkpoint(step + 1)
                 if self.stop_now:  # agreed by all processes in the step's reduction: they stop at the same step
-                    logger.info("stopping after %d steps: max_minutes=%s reached", step + 1, train_cfg.max_minutes)
+                    logger.info("stopping after %d steps: max_minutes=%s reached", step + 1, self.training.max_minutes)
                     break
         if self.save_every and self.last_saved != step + 1:  # the same on every rank (not a file check)
             self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
@@ -342,9 +347,9 @@ class Trainer:
                 "precision": self.prec.name, "draft": plain}
 
 
-def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, train_cfg, out_dir: Path,
-          features: PackedRowSource | None = None) -> dict:
+def train(accelerator, draft, target: FeatureTarget, rows, draft_ids: torch.Tensor, settings: TrainSettings,
+          out_dir: Path, features: PackedRowSource | None = None) -> dict:
     """Train `draft` on `rows` and return the summary of `Trainer.fit` (see `Trainer`).
     `features`: None = online (the step runs the target), or a feature source such as
     features.shards.OfflineFeatures giving the same rows from shards (validation reads it too)."""
-    return Trainer(accelerator, draft, target, rows, draft_ids, train_cfg, out_dir, features=features).fit()
+    return Trainer(accelerator, draft, target, rows, draft_ids, settings, out_dir, features=features).fit()

@@ -7,7 +7,8 @@ no engine branch (DDP is an engine like the others); one module owns the feature
 import graph has no circles, the heads (draft/) are a leaf, the core never imports the CPU plug-in
 (accel/), no two modules or classes share a name, and the lab (benchmarks/, experiments/) stays out
 of the package, with scripts/ holding only the product's files; no function is over MAX_FUNCTION_LINES
-lines unless its docstring says why it cannot be split."""
+lines unless its docstring says why it cannot be split; K ≤ K_train is checked by one rule, and
+evaluation and training take typed settings."""
 
 import ast
 import subprocess
@@ -409,3 +410,21 @@ def test_the_lab_stays_out_of_the_product():
                 names.add(node.module.split(".")[0])
         assert not names & lab, f"{path.relative_to(PKG)} imports {sorted(names & lab)} of the lab"
     assert sorted(p.name for p in (REPO_ROOT / "scripts").iterdir() if p.name != "__pycache__") == sorted(SCRIPTS)
+
+
+def test_one_k_train_check_and_typed_settings():
+    """K ≤ K_train has one rule (config.py `k_beyond_k_train_problem`), applied by the train config's
+    check (`config_problems`) and by `EvalSettings.check_head` (every head `peagle evaluate`
+    decodes), nowhere else; evaluation and training take typed settings (EvalSettings,
+    TrainSettings): no bag of evaluation keys, no flat trainer config mapped back to the schema."""
+    callers, names = set(), set()
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
+                    "k_beyond_k_train_problem":
+                callers.add(rel)
+            elif isinstance(node, (ast.Name, ast.FunctionDef)):
+                names.add(getattr(node, "id", getattr(node, "name", None)))
+    assert callers == {"config.py", "evaluation/settings.py"}, callers
+    assert not names & {"EVAL_KEYS", "evaluate_from_config", "train_config", "SCHEMA_KEY"}

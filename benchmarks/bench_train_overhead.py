@@ -31,6 +31,7 @@ from peagle_train.paths import RECIPES_DIR, resolve_path
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.algorithms import peagle
 from peagle_train.training import trainer
+from peagle_train.training.checks import TrainSettings
 
 HEADING = "## Training-step overhead with online features"
 
@@ -62,9 +63,10 @@ def main():
                         min_supervised_tokens=cfg.data.min_supervised_tokens, draft_vocab_size=cfg.data.draft_vocab_size,
                         seed=0)
     draft = build_draft(target, cfg.draft, data.vocab, data.mask_token_id)
-    train_cfg = OmegaConf.create({**OmegaConf.to_container(cfg.training), "num_depths": cfg.draft.num_depths, "seed": 0,
-                                  "algorithm": "peagle", "tokens_per_step": args.tokens_per_step, "max_steps": args.steps,
-                                  "max_minutes": None, "warmup_steps": 1})  # a few timed steps: no warm-up
+    train_cfg = TrainSettings(OmegaConf.merge(cfg.training, {"tokens_per_step": args.tokens_per_step,
+                                                             "max_steps": args.steps, "max_minutes": None,
+                                                             "warmup_steps": 1}),  # a few timed steps: no warm-up
+                              draft=cfg.draft, algorithm="peagle", seed=0)
     t_target, t_draft, t_opt = [], [], []
     FeatureTarget.__call__ = timed(FeatureTarget.__call__, t_target)
     peagle.draft_step = timed(peagle.draft_step, t_draft)

@@ -120,7 +120,7 @@ def bench_training(amp, n: int = 2048, repeats: int = 3) -> list[dict]:
         cfg = SimpleNamespace(algorithm=algorithm, num_depths=K_TRAIN[algorithm], max_anchors=256, loss="kl",
                               down_sample_ratio=0.7, down_sample_ratio_min=0.2, partitions=1, attention="auto",
                               ttt_decay=0.8)
-        obj = make_objective(cfg)
+        obj = make_objective(algorithm, cfg, K_TRAIN[algorithm])
         sample = obj.sample(row, g)
         times = []
         for i in range(repeats + 1):

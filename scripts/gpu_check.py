@@ -117,7 +117,7 @@ def step8b(tokens_list: list[int]) -> None:
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
-    from peagle_train.config import train_config
+    from peagle_train.training.checks import TrainSettings
     from peagle_train.training.trainer import train
 
     cfg = recipe_cfg()
@@ -141,10 +141,12 @@ def step8b(tokens_list: list[int]) -> None:
         rows = datasets.Dataset.from_dict({
             "input_ids": [torch.randint(0, tcfg.vocab_size - 1, (tokens,), generator=g).tolist() for _ in range(4)],
             "loss_mask": [[0] * 64 + [1] * (tokens - 64) for _ in range(4)]})
-        tc = OmegaConf.merge(train_config(cfg), {"tokens_per_step": tokens, "max_steps": 3, "epochs": 1,
-                                                 "warmup_steps": 1, "grad_accum": 1, "save_every": None,
-                                                 "val_conversations": 0, "engine": "ddp", "tracker": "none",
-                                                 "precision": "bf16"})
+        tc = TrainSettings.from_config(
+            cfg, precision="bf16",
+            training=OmegaConf.merge(cfg.training, {"tokens_per_step": tokens, "max_steps": 3, "epochs": 1,
+                                                    "warmup_steps": 1, "grad_accum": 1, "save_every": None,
+                                                    "val_conversations": 0, "tracker": "none"}),
+            distributed=OmegaConf.merge(cfg.distributed, {"engine": "ddp"}))
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -182,6 +184,7 @@ def step8b(tokens_list: list[int]) -> None:
 
 def eval8b(n_prompts: int, new_tokens: int) -> None:
     from peagle_train.evaluation.run import evaluate_acceptance
+    from peagle_train.evaluation.settings import EvalSettings
 
     cfg = recipe_cfg()
     target, draft, vocab, tcfg = build_8b(cfg)
@@ -191,9 +194,10 @@ def eval8b(n_prompts: int, new_tokens: int) -> None:
                                                                          generator=g).tolist()}
                for i in range(n_prompts)]
     t0 = time.perf_counter()
-    acc = evaluate_acceptance(target, draft, None, prompts, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                              max_new_tokens=new_tokens, out_dir="/tmp/gpu_check_eval8b", plot=False,
-                              benchmark="random", precision="bf16" if DEVICE == "cuda" else "fp32")
+    settings = EvalSettings(num_speculative_tokens=cfg.eval.num_speculative_tokens, max_new_tokens=new_tokens,
+                            plot=False, benchmark="random")
+    acc = evaluate_acceptance(target, draft, None, prompts, settings, out_dir="/tmp/gpu_check_eval8b",
+                              precision="bf16" if DEVICE == "cuda" else "fp32")
     wall = time.perf_counter() - t0
     made = n_prompts * new_tokens
     ms_per_token = 1000 * wall / made  # target alone + head, as the recipe's evaluation decodes both

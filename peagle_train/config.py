@@ -794,7 +794,7 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     key, the value, what it admits and the fix: a number outside the range written with its key
     (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
     (`mix_problems`); target.aux_layer_ids 3 (DFlash: 1 or more) distinct, ascending, non-negative ids (the range [0, N)
-    is checked once the target is loaded, target/capture.py `check_aux_layer_ids`); no
+    is checked once the target is loaded, target/aux_layers.py `AuxLayers.resolve`); no
     draft.train_embeddings=mask_row on an eagle3 head; data.max_length above
     data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
     ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
@@ -810,9 +810,9 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     problems += mix_problems(get("data.mix"))
     ids = get("target.aux_layer_ids")
     if ids is not None:
-        from .target.capture import aux_count, aux_layer_ids_problem
+        from .target.aux_layers import AuxLayers
 
-        if (m := aux_layer_ids_problem(ids, None, count=aux_count(get("algorithm") or "peagle"))):
+        if (m := AuxLayers.problem(ids, None, count=AuxLayers.count(get("algorithm") or "peagle"))):
             problems.append(m)
     if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
         problems.append(m)

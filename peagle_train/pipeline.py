@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.vocab import DraftVocab
-from .draft.head_checkpoint import save_checkpoint
+from .draft.head_files import save_checkpoint
 from .evaluation.run import evaluate_acceptance
 from .evaluation.settings import EvalSettings
 from .export.speculators import write_export

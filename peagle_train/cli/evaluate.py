@@ -28,9 +28,9 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from peagle_train.export.speculators import load_head
+from peagle_train.draft.head_files import load_head
 from peagle_train.config import check_config, register
 from peagle_train.runtime import RESUME_EVALUATE, cli_main
 from peagle_train.paths import CONF_DIR
@@ -39,7 +39,8 @@ from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
 from peagle_train.job import build_target
-from peagle_train.target.capture import FeatureTarget, aux_count
+from peagle_train.target.aux_layers import AuxLayers
+from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids
@@ -81,17 +82,15 @@ def main(cfg: DictConfig) -> dict:
     settings = EvalSettings.from_config(cfg.eval)
     settings.check_head(draft.config, f"head={head}")  # K ≤ K_train, before the target is loaded
     ids = list(draft.config.aux_layer_ids)
-    with open_dict(cfg.target):
-        if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
-            raise SystemExit(f"head={head} was trained on aux layers {ids}, but target.aux_layer_ids="
-                             f"{list(cfg.target.aux_layer_ids)}. Fix: drop target.aux_layer_ids.")
-        cfg.target.aux_layer_ids = ids
+    if cfg.target.aux_layer_ids and list(cfg.target.aux_layer_ids) != ids:
+        raise SystemExit(f"head={head} was trained on aux layers {ids}, but target.aux_layer_ids="
+                         f"{list(cfg.target.aux_layer_ids)}. Fix: drop target.aux_layer_ids.")
     engine = str(cfg.eval.get("engine", "reference"))
     # vLLM alone needs the in-process target only for its tokenizer and config: kept off the GPU vLLM uses
     device = "cuda" if torch.cuda.is_available() and engine != "vllm" else "cpu"
     n_layers = None
     try:
-        target, tok = build_target(cfg.target, device, draft.config.algorithm)
+        target, tok = build_target(cfg.target, device, draft.config.algorithm, aux_layer_ids=ids)
     except ValueError as e:  # aux layer ids outside the target
         raise SystemExit(f"head={head} does not fit target {cfg.target.path}: {e}") from e
     n_layers = target.config.num_hidden_layers
@@ -104,7 +103,7 @@ def main(cfg: DictConfig) -> dict:
         oids = list(other.config.aux_layer_ids)
         if not all(0 <= i < n_layers for i in oids):
             raise SystemExit(f"{setting}={path}: aux layers {oids} outside the target's {n_layers} layers.")
-        otarget = target if oids == ids else FeatureTarget(target.model, oids, aux_count=aux_count(other.config.algorithm))
+        otarget = target if oids == ids else FeatureTarget(target.model, oids, aux_count=AuxLayers.count(other.config.algorithm))
         check_head_target(other, otarget, tok, f"{setting}={path}")
         return other.to(device=target.model.device), otarget
 

@@ -16,14 +16,14 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from .cost_model import (
     CostModelError, StepCost, check_costs, conditional_acceptance, expected_tokens_per_step, extend_acceptance,
     k_range_warnings, predict, read_costs, recommend, tokens_per_second, write_costs,
 )
-from ..export.speculators import load_head
+from ..draft.head_files import load_head
 from ..extras import available, install_hint
 from ..job import write_json
 
@@ -198,9 +198,8 @@ def recommend_k(cfg: DictConfig) -> dict:
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        with open_dict(cfg.target):
-            cfg.target.aux_layer_ids = list(draft.config.aux_layer_ids)
-        target, tok = build_target(cfg.target, "cuda" if torch.cuda.is_available() else "cpu")
+        target, tok = build_target(cfg.target, "cuda" if torch.cuda.is_available() else "cpu", draft.config.algorithm,
+                                   aux_layer_ids=list(draft.config.aux_layer_ids))
         draft.to(target.model.device)
 
     if rc.acceptance is not None:

@@ -101,10 +101,10 @@ def draft_config_for(target_config, num_layers: int, num_depths: int, draft_voca
     """The DraftConfig `job.build_draft` would make for a target with HF config `target_config`
     (mask token 0 and the default aux ids stand in: they change no size). `flags`: norm_before_fc,
     fc_norm, norm_before_residual, gradient_checkpointing, block_causal."""
-    from ..target.capture import default_aux_layer_ids
+    from ..target.aux_layers import AuxLayers
 
     n = target_config.num_hidden_layers
-    ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n)
+    ids = AuxLayers.resolve(aux_layer_ids, n, count=AuxLayers.count(algorithm)).to_json()
     return DraftConfig.from_target(target_config, num_layers=num_layers, draft_vocab_size=draft_vocab_size,
                                    mask_token_id=0, num_depths=num_depths, aux_layer_ids=ids, algorithm=algorithm,
                                    **flags)

@@ -13,7 +13,7 @@ import torch
 from peagle_train.errors import UserError
 from peagle_train.runtime import cli_main
 from .conftest import REPO_ROOT
-from peagle_train.draft.head_checkpoint import save_checkpoint
+from peagle_train.draft.head_files import save_checkpoint
 
 from .conftest import tiny_llama
 from .test_decoding import make_draft

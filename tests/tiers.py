@@ -14,9 +14,10 @@ TIERS = {
     "unit": (
         "test_alignment", "test_amx_attention", "test_aux_numbering", "test_bad_input_data", "test_bad_input_fuzz",
         "test_benchmarks", "test_cod", "test_cod_attention", "test_config", "test_data", "test_decoding",
-        "test_dflash", "test_docs_paths", "test_eagle3", "test_engine", "test_export", "test_head", "test_layout",
-        "test_packed_linear", "test_plan", "test_precision", "test_precision_training", "test_provenance",
-        "test_recipe_knobs", "test_recommend_k", "test_shared", "test_templates", "test_tiers", "test_training",
+        "test_dflash", "test_docs_paths", "test_eagle3", "test_engine", "test_export", "test_extras", "test_head",
+        "test_layout", "test_packed_linear", "test_plan", "test_precision", "test_precision_training",
+        "test_provenance", "test_recipe_knobs", "test_recommend_k", "test_shared", "test_templates", "test_tiers",
+        "test_training",
     ),
     "integration": (
         "test_ablation_report", "test_bad_input_cli", "test_bad_input_files", "test_cli", "test_cuda",

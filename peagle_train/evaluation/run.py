@@ -288,15 +288,7 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings:
     temperature, seed, benchmark = settings.temperature, settings.seed, settings.benchmark
     check_unique_ids(prompts, benchmark)
     greedy = temperature <= 0
-    more_heads = list(more_heads or [])
-    if precision is not None:
-        resolved, (draft, baseline_draft, *more) = prepare_for_decoding(
-            target, [draft, baseline_draft, *(d for _, d, _ in more_heads)], precision)
-        more_heads = [(n, d, t) for (n, _, t), d in zip(more_heads, more)]
-        prec_name = resolved.name
-    else:
-        prec_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(target.model.dtype,
-                                                                                                str(target.model.dtype))
+    draft, baseline_draft, more_heads, prec_name = _in_precision(target, draft, baseline_draft, more_heads, precision)
     prompts = [q if "turns" in q or "messages" in q or "input_ids" in q else {**q, "turns": [q["prompt"]]}
                for q in prompts]
     out_dir = Path(out_dir)
@@ -307,53 +299,84 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings:
     heads = [("head", draft, target)] + ([("baseline_head", baseline_draft, baseline_target or target)]
                                          if baseline_draft is not None else [])
     heads += [(f"{MORE_HEAD}{i}", d, t or target) for i, (_, d, t) in enumerate(more_heads, 1)]
-    meta = {"num_speculative_tokens": K, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-            "batch_size": batch_size, "precision": prec_name, "eos": sorted(eos),
-            "heads": {name: head_fingerprint(d) for name, d, _ in heads}, "timing": "warm-up excluded"}
-    results = ResultLog(out_dir, meta)
-    if results.reused:
-        logger.info("resuming %s: %d results already decoded", results.path, results.reused)
-    decoded = 0
-    done_turns, skipped = [], {"empty_prompt": 0, "too_long": 0}
-    histories = [list(q.get("messages", [])[:-1]) for q in prompts]
-    alive = [True] * len(prompts)
-    n_turns = lambda q: len(q.get("turns", [None]))  # noqa: E731
-    bar = tqdm(total=sum(n_turns(q) for q in prompts), desc=f"decoding (K={K})", unit="turn")
+    results = _open_results(out_dir, settings, prec_name, eos, heads)
     # greedy below fp32 at batch 1: the lossless reference is the target alone in the verifier's
     # numerics (verify-shaped (K+1)-token forwards); a 1-token forward rounds differently. In larger
     # batches the matmul shapes follow which rows are still decoding, so no reference can match them.
     reference = greedy and prec_name != "fp32" and batch_size == 1
     decoders = [("target", None, target)] + ([("reference", None, target)] if reference else []) + heads
     checked = prec_name == "fp32" or batch_size == 1  # report.py: below fp32 in batches no reference matches
+    done_turns, skipped, decoded = _decode_turns(prompts, tokenizer, decoders, results, settings, eos=eos, ctx=ctx,
+                                                 gen=gen, greedy=greedy, checked=checked)
+    results.close()
+    return _write_acceptance(done_turns, decoders, settings, out_dir, decoded=decoded, results=results,
+                             skipped=skipped, num_prompts=len(prompts), precision=prec_name,
+                             baseline_draft=baseline_draft, more_heads=more_heads, train_metrics=train_metrics)
+
+
+def _in_precision(target, draft, baseline_draft, more_heads: list[tuple] | None, precision: str | None) -> tuple:
+    """The heads to decode with and the precision's name (evaluate_acceptance): with `precision`
+    (auto | fp32 | bf16) the target is put in it in place and the heads are copies in it
+    (`prepare_for_decoding`); with None all stay as they are and the name is the target's dtype
+    (bf16, fp32, fp16, else str(dtype)). more_heads: [(name, head, target or None)].
+    Returns (draft, baseline_draft or None, more_heads as a list, precision name)."""
+    more_heads = list(more_heads or [])
+    if precision is not None:
+        resolved, (draft, baseline_draft, *more) = prepare_for_decoding(
+            target, [draft, baseline_draft, *(d for _, d, _ in more_heads)], precision)
+        more_heads = [(n, d, t) for (n, _, t), d in zip(more_heads, more)]
+        prec_name = resolved.name
+    else:
+        prec_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(target.model.dtype,
+                                                                                                str(target.model.dtype))
+    return draft, baseline_draft, more_heads, prec_name
+
+
+def _open_results(out_dir: Path, settings: EvalSettings, prec_name: str, eos: set[int],
+                  heads: list[tuple]) -> ResultLog:
+    """out_dir/results.jsonl for these settings (results.meta.json: K, max_new_tokens, temperature,
+    seed, batch_size, the precision's name, the eos ids and each head's `head_fingerprint`), with
+    the results of an earlier run of the same settings read back (logged when there are some).
+    heads: [(decoder name, head, target)]. Raises what `ResultLog` raises (CorruptFileError)."""
+    meta = {"num_speculative_tokens": settings.num_speculative_tokens, "max_new_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature, "seed": settings.seed,
+            "batch_size": settings.batch_size, "precision": prec_name, "eos": sorted(eos),
+            "heads": {name: head_fingerprint(d) for name, d, _ in heads}, "timing": "warm-up excluded"}
+    results = ResultLog(out_dir, meta)
+    if results.reused:
+        logger.info("resuming %s: %d results already decoded", results.path, results.reused)
+    return results
+
+
+def _n_turns(q: dict) -> int:
+    """The number of turns of a prompt item: len(turns), else 1 ({messages} or {input_ids})."""
+    return len(q.get("turns", [None]))
+
+
+def _decode_turns(prompts: list[dict], tokenizer, decoders: list[tuple], results: ResultLog, settings: EvalSettings, *,
+                  eos: set[int], ctx: int, gen, greedy: bool, checked: bool) -> tuple[list, dict, int]:
+    """Decode every turn of `prompts` (normalised items, evaluate_acceptance) with every decoder
+    [(name, head or None, target)], batch_size prompts at a time (by first-turn length when > 1),
+    turn by turn, decoding only the (benchmark, id, turn, decoder) keys `results` does not hold yet
+    and appending each result to it; before the first decode every decoder runs one untimed
+    warm-up of up to WARMUP_TOKENS tokens. ctx: the target's context in tokens (10**9 if unknown);
+    gen: the sampling generator (None when greedy).
+    Returns (done turns [((prompt index, turn), per_prompt.csv row, {decoder: GenerationResult})]
+    in decoding order, skipped counts {empty_prompt, too_long}, number of results decoded now)."""
+    K, max_new_tokens, batch_size = settings.num_speculative_tokens, settings.max_new_tokens, settings.batch_size
+    temperature, benchmark = settings.temperature, settings.benchmark
+    decoded = 0
+    done_turns, skipped = [], {"empty_prompt": 0, "too_long": 0}
+    histories = [list(q.get("messages", [])[:-1]) for q in prompts]
+    alive = [True] * len(prompts)
+    bar = tqdm(total=sum(_n_turns(q) for q in prompts), desc=f"decoding (K={K})", unit="turn")
     warm = False
     batch_order = _by_first_turn_length(prompts, tokenizer) if batch_size > 1 else list(range(len(prompts)))
     for b0 in range(0, len(prompts), batch_size):
         idx = batch_order[b0:b0 + batch_size]
-        for turn in range(1, max(n_turns(prompts[i]) for i in idx) + 1):
-            jobs, seen = [], 0
-            for i in idx:
-                q = prompts[i]
-                if turn > n_turns(q):
-                    continue
-                seen += 1
-                if not alive[i]:  # an earlier turn was skipped: the later ones have no history
-                    continue
-                if "input_ids" in q:
-                    ids = list(q["input_ids"])
-                else:
-                    user = _user_text(q, turn)
-                    if not str(user).strip():
-                        skipped["empty_prompt"] += 1; alive[i] = False
-                        continue
-                    histories[i].append({"role": "user", "content": user})
-                    ids = chat_ids(tokenizer, histories[i])
-                if not ids:
-                    skipped["empty_prompt"] += 1; alive[i] = False
-                    continue
-                if len(ids) + max_new_tokens + K + 1 > ctx:
-                    skipped["too_long"] += 1; alive[i] = False
-                    continue
-                jobs.append((i, ids))
+        for turn in range(1, max(_n_turns(prompts[i]) for i in idx) + 1):
+            jobs, seen = _turn_jobs(prompts, idx, turn, tokenizer, histories, alive, skipped,
+                                    room=max_new_tokens + K + 1, ctx=ctx)
             for name, d, t in decoders:  # decode what results.jsonl does not hold yet
                 todo = [(i, ids) for i, ids in jobs if (benchmark, str(prompts[i]["id"]), turn, name) not in results.done]
                 if not todo:
@@ -377,16 +400,60 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings:
                 done_turns.append(((i, turn), _row(q, turn, len(ids), res, greedy, checked), res))
             bar.update(seen)
     bar.close()
-    results.close()
+    return done_turns, skipped, decoded
+
+
+def _turn_jobs(prompts: list[dict], idx: list[int], turn: int, tokenizer, histories: list[list], alive: list[bool],
+               skipped: dict[str, int], *, room: int, ctx: int) -> tuple[list[tuple[int, list[int]]], int]:
+    """The prompts of batch `idx` to decode at `turn` (1-based), each with its token ids: the user's
+    message is appended to its history and the chat tokenised ({input_ids} items as given). A prompt
+    that is empty, or whose ids + `room` (max_new_tokens + K + 1 tokens) exceed `ctx`, is counted in
+    `skipped` (empty_prompt, too_long) and marked not `alive`, and so are its later turns (no
+    history). Returns ([(prompt index, ids)], number of the batch's prompts that have this turn)."""
+    jobs, seen = [], 0
+    for i in idx:
+        q = prompts[i]
+        if turn > _n_turns(q):
+            continue
+        seen += 1
+        if not alive[i]:  # an earlier turn was skipped: the later ones have no history
+            continue
+        if "input_ids" in q:
+            ids = list(q["input_ids"])
+        else:
+            user = _user_text(q, turn)
+            if not str(user).strip():
+                skipped["empty_prompt"] += 1; alive[i] = False
+                continue
+            histories[i].append({"role": "user", "content": user})
+            ids = chat_ids(tokenizer, histories[i])
+        if not ids:
+            skipped["empty_prompt"] += 1; alive[i] = False
+            continue
+        if len(ids) + room > ctx:
+            skipped["too_long"] += 1; alive[i] = False
+            continue
+        jobs.append((i, ids))
+    return jobs, seen
+
+
+def _write_acceptance(done_turns: list, decoders: list[tuple], settings: EvalSettings, out_dir: Path, *, decoded: int,
+                      results: ResultLog, skipped: dict[str, int], num_prompts: int, precision: str, baseline_draft,
+                      more_heads: list[tuple], train_metrics: dict | None) -> dict:
+    """The acceptance dict of the decoded turns (report.summarize, in the prompts' order), written
+    to out_dir (report.write_report: per_prompt.csv, acceptance.png when settings.plot,
+    acceptance.json) and logged. done_turns: `_decode_turns`'s; precision: its name (fp32, bf16, ...).
+    Raises BenchmarkError when no turn was decoded (every prompt skipped)."""
     done_turns.sort(key=lambda t: t[0])  # the prompts' own order, whatever the batches were
     rows, order = [r for _, r, _ in done_turns], [res for _, _, res in done_turns]
     logger.info("decoded %d results, reused %d from %s", decoded, results.reused, results.path)
     if not rows:
-        raise BenchmarkError(f"no prompt could be decoded: skipped {skipped} of {len(prompts)}. Fix: shorter prompts or "
+        raise BenchmarkError(f"no prompt could be decoded: skipped {skipped} of {num_prompts}. Fix: shorter prompts or "
                              "a smaller eval.max_new_tokens.")
     res_all = {name: [r[name] for r in order] for name, _, _ in decoders}
-    result = summarize(rows, res_all, K=K, max_new_tokens=max_new_tokens, temperature=temperature,
-                       batch_size=batch_size, precision=prec_name, skipped=skipped,
+    result = summarize(rows, res_all, K=settings.num_speculative_tokens, max_new_tokens=settings.max_new_tokens,
+                       temperature=settings.temperature, batch_size=settings.batch_size, precision=precision,
+                       skipped=skipped,
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
                        train_metrics=train_metrics,
                        more_heads=[(n, d.config.algorithm) for n, d, _ in more_heads])

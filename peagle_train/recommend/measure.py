@@ -180,6 +180,41 @@ def recommend_k(cfg: DictConfig) -> dict:
     batches, ks = _positive_ints("batch_sizes", rc.batch_sizes), _positive_ints("ks", rc.ks)
     if rc.overhead_ms is None or rc.overhead_ms < 0:
         raise CostModelError(f"recommend.overhead_ms={rc.overhead_ms}: must be >= 0 milliseconds.")
+    draft, target, tok, k_train, warnings = _load_models(cfg, ks)
+    acc_src, acc, a_measured, a, n_extra = _acceptance(cfg, out, ks, k_train, draft, target, tok)
+    costs, costs_src, skipped = _costs(rc, out, batches, ks, draft, target)
+
+    rows = predict(a, costs, batches, ks, rc.overhead_ms, k_train)
+    best = recommend(rows, rc.allow_beyond_k_train)
+    _write_predictions(rc, out, rows, best, ks, k_train, skipped, acc_src=acc_src, acc=acc, a_measured=a_measured,
+                       costs_src=costs_src)
+    result = {
+        "recommended_k": {str(b): r["K"] for b, r in best.items()},
+        "predicted_tokens_per_s": {str(b): r["tokens_per_s"] for b, r in best.items()},
+        "predicted_speedup": {str(b): r["speedup"] for b, r in best.items()},
+        "k_train": k_train, "warnings": warnings, "skipped_batches": {str(b): r for b, r in skipped.items()},
+        "acceptance": acc_src, "conditional_acceptance": a, "extrapolated_positions": n_extra,
+        "costs": costs_src, "context_length": rc.context_length, "overhead_ms": rc.overhead_ms,
+    }
+    if rc.compare:
+        cmp = compare_runs(list(rc.compare), a, costs, rc.overhead_ms, rc.extrapolate)
+        print("\nModel vs decoder (batch 1):\n\n" + cmp)
+        (out / "compare.md").write_text(cmp)
+    write_json(out / "recommendation.json", result)
+    print("recommended K per batch size: " + ", ".join(f"B={b}: K={r['K']} ({r['tokens_per_s']:.1f} tokens/s, "
+                                                       f"{r['speedup']:.2f}×)" for b, r in best.items()))
+    print(f"written: {out}/{{costs.csv, predictions.csv, predictions.md, heatmap.png, recommendation.json}}")
+    return result
+
+
+def _load_models(cfg: DictConfig, ks: list[int]) -> tuple:
+    """The head of cfg.head (None without one), and when costs or acceptance are to be measured the
+    target (cfg.target with the head's aux layer ids, on CUDA when there is one, cfg.threads CPU
+    threads) and its tokenizer (else None); K_train (recommend.k_train, else the head's num_depths,
+    else None) and the warnings on `ks` against it (logged).
+    Returns (draft, target, tokenizer, k_train, warnings). Raises CostModelError when there is
+    nothing to measure with (no head, and recommend.costs or recommend.acceptance unset)."""
+    rc = cfg.recommend
     need_models = rc.costs is None or rc.acceptance is None
     draft = target = tok = None
     head = cfg.get("head")
@@ -201,7 +236,17 @@ def recommend_k(cfg: DictConfig) -> dict:
         target, tok = build_target(cfg.target, "cuda" if torch.cuda.is_available() else "cpu", draft.config.algorithm,
                                    aux_layer_ids=list(draft.config.aux_layer_ids))
         draft.to(target.model.device)
+    return draft, target, tok, k_train, warnings
 
+
+def _acceptance(cfg: DictConfig, out: Path, ks: list[int], k_train: int | None, draft, target, tok) -> tuple:
+    """The acceptance to predict from: recommend.acceptance's acceptance.json, else measured by
+    `evaluate_acceptance` (the eval group's prompts, K = min(max(ks), K_train), into out/eval),
+    its conditional per-position rates, and those extended to max(ks) positions by
+    recommend.extrapolate (logged when extended).
+    Returns (source path, acceptance dict, measured conditional rates, rates for K = 1..max(ks),
+    number of extrapolated positions). Raises CostModelError for a missing or damaged file."""
+    rc = cfg.recommend
     if rc.acceptance is not None:
         acc_src, acc = str(rc.acceptance), load_acceptance(rc.acceptance)
     else:
@@ -219,7 +264,15 @@ def recommend_k(cfg: DictConfig) -> dict:
     if n_extra:
         logger.info(f"acceptance measured for K ≤ {len(a_measured)}; positions {len(a_measured) + 1}..{max(ks)} "
                     f"extrapolated ({rc.extrapolate}: conditional rate {a[-1]:.3f}).")
+    return acc_src, acc, a_measured, a, n_extra
 
+
+def _costs(rc: DictConfig, out: Path, batches: list[int], ks: list[int], draft, target) -> tuple:
+    """The step costs {(batch, K): StepCost} (milliseconds): read from recommend.costs, else
+    measured (`measure_costs`, within recommend.memory_limit_gb or the device's free memory);
+    written to out/costs.csv either way.
+    Returns (costs, source path, skipped {batch: reason}). Raises CostModelError for costs that do
+    not cover `batches` × `ks` or when no batch size could be measured."""
     skipped = {}
     if rc.costs is not None:
         costs_src, costs = str(rc.costs), read_costs(rc.costs)
@@ -236,9 +289,15 @@ def recommend_k(cfg: DictConfig) -> dict:
                                  + ". Fix: smaller recommend.batch_sizes or recommend.context_length.")
         check_costs(costs, [b for b in batches if b not in skipped], ks, costs_src)
     write_costs(out / "costs.csv", costs)
+    return costs, costs_src, skipped
 
-    rows = predict(a, costs, batches, ks, rc.overhead_ms, k_train)
-    best = recommend(rows, rc.allow_beyond_k_train)
+
+def _write_predictions(rc: DictConfig, out: Path, rows: list[dict], best: dict, ks: list[int], k_train: int | None,
+                       skipped: dict, *, acc_src: str, acc: dict, a_measured: list[float], costs_src: str) -> None:
+    """Print the predictions table (stdout: the command's product) under its note (the model, where
+    acceptance (acc_src: τ of `acc` at K = len(a_measured)) and costs (costs_src) came from), log the
+    skipped batch sizes, and write out/predictions.md, out/predictions.csv (one row per (batch, K))
+    and out/heatmap.png."""
     table = format_table(rows, best, ks, k_train)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     note = (f"Predicted tokens/s (model: B·E[τ](K) / (t_draft + t_verify + {rc.overhead_ms} ms)); acceptance from "
@@ -257,20 +316,3 @@ def recommend_k(cfg: DictConfig) -> dict:
         w.writerows(rows)
     plot_heatmap(rows, best, ks, out / "heatmap.png",
                  f"P-EAGLE K choice ({dev}, context {rc.context_length}); framed = recommended; numbers = tokens/s")
-    result = {
-        "recommended_k": {str(b): r["K"] for b, r in best.items()},
-        "predicted_tokens_per_s": {str(b): r["tokens_per_s"] for b, r in best.items()},
-        "predicted_speedup": {str(b): r["speedup"] for b, r in best.items()},
-        "k_train": k_train, "warnings": warnings, "skipped_batches": {str(b): r for b, r in skipped.items()},
-        "acceptance": acc_src, "conditional_acceptance": a, "extrapolated_positions": n_extra,
-        "costs": costs_src, "context_length": rc.context_length, "overhead_ms": rc.overhead_ms,
-    }
-    if rc.compare:
-        cmp = compare_runs(list(rc.compare), a, costs, rc.overhead_ms, rc.extrapolate)
-        print("\nModel vs decoder (batch 1):\n\n" + cmp)
-        (out / "compare.md").write_text(cmp)
-    write_json(out / "recommendation.json", result)
-    print("recommended K per batch size: " + ", ".join(f"B={b}: K={r['K']} ({r['tokens_per_s']:.1f} tokens/s, "
-                                                       f"{r['speedup']:.2f}×)" for b, r in best.items()))
-    print(f"written: {out}/{{costs.csv, predictions.csv, predictions.md, heatmap.png, recommendation.json}}")
-    return result

@@ -87,14 +87,36 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Rows, optimizer, schedule, engine, resume, logs: everything before the first step."""
-        acc, settings, training = self.accelerator, self.settings, self.training
+        """Rows, optimizer, schedule, engine, resume, logs: everything before the first step, in this
+        order. Every process runs every part (the checkpoint-folder checks, the broadcast of rank 0's
+        weights, the engine and the resume are collectives)."""
+        self._check_tracker()
+        self.save_every, self.keep_last = self.training.get("save_every"), self.training.get("keep_last", 3)
+        all_lengths, n_val = self._pack_rows()
+        self._count_steps(n_val)
+        self._resolve_precision()
+        self._open_checkpoints(all_lengths)
+        engine_kind, zero_stage = self._optimizer_and_checks()
+        self._start_engine(engine_kind, zero_stage)
+        st, old_log = self._resume()
+        self._open_log(st, old_log)
+
+    def _check_tracker(self) -> None:
+        """Raises ConfigError when training.tracker names a tracker the main process's accelerator has
+        not started."""
+        acc, training = self.accelerator, self.training
         tracker = tracker_name(training.get("tracker"))
         if tracker != "none" and acc.is_main_process and not acc.trackers:
             raise ConfigError(f"training.tracker={tracker}, but the accelerator has no started tracker. Fix: make it "
                               "with peagle_train.training.tracking.tracked_accelerator(tracker, out_dir, ...).")
-        draft = self.draft
-        self.save_every, self.keep_last = training.get("save_every"), training.get("keep_last", 3)
+
+    def _pack_rows(self) -> tuple[list[int], int]:
+        """Hold out training.val_conversations documents (exact duplicates stay on their twins' side,
+        logged) and pack the rest into `self.batches` (rows of document indices, up to
+        tokens_per_step tokens each, repacked per epoch with seed + epoch) and the held-out ones into
+        `self.val_batches`. Raises ValueError when the objective cannot validate.
+        Returns (token count of every document, val_conversations or 0)."""
+        settings, training = self.settings, self.training
         n_val = training.get("val_conversations") or 0
         keys = row_keys(self.rows) if n_val else None
         train_idx, val_idx = split_validation(len(self.rows), n_val, settings.seed, keys)
@@ -116,6 +138,14 @@ class Trainer:
                             ] if n_val else []
         if self.val_batches:
             self.objective.check("ddp", validating=True)
+        return all_lengths, n_val
+
+    def _count_steps(self, n_val: int) -> None:
+        """`self.steps`: optimizer steps, len(batches) // (W · grad_accum), at most training.max_steps;
+        sets W, r (this process's index) and A (grad_accum). Raises ValueError when there is no step,
+        and what `check_schedule` raises for a warm-up or checkpoint cadence sized for another run;
+        warns when validation rows are held out but no checkpoint would run it."""
+        acc, training = self.accelerator, self.training
         W, A = acc.num_processes, training.get("grad_accum") or 1
         self.W, self.r, self.A = W, acc.process_index, A
         steps = len(self.batches) // (W * A)
@@ -130,6 +160,12 @@ class Trainer:
         if n_val and not self.save_every:
             logger.warning("training.val_conversations=%d are held out, but training.save_every is null: validation "
                            "runs only at checkpoints, so never. Fix: set training.save_every", n_val)
+
+    def _resolve_precision(self) -> None:
+        """`self.prec` (settings.precision resolved on the device; unset = fp32) and the autocast
+        contexts of the draft (`amp`) and the frozen target (`target_amp`). Raises ConfigError for the
+        removed training.mixed_precision and for Accelerate's fp16 (never applied by this loop)."""
+        acc, training = self.accelerator, self.training
         # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
         if "mixed_precision" in training:  # removed: refused, not silently ignored
             raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
@@ -137,19 +173,35 @@ class Trainer:
             raise ConfigError("accelerate launch --mixed_precision fp16: peagle-train does not train in fp16 (its loop "
                               "autocasts to `precision`, and Accelerate's GradScaler would never run). Fix: "
                               "accelerate launch --mixed_precision no ... precision=bf16.")
-        self.prec = resolve_precision(settings.precision or "fp32", acc.device)
+        self.prec = resolve_precision(self.settings.precision or "fp32", acc.device)
         self.amp = autocast_context(self.prec, acc.device)
         self.target_amp = autocast_context(self.prec, acc.device)
-        self.fingerprint = flat_fingerprint(settings, draft.config.to_dict(), data_fingerprint(all_lengths))
+
+    def _open_checkpoints(self, all_lengths: list[int]) -> None:
+        """The run's fingerprint (settings, head config, data lengths), its checkpoint folder
+        (checked to be one folder shared by every process when checkpoints are written or read: a
+        collective) and `self.resume_from` (the checkpoint to resume from, or None). Raises what
+        `check_shared_folder` and `check_output_dir` raise (FileExistsError / ValueError)."""
+        training = self.training
+        self.fingerprint = flat_fingerprint(self.settings, self.draft.config.to_dict(), data_fingerprint(all_lengths))
         self.ckpt_root = checkpoints_root(self.out_dir)
         if self.save_every or training.get("resume"):  # every process writes and reads the same checkpoint folder
             check_shared_folder(self.ckpt_root)
         self.resume_from = check_output_dir(self.ckpt_root, bool(training.get("resume")), self.fingerprint)
+
+    def _optimizer_and_checks(self) -> tuple[str, int]:
+        """The optimizer (`adamw` over the head's trainable parameters) and the LR schedule, after
+        which the run is refused before any engine starts: an attention kernel the device lacks, a
+        step that cannot fit a CUDA device's memory (`check_step_memory`), an unsupported distributed
+        type (NotImplementedError), an Accelerate / torch.distributed world-size mismatch
+        (ValueError), an engine the objective does not support (ValueError).
+        Returns (engine kind, ZeRO stage) as `resolve_engine` resolves them."""
+        acc, settings, training, draft, W = self.accelerator, self.settings, self.training, self.draft, self.W
         engine_kind, zero_stage = resolve_engine(acc, settings.distributed.engine, settings.distributed.zero_stage)
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], training.lr, training.weight_decay,
                          fused=fused_optimizer(engine_kind))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(training.warmup_steps, steps,
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(training.warmup_steps, self.steps,
                                                                          training.schedule,
                                                                          training.get("decay_fraction", 0.2)))
         attention_kind(training.attention, acc.device)  # raises now, not at the first backward
@@ -168,33 +220,51 @@ class Trainer:
                              "this). Fix: accelerate launch --multi_gpu --num_processes N train.py "
                              "distributed.engine=deepspeed distributed.zero_stage=2|3")
         self.objective.check(engine_kind, validating=bool(self.val_batches))
-        draft = self.draft = draft.to(acc.device)
+        return engine_kind, zero_stage
+
+    def _start_engine(self, engine_kind: str, zero_stage: int) -> None:
+        """The head on the accelerator's device with rank 0's weights on every process (a broadcast
+        when W > 1), fresh step state (generator, metric counts [4, num_depths] float64, window,
+        tokens, clock), and the distributed engine (DDP, DeepSpeed or FSDP, training/engines.py:
+        collective) whose `model` is what the step calls."""
+        acc, settings, W = self.accelerator, self.settings, self.W
+        draft = self.draft = self.draft.to(acc.device)
         self.gen = torch.Generator()  # re-seeded per packed row: the sample depends on the row, not on W or A
         self.total_counts = torch.zeros(4, settings.num_depths, dtype=torch.float64)
         self.window = []
         self.tokens_seen, self.start_step, self.t0 = 0, 0, time.perf_counter()
         self.log_path = self.out_dir / "train_log.jsonl"
-        old_log = []
         if W > 1:  # every process starts from rank 0's weights
             import torch.distributed as dist
 
             for x in [*draft.parameters(), *draft.buffers()]:  # the tensors themselves: a state dict may hold
                 dist.broadcast(x.data, 0)                     # merged copies (draft/embedding.py)
         # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
-        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, A, training.grad_clip,
+        self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, self.A, self.training.grad_clip,
                                autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None)
         self.model = self.eng.model
         logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
-        st = None
+
+    def _resume(self) -> tuple[dict | None, list[str]]:
+        """Load `self.resume_from` when there is one (every process: `load_training_checkpoint`) and
+        take its step, tokens, metric counts and window. Returns (the checkpoint's state or None, the
+        train_log.jsonl lines up to its step: later ones are redone)."""
+        st, old_log = None, []
         if self.resume_from is not None:
-            st = load_training_checkpoint(acc, self.resume_from, self.eng, self.sched, self.gen)
+            st = load_training_checkpoint(self.accelerator, self.resume_from, self.eng, self.sched, self.gen)
         if st is not None:
             self.start_step, self.tokens_seen = st["step"], st["tokens"]
             self.total_counts, self.window = st["total_counts"], list(st["window"])
             if self.log_path.is_file():  # keep the records up to the checkpoint; later ones are redone
                 old_log = [x for x in self.log_path.read_text().splitlines()
                            if x and json.loads(x)["step"] <= self.start_step]
-            logger.info("resuming from %s (step %d of %d)", self.resume_from, self.start_step, steps)
+            logger.info("resuming from %s (step %d of %d)", self.resume_from, self.start_step, self.steps)
+        return st, old_log
+
+    def _open_log(self, st: dict | None, old_log: list[str]) -> None:
+        """Train mode, the draft ids and the draft-vocabulary mask on the device, and (main process)
+        out_dir/train_log.jsonl opened anew holding `old_log`; the step state that starts empty."""
+        acc = self.accelerator
         self.model.train()
         self.draft_ids = self.draft_ids.to(acc.device)
         self.in_draft_vocab = torch.zeros(int(self.draft.t2d.numel()), dtype=torch.bool, device=acc.device)

@@ -71,7 +71,7 @@ def measure(args, dtype, name: str) -> list[dict]:
     from peagle_train.decoding.engine import generate
     from peagle_train.accel.cpu import fuse_ops, pack_linears
     from peagle_train.accel.cpu.attention import use_amx_attention
-    from peagle_train.job import build_target
+    from peagle_train.jobs.builders import build_target
 
     from peagle_train.draft.head_files import load_head
 

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from bench_tables import bench_arguments, machine_line, publish
 from peagle_train.data.prepare import prepare_data
-from peagle_train.job import build_draft, build_target
+from peagle_train.jobs.builders import build_draft, build_target
 from peagle_train.config import default_config
 from peagle_train.paths import resolve_path
 from peagle_train.algorithms.peagle import draft_step

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.decoding import engine as shared
 from peagle_train.evaluation.benchmarks import MT_BENCH_CATEGORIES, chat_ids, load_benchmark
-from peagle_train.job import build_target
+from peagle_train.jobs.builders import build_target
 from peagle_train.draft.head_files import load_head
 
 HEADING = "## Shared-forward cache compaction (benchmarks/bench_shared_cache.py)"

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from bench_tables import bench_arguments, machine_line, write_section
 from peagle_train.config import default_config
 from peagle_train.data.prepare import prepare_data
-from peagle_train.job import build_draft, build_target
+from peagle_train.jobs.builders import build_draft, build_target
 from peagle_train.paths import RECIPES_DIR, resolve_path
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.algorithms import peagle

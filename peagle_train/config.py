@@ -382,7 +382,7 @@ class Config:
                                                "(autocast): auto (bf16 on CUDA and on CPUs with AMX / AVX512-BF16, "
                                                "else fp32) | fp32 | bf16; weights, optimizer, losses stay fp32")
     dry_run: bool = opt(False, "check a recipe on a tiny random target of its family: 2 steps, no data/eval/export "
-                               "(peagle_train/dryrun.py)")
+                               "(peagle_train/jobs/dry_run.py)")
     target: TargetConfig = group(TargetConfig, "the frozen target model")
     data: DataConfig = group(DataConfig, "conversations → token rows, draft vocabulary, mask token")
     features: FeaturesConfig = group(FeaturesConfig, "target features: online, or offline shards written by features")

@@ -8,7 +8,7 @@ Parts of a plan:
 - target: its HF config from a local directory or the HF cache (`target/load.py load_target_config`),
   else the config.json shipped for the GPU recipes' targets (peagle_train/target/configs/, written
   from the public model cards); its parameters counted on the meta device.
-- head: the DraftConfig `job.build_draft` would make, built on the meta device: parameters,
+- head: the DraftConfig jobs/builders.py `build_draft` would make, built on the meta device: parameters,
   trainable and frozen (`draft.train_embeddings`).
 - memory per GPU: `training/memory.py estimate_step_memory` (re-exported here for scripts), against
   `gpu_memory_gb` less a reserve (training/memory.py RESERVE_BYTES: CUDA context, NCCL buffers,

@@ -83,7 +83,7 @@ def build_8b(cfg):
     from transformers import AutoModelForCausalLM
 
     from peagle_train.data.vocab import DraftVocab
-    from peagle_train.job import build_draft
+    from peagle_train.jobs.builders import build_draft
     from peagle_train.target.capture import FeatureTarget
 
     tcfg = target_config(cfg)
@@ -133,7 +133,7 @@ def step8b(tokens_list: list[int]) -> None:
     for tokens in tokens_list:
         import torch._dynamo.utils as dyn
 
-        from peagle_train.job import build_draft
+        from peagle_train.jobs.builders import build_draft
 
         draft = build_draft(target, cfg.draft, vocab, tcfg.vocab_size - 1, str(cfg.algorithm))
         draft.load_state_dict(state, strict=False)
@@ -207,7 +207,7 @@ def eval8b(n_prompts: int, new_tokens: int) -> None:
          ms_per_token=round(ms_per_token, 2), tau=acc.get("acceptance_length"),
          recipe_eval_minutes=round(recipe_minutes, 1), nccl_default_timeout_minutes=10,
          would_outlive_default_timeout=recipe_minutes > 10,
-         note="the process group is released before rank 0 evaluates (pipeline.py end_distributed)")
+         note="the process group is released before rank 0 evaluates (jobs/training_job.py end_distributed)")
 
 
 def main() -> None:

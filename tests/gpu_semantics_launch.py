@@ -21,7 +21,7 @@ import torch
 
 
 def inject() -> None:
-    from peagle_train import pipeline
+    from peagle_train.jobs import training_job
     from peagle_train.target.capture import FeatureTarget
     from peagle_train.training import trainer
 
@@ -53,13 +53,13 @@ def inject() -> None:
 
     trainer.Trainer.setup, trainer.Trainer.fit = late_setup, reporting_fit
 
-    evaluate = pipeline.evaluate_acceptance
+    evaluate = training_job.evaluate_acceptance
 
     def slow_evaluate(*a, **k):
         time.sleep(slow_eval)
         return evaluate(*a, **k)
 
-    pipeline.evaluate_acceptance = slow_evaluate
+    training_job.evaluate_acceptance = slow_evaluate
 
 
 if __name__ == "__main__":

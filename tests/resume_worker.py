@@ -22,7 +22,7 @@ from tests.conftest import tiny_llama
 from tests.test_loop import tiny_rows
 from peagle_train.config import default_config
 from peagle_train.data.vocab import DraftVocab
-from peagle_train.job import build_draft
+from peagle_train.jobs.builders import build_draft
 from peagle_train.logs import setup_logging
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.checks import TrainSettings

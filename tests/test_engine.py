@@ -129,7 +129,7 @@ def test_batched_rejection_sampling_matches_the_target_distribution(algorithm):
 def test_sliding_window_target_in_a_ragged_batch():
     """gpt-oss layout (sliding and full layers, window 8) with ragged prompts and rejected drafts:
     every row's tokens are the oracle's target-alone tokens."""
-    from peagle_train.dryrun import tiny_target
+    from peagle_train.jobs.dry_run import tiny_target
     from peagle_train.draft import DraftConfig, make_draft_head
 
     model = tiny_target("gpt_oss", vocab_size=64, layers=4)

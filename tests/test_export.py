@@ -196,7 +196,7 @@ def _init_cfg(init_from, layers=1):
 def test_init_from_a_checkpoint_or_an_export_loads_its_weights(tmp_path, target_model):
     """draft.init_from: the head build_draft returns holds the source's weights, not the target's init."""
     from peagle_train.data.vocab import DraftVocab
-    from peagle_train.job import build_draft
+    from peagle_train.jobs.builders import build_draft
     from peagle_train.draft.head_files import save_checkpoint
 
     ids = torch.arange(0, 128, 2)
@@ -224,7 +224,7 @@ def test_init_from_a_checkpoint_or_an_export_loads_its_weights(tmp_path, target_
 
 def test_init_from_a_head_of_other_sizes_or_vocabulary_is_refused(tmp_path, target_model):
     from peagle_train.data.vocab import DraftVocab
-    from peagle_train.job import build_draft
+    from peagle_train.jobs.builders import build_draft
     from peagle_train.draft.head_files import save_checkpoint
 
     ids = torch.arange(0, 128, 2)

@@ -47,7 +47,7 @@ def deepspeed_step_output_dtypes(out_dir: str) -> list[str]:
     from deepspeed.runtime import torch_autocast as ds_autocast
     from peagle_train.config import default_config
     from peagle_train.data.vocab import DraftVocab
-    from peagle_train.job import build_draft
+    from peagle_train.jobs.builders import build_draft
     from peagle_train.target.capture import FeatureTarget
     from peagle_train.training.checks import TrainSettings
     from peagle_train.training.trainer import train

@@ -141,18 +141,18 @@ def test_nothing_below_the_trainer_imports_it():
         if rel == "training/trainer.py":
             continue
         bad = {m for m in imported_modules(path) if m.startswith("peagle_train.training.trainer")}
-        if rel != "pipeline.py":  # the job runner drives the trainer
+        if rel != "jobs/training_job.py":  # the job runner drives the trainer
             assert not bad, f"{rel} imports {bad}"
 
 
 def test_train_and_the_dry_run_share_one_job_runner():
     """`peagle train` and the dry run reach training, evaluation and export only through the job
-    runner (pipeline.run_training_job), so the sequence exists once."""
+    runner (jobs/training_job.py run_training_job), so the sequence exists once."""
     stages = ("peagle_train.training.trainer", "peagle_train.evaluation.run", "peagle_train.export.speculators.write_export",
               "peagle_train.draft.head_files.save_checkpoint")
-    for rel in ("cli/train.py", "dryrun.py"):
+    for rel in ("cli/train.py", "jobs/dry_run.py"):
         mods = imported_modules(PKG / rel)
-        assert "peagle_train.pipeline.run_training_job" in mods, rel
+        assert "peagle_train.jobs.training_job.run_training_job" in mods, rel
         bad = {m for m in mods if m.startswith(stages)}
         assert not bad, f"{rel} imports {bad}"
 

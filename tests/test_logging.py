@@ -94,7 +94,7 @@ def test_tensorboard_gets_the_training_loss_and_the_eval_tau(tmp_path):
     train_log.jsonl's losses and acceptance.json's τ and per-position acceptance."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from peagle_train.dryrun import dry_run
+    from peagle_train.jobs.dry_run import dry_run
 
     from .test_config import compose_train
 

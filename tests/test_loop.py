@@ -12,7 +12,7 @@ from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
 from peagle_train.export.speculators import validate_export, write_export
 from peagle_train.draft.head_files import load_export
-from peagle_train.job import build_draft
+from peagle_train.jobs.builders import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.draft.head_files import load_checkpoint, save_checkpoint

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from peagle_train import provenance
 import peagle_train.features.shards as offline
 from peagle_train.data.vocab import DraftVocab
-from peagle_train.job import build_draft
+from peagle_train.jobs.builders import build_draft
 from peagle_train.config import default_config
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.features.shards import OfflineFeatures

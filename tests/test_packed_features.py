@@ -81,7 +81,7 @@ def test_sliding_window_target_falls_back_to_per_document_forwards():
 
 def test_real_smollm2_packed_row_equals_per_document(tmp_path):
     try:
-        from peagle_train.job import build_target
+        from peagle_train.jobs.builders import build_target
         from omegaconf import OmegaConf
 
         t, _ = build_target(OmegaConf.create({"path": "pkg:smollm2", "dtype": "float32", "aux_layer_ids": None}), "cpu")

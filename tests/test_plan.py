@@ -61,7 +61,7 @@ def test_target_parameters_on_the_meta_device_and_active_experts():
     real = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
     counts = target_parameters(hf)
     assert counts["total"] == real and counts["active"] == real - 1000 * 64  # the input embedding is a lookup
-    from peagle_train.dryrun import tiny_target
+    from peagle_train.jobs.dry_run import tiny_target
 
     moe = tiny_target("gpt_oss", layers=2).config  # 4 experts, 2 per token
     experts = sum(p.numel() for n, p in tiny_target("gpt_oss", layers=2).named_parameters() if ".experts." in n)

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from peagle_train.data.prepare import prepare_data
-from peagle_train.job import build_draft, build_target
+from peagle_train.jobs.builders import build_draft, build_target
 from peagle_train.config import default_config
 from peagle_train.paths import resolve_path
 from peagle_train.training.checks import TrainSettings

@@ -5,7 +5,7 @@ a bf16 target with the fp32-trained head, export)."""
 import pytest
 
 from peagle_train.cli.command_line import recipe_names
-from peagle_train.dryrun import dry_run, family_of
+from peagle_train.jobs.dry_run import dry_run, family_of
 
 from .test_config import compose_train
 
@@ -87,7 +87,7 @@ def test_ablation_sweep_table_names_the_swept_key(tmp_path):
     named after the key; two keys varying give the per-job bar plot."""
     import csv
 
-    from peagle_train.sweep import swept_keys, write_summary
+    from peagle_train.jobs.sweep_summary import swept_keys, write_summary
 
     def summary(tau, val):
         return {"training": {"steps": 100, "final_loss": 2.5, "last20_metrics": {"eal": 1.5},

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from peagle_train.data.vocab import DraftVocab
-from peagle_train.job import build_draft
+from peagle_train.jobs.builders import build_draft
 from peagle_train.config import default_config
 
 from .conftest import REPO_ROOT

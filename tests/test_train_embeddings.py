@@ -22,7 +22,7 @@ from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 from peagle_train.errors import ConfigError
 from peagle_train.export.speculators import write_export
 from peagle_train.draft.head_files import load_export
-from peagle_train.job import build_draft
+from peagle_train.jobs.builders import build_draft
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import adamw, train

@@ -38,7 +38,7 @@ from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
-from peagle_train.job import build_target
+from peagle_train.jobs.builders import build_target
 from peagle_train.target.aux_layers import AuxLayers
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator

@@ -21,7 +21,7 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,
                                              serve_commands,
                                              validate_export, verifier_name, write_export)
-from peagle_train.job import dtype_of
+from peagle_train.jobs.builders import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.head_files import load_checkpoint
 

@@ -35,7 +35,7 @@ from peagle_train.data.prepare import data_from_config
 from peagle_train.runtime import RESUME_FEATURES, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.io import atomic_write_json
-from peagle_train.job import build_target
+from peagle_train.jobs.builders import build_target
 from peagle_train.precision import autocast_context, log_precision, resolve_precision
 from peagle_train.features.shards import write_features_from_config
 from peagle_train.training.engines import process_group_kwargs

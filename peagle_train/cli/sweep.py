@@ -1,5 +1,5 @@
 """`peagle sweep`: rewrite the table and plot of a `peagle train -m` sweep, or table jobs of several
-sweeps together (ablations run one multirun each; peagle_train/sweep.py).
+sweeps together (ablations run one multirun each; peagle_train/jobs/sweep_summary.py).
 
     peagle sweep output_dir=runs/sweep-k                                  # a finished or interrupted sweep
     peagle sweep output_dir=runs/ablations jobs=[runs/sweep-a/1,runs/sweep-b/0]   # a new folder over jobs of others
@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from peagle_train.runtime import cli_main
-from peagle_train.sweep import link_jobs, write_summary
+from peagle_train.jobs.sweep_summary import link_jobs, write_summary
 
 
 @dataclass

@@ -28,8 +28,8 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.export.speculators import verifier_name
 from peagle_train.features import open_features
-from peagle_train.job import build_target, run_metadata, write_json
-from peagle_train.pipeline import JobInputs, run_training_job
+from peagle_train.jobs.builders import build_target, run_metadata, write_json
+from peagle_train.jobs.training_job import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import TrainSettings, check_training_config
 from peagle_train.training.engines import check_distributed_config, process_group_kwargs
@@ -69,7 +69,7 @@ def main(cfg: DictConfig) -> dict:
                           "so the export would fail after training. Fix: draft.fc_norm=false (draft.norm_before_fc=true "
                           "is served), or export.enabled=false to train one for study only.")
     if cfg.dry_run:
-        from peagle_train.dryrun import dry_run
+        from peagle_train.jobs.dry_run import dry_run
 
         res = dry_run(cfg, run_dir(cfg))
         write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
@@ -101,7 +101,7 @@ def main(cfg: DictConfig) -> dict:
     log("data summary:\n" + format_summary(data.summary))
 
     # 2. the head trained (P-EAGLE: COD sampling; EAGLE-3: TTT steps; DFlash: blocks) on online or offline
-    #    features, 3. acceptance with the reference decoder, 4. export: the job runner (pipeline.py)
+    #    features, 3. acceptance with the reference decoder, 4. export: the job runner (jobs/training_job.py)
     features = open_features(cfg.features, target, tok, data.rows,  # online target or offline shards
                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs))
     inputs = JobInputs(target, tok, data.rows, data.vocab, data.mask_token_id,
@@ -111,7 +111,7 @@ def main(cfg: DictConfig) -> dict:
         summary["wall_seconds"] = time.perf_counter() - t_start
         write_json(out / "summary.json", summary)
         log(f"done in {summary['wall_seconds'] / 60:.1f} min; outputs in {out}")
-    # no barrier here: the process group was released after training (pipeline.py, `end_distributed`), and
+    # no barrier here: the process group was released after training (jobs/training_job.py, `end_distributed`), and
     # the other processes have returned while the main process evaluated and exported
     acc.end_training()  # trackers closed (and a process group still alive destroyed) before the interpreter exits
     return summary

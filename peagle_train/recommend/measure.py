@@ -25,7 +25,7 @@ from .cost_model import (
 )
 from ..draft.head_files import load_head
 from ..extras import available, install_hint
-from ..job import write_json
+from ..jobs.builders import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def _load_models(cfg: DictConfig, ks: list[int]) -> tuple:
     for w in warnings:
         logger.warning(w)
     if need_models:
-        from ..job import build_target
+        from ..jobs.builders import build_target
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

@@ -98,7 +98,7 @@ def cod_elements(tokens: int, num_depths: int, max_anchors: int | None, down_sam
 
 def draft_config_for(target_config, num_layers: int, num_depths: int, draft_vocab_size: int,
                      algorithm: str = "peagle", aux_layer_ids: list[int] | None = None, **flags) -> DraftConfig:
-    """The DraftConfig `job.build_draft` would make for a target with HF config `target_config`
+    """The DraftConfig jobs/builders.py `build_draft` would make for a target with HF config `target_config`
     (mask token 0 and the default aux ids stand in: they change no size). `flags`: norm_before_fc,
     fc_norm, norm_before_residual, gradient_checkpointing, block_causal."""
     from ..target.aux_layers import AuxLayers

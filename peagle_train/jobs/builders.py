@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .draft import DraftConfig, DraftHead, make_draft_head
-from .config import train_embeddings_of
-from .errors import ConfigError
-from .io import atomic_write_json
-from .paths import PACKAGE_DIR
-from .target.aux_layers import AuxLayers
-from .target.capture import FeatureTarget
-from .target.load import load_target
+from ..draft import DraftConfig, DraftHead, make_draft_head
+from ..config import train_embeddings_of
+from ..errors import ConfigError
+from ..io import atomic_write_json
+from ..paths import PACKAGE_DIR
+from ..target.aux_layers import AuxLayers
+from ..target.capture import FeatureTarget
+from ..target.load import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +58,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     if hasattr(draft, "mask_hidden"):
         draft.init_mask_hidden(getattr(dcfg, "mask_hidden_std", 0.02))
     if getattr(dcfg, "init_from", None):  # continue from an existing head (checkpoint or export)
-        from .draft.head_files import init_from_head
+        from ..draft.head_files import init_from_head
 
         init_from_head(draft, dcfg.init_from)
     return draft.to(target.model.device)

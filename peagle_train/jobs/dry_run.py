@@ -49,18 +49,18 @@ def tiny_target(family: str, vocab_size: int = 256, layers: int = 8, seed: int =
 def dry_run(cfg, out_dir: Path) -> dict:
     """Two training steps of `cfg` (the resolved train.py config) on a tiny target of its family (in
     target.dtype), then the checkpoint, evaluation and export of `peagle train`, through the same job
-    runner (pipeline.py; evaluation and export run whatever the recipe's eval.enabled and
+    runner (jobs/training_job.py; evaluation and export run whatever the recipe's eval.enabled and
     export.enabled say); the trackers of `training.tracker` get the training scalars and the
     evaluation's (`tracking.eval_scalars`). Returns {"family", "draft_layers", "num_depths", "steps",
     "loss", "precision" (the draft's autocast), "engine", "training", "eval" (the acceptance dict),
     "export" (its directory)}."""
-    from .data.vocab import DraftVocab
-    from .draft.head_files import load_checkpoint
-    from .job import dtype_of
-    from .pipeline import JobInputs, run_training_job
-    from .target.capture import FeatureTarget
-    from .training.checks import TrainSettings, check_training_config
-    from .training.tracking import tracked_accelerator
+    from ..data.vocab import DraftVocab
+    from ..draft.head_files import load_checkpoint
+    from .builders import dtype_of
+    from .training_job import JobInputs, run_training_job
+    from ..target.capture import FeatureTarget
+    from ..training.checks import TrainSettings, check_training_config
+    from ..training.tracking import tracked_accelerator
 
     out_dir = Path(out_dir)
     family = family_of(cfg.target.name_or_path or cfg.target.path)

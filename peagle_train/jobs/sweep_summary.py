@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from .extras import available, install_hint
+from ..extras import available, install_hint
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The training job: a head trained, saved, evaluated and exported, in the one sequence that
-`peagle train` (cli/train.py, on the recipe's target and data) and the dry run (dryrun.py, on a tiny
+`peagle train` (cli/train.py, on the recipe's target and data) and the dry run (jobs/dry_run.py, on a tiny
 stand-in target and random rows) both run."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.vocab import DraftVocab
-from .draft.head_files import save_checkpoint
-from .evaluation.run import evaluate_acceptance
-from .evaluation.settings import EvalSettings
-from .export.speculators import write_export
-from .job import build_draft, dtype_of
-from .target.capture import FeatureTarget
-from .training.checks import TrainSettings
-from .training.engines import end_distributed
-from .training.tracking import eval_scalars
-from .training.trainer import train
+from ..data.vocab import DraftVocab
+from ..draft.head_files import save_checkpoint
+from ..evaluation.run import evaluate_acceptance
+from ..evaluation.settings import EvalSettings
+from ..export.speculators import write_export
+from .builders import build_draft, dtype_of
+from ..target.capture import FeatureTarget
+from ..training.checks import TrainSettings
+from ..training.engines import end_distributed
+from ..training.tracking import eval_scalars
+from ..training.trainer import train
 
 logger = logging.getLogger("peagle_train.train")
 
@@ -46,7 +46,7 @@ class JobInputs:
 
 def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_settings: TrainSettings, *,
                      verifier: str, eval_settings: dict | None = None) -> dict:
-    """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (job.build_draft), train
+    """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (jobs/builders.py `build_draft`), train
     it (training/trainer.py, with `train_settings`), release the process group (`end_distributed`:
     the other processes return at once), then on the main process alone save it to `out`/checkpoint
     (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`

@@ -53,3 +53,27 @@ def test_without_matplotlib_the_acceptance_plot_is_skipped_with_a_warning(monkey
         write_report(result, [{"id": 0, "tau": 1.75}], tmp_path, plot=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.json", "per_prompt.csv"]
     assert "acceptance.png not written: matplotlib is not installed. Fix: pip install 'peagle-train[eval]'" in caplog.text
+
+
+def test_peagle_train_names_a_missing_extra_at_start_up(monkeypatch):
+    """The training settings' check (run before data preparation) names each extra the settings need
+    and the install lacks, with the fix; present, they pass."""
+    from omegaconf import OmegaConf
+
+    from peagle_train.config import default_config
+    from peagle_train.training.checks import TrainSettings, check_training_config
+
+    cfg = default_config()
+    settings = TrainSettings.from_config(cfg, distributed=OmegaConf.merge(cfg.distributed, {"engine": "deepspeed"}),
+                                         training=OmegaConf.merge(cfg.training, {"tracker": "wandb"}))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError) as e:
+        check_training_config(settings)
+    assert str(e.value) == (
+        "Invalid training config: distributed.engine=deepspeed needs the deepspeed package, which a plain install "
+        "leaves out. Fix: pip install 'peagle-train[deepspeed]'\n  training.tracker=wandb needs the wandb package, "
+        "which a plain install leaves out. Fix: pip install 'peagle-train[tracking]'")
+    monkeypatch.setitem(sys.modules, "deepspeed", sys.modules.get("json"))
+    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("json"))
+    check_training_config(settings)

@@ -96,8 +96,24 @@ def check_training_config(settings: TrainSettings) -> None:
             range_problem(key, value)
         if problem:
             problems.append(problem)
+    problems += missing_extras(settings)
     if problems:
         raise ConfigError("Invalid training config: " + "\n  ".join(problems))
+
+
+def missing_extras(settings: TrainSettings) -> list[str]:
+    """One line per optional package (extras.py) the settings need and this install lacks:
+    distributed.engine=deepspeed (deepspeed), training.tracker=wandb | tensorboard. Checked at
+    start-up, so a plain install learns it before the data is prepared."""
+    from ..extras import available, install_hint
+
+    needs = {"deepspeed": str(_plain(settings.distributed.get("engine"))) == "deepspeed"}
+    tracker = str(_plain(settings.training.get("tracker")))
+    needs[tracker] = tracker in ("wandb", "tensorboard")
+    key = {"deepspeed": "distributed.engine=deepspeed", "wandb": "training.tracker=wandb",
+           "tensorboard": "training.tracker=tensorboard"}
+    return [f"{key[m]} needs the {m} package, which a plain install leaves out. Fix: {install_hint(m)}"
+            for m, needed in needs.items() if needed and not available(m)]
 
 
 def schedule_problems(steps: int, warmup_steps: int, save_every: int | None, *, world_size: int = 1,

@@ -8,7 +8,9 @@ import graph has no circles, the heads (draft/) are a leaf, the core never impor
 (accel/), no two modules or classes share a name, and the lab (benchmarks/, experiments/) stays out
 of the package, with scripts/ holding only the product's files; no function is over MAX_FUNCTION_LINES
 lines unless its docstring says why it cannot be split; K ≤ K_train is checked by one rule, and
-evaluation and training take typed settings."""
+evaluation and training take typed settings; the jobs a command runs live in jobs/, and the package
+root holds only shared services; every rule on aux layer ids lives in target/aux_layers.py, and the
+head's description (its speculators format included) in draft/."""
 
 import ast
 import subprocess
@@ -425,3 +427,29 @@ def test_one_k_train_check_and_typed_settings():
                 names.add(getattr(node, "id", getattr(node, "name", None)))
     assert callers == {"config.py", "evaluation/settings.py"}, callers
     assert not names & {"EVAL_KEYS", "evaluate_from_config", "train_config", "SCHEMA_KEY"}
+
+
+ROOT_MODULES = {"__init__", "config", "errors", "extras", "io", "logs", "paths", "plan", "precision", "provenance",
+                "runtime"}
+
+
+def test_the_package_root_holds_shared_services_and_jobs_live_in_jobs():
+    """No job module loose at the root again (a builder, the training job, the dry run and a sweep's
+    summary are jobs/): the root holds the typed config, the planner and services every package uses."""
+    assert {p.stem for p in PKG.glob("*.py")} == ROOT_MODULES
+    assert {p.stem for p in (PKG / "jobs").glob("*.py")} == {"__init__", "builders", "training_job", "dry_run",
+                                                             "sweep_summary"}
+
+
+def test_aux_layer_rules_and_the_head_description_have_one_owner():
+    """The old numbering, the default ids and the speculators keys of a head are named in one place
+    each: target/aux_layers.py (AuxLayers) and draft/ (DraftConfig, DraftHead); no `rotary_emb`
+    filter outside draft/base.py."""
+    owners = {"OLD_AUX_LAYER_NUMBERING": {"target/aux_layers.py", "draft/head_config.py", "draft/head_files.py",
+                                          "features/shards.py"},
+              "[2, num_layers // 2, num_layers - 3]": {"target/aux_layers.py"},
+              '"transformer_layer_config": ': {"draft/head_config.py"},
+              '"rotary_emb.': {"draft/base.py"}}
+    for text, allowed in owners.items():
+        found = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if text in p.read_text()}
+        assert found <= allowed, (text, found - allowed)

@@ -7,7 +7,7 @@ cold (read, normalise, tokenise and mask with `num_proc` workers, draft vocabula
 warm (the same inputs again: every stage is a datasets fingerprint-cache hit). Reports wall time and
 peak memory (RSS of this process plus its workers, sampled every 0.1 s), prints a table and writes it
 to docs/BENCHMARKS.md under "## Data preparation" (with the machine load from `uptime`).
-Targets (issue 3): cold run under 2 minutes on 2 cores with num_proc=2, peak memory under 4 GB.
+Targets: cold run under 2 minutes on 2 cores with num_proc=2, peak memory under 4 GB.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark target feature capture and offline shards (issue 4); prints a table and writes the
+"""Benchmark target feature capture and offline shards; prints a table and writes the
 "Target features" section of docs/BENCHMARKS.md.
 
     python benchmarks/bench_features.py [--tokens 2048] [--repeats 5] [--docs 32] [--steps 6] [--threads N] [--out FILE | --no-docs]

@@ -8,7 +8,7 @@ recipe's head (1 layer, K = 8), timing every target forward (FeatureTarget.__cal
 forward+backward (`draft_step`) and the optimizer step; "other" = step − those three (row packing,
 EAGLE alignment, COD sampling, metric reduction, logging, checkpoint-free). The first step is a
 warm-up and excluded. Prints a table and writes it into docs/BENCHMARKS.md under its own heading.
-Goal (issue 6): other < 5% of the step.
+Goal: other < 5% of the step.
 """
 
 from __future__ import annotations

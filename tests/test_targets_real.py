@@ -1,4 +1,4 @@
-"""Issue 4 on the real targets: capture equals output_hidden_states for SmolLM2-135M-Instruct (Llama)
+"""Feature capture on the real targets: capture equals output_hidden_states for SmolLM2-135M-Instruct (Llama)
 and Gemma-3-270M (262k vocabulary, base model), both from their GGUF files (dequantised, cached)."""
 
 import importlib.util

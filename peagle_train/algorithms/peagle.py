@@ -67,6 +67,22 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
         loss, counts = loss_and_counts(logits, a_all, d_all, valid_all)
         backward(loss)
         return loss.item(), int(valid_all.sum()), counts
+    return _partitioned_step(row, a_all, d_all, valid_all, run, loss_and_counts, partitions=partitions,
+                             loss_name=loss_name, num_depths=num_depths, count=count, backward=backward)
+
+
+def _partitioned_step(row: PackedRow, a_all: torch.Tensor, d_all: torch.Tensor, valid_all: torch.Tensor, run,
+                      loss_and_counts, *, partitions: int, loss_name: str, num_depths: int, count: float, backward):
+    """`draft_step` with partitions = P > 1 (P-EAGLE Algorithm 1): the depth-0 context once, its
+    keys/values kept as detached leaves; per contiguous part of the row's n positions, the chains
+    anchored in it (or one zero-loss padding element) forwarded against them and back-propagated;
+    then one backward of loss0 + Σ ⟨kv, ∂L/∂kv⟩ through the context.
+    a_all, d_all, valid_all: [M] anchors, depths and validity of the row's COD elements; `run` and
+    `loss_and_counts`: draft_step's forward of elements and its loss and depth counts of their
+    logits; count: the loss divisor. Returns (loss value (float), valid_count (int),
+    depth_counts [4, num_depths]). Raises ValueError when depth 0 does not hold every row
+    position in order."""
+    dev = row.tokens.device
     n = row.tokens.numel()
     ctx = d_all == 0
     a0, d0 = a_all[ctx], d_all[ctx]  # depth 0: every position, in order (cod_sample's layout)

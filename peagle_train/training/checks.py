@@ -125,7 +125,7 @@ def schedule_problems(steps: int, warmup_steps: int, save_every: int | None, *, 
     - warm-up longer than half of the run (`warmup_steps` > steps / 2; warmup_steps ≤ 1 is no
       warm-up at all: the first step already runs at the peak rate). The schedule (schedule.py)
       warms up linearly over warmup_steps steps whatever the run's length, so such a run spends most
-      of its steps below its peak learning rate and its decay never comes (issue 45: a GPU recipe's
+      of its steps below its peak learning rate and its decay never comes (a GPU recipe's
       500 warm-up steps against 280 steps of ShareGPT on 8 GPUs). Refused rather than clamped: the
       count that fits depends on the data and on the number of processes, and the user should see it.
     - a checkpoint cadence that never fires before the end (`save_every` > steps): no resumable

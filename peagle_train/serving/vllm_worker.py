@@ -59,15 +59,38 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 
 
 def main(request_path: str, response_path: str) -> None:
+    """Run the job of REQUEST.json (module docstring: generate | features | serve) and write its
+    response to RESPONSE.json (atomically, `_write`). Started as a session leader (by
+    serving/vllm_engine.py), it first ends itself with its parent (`exit_with_parent`)."""
     if os.getpgid(0) == os.getpid():  # started as a session leader by peagle_train (serving/vllm_engine.py)
         exit_with_parent(os.getppid())
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
     from vllm.platforms import current_platform
 
     req = json.loads(open(request_path).read())
     task = req["task"]
+    kw = _llm_kwargs(req, current_platform)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    load_s = time.perf_counter() - t0
+    if task == "serve":
+        _serve(llm, response_path, load_s)
+        return
+    outs, per_prompt, gen_s = _generate(llm, req)
+    records = _records(outs, per_prompt, task)
+    resp = {"vllm_version": vllm.__version__, "outputs": records, "metrics": _metrics(llm),
+            "load_seconds": load_s, "generate_seconds": gen_s,
+            "prompt_tokens": sum(len(p) for p in req["prompts"]),
+            "new_tokens": sum(len(r["token_ids"]) for r in records)}
+    _write(response_path, resp)
+
+
+def _llm_kwargs(req: dict, current_platform) -> dict:
+    """The keyword arguments of vLLM's `LLM` for the request: model, dtype, max_model_len, seed,
+    enforce_eager (default: on CPU), max_num_seqs, tokenizer and speculative_config when given; for
+    "features" the `extract_hidden_states` method for req["layer_ids"] and the hidden-states
+    connector writing under req["storage_dir"] (on CPU our vllm_cpu_connector's)."""
     kw = dict(model=req["model"], dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"],
               seed=req.get("seed", 0), enforce_eager=req.get("enforce_eager", current_platform.is_cpu()),
               max_num_seqs=req.get("max_num_seqs", 16), disable_log_stats=False)
@@ -75,7 +98,7 @@ def main(request_path: str, response_path: str) -> None:
         kw["tokenizer"] = req["tokenizer"]
     if req.get("speculative_config"):
         kw["speculative_config"] = req["speculative_config"]
-    if task == "features":
+    if req["task"] == "features":
         kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                     "draft_model_config": {"hf_config": {
                                         "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}}
@@ -84,25 +107,42 @@ def main(request_path: str, response_path: str) -> None:
         if current_platform.is_cpu():  # the parent connector needs CUDA streams (vllm_cpu_connector.py)
             kw["kv_transfer_config"].update(kv_connector="CPUHiddenStatesConnector",
                                             kv_connector_module_path="vllm_cpu_connector")
-    t0 = time.perf_counter()
-    llm = LLM(**kw)
-    load_s = time.perf_counter() - t0
-    if task == "serve":
-        _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            p = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
-                               stop_token_ids=list(r.get("stop_token_ids") or []), seed=r.get("seed", 0))
-            t0 = time.perf_counter()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
-            _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
-                                                "finish_reason": o.outputs[0].finish_reason} for o in outs],
-                                   "generate_seconds": time.perf_counter() - t0})
-        return
+    return kw
+
+
+def _serve(llm, response_path: str, load_s: float) -> None:
+    """The "serve" task: write {vllm_version, load_seconds} (s) to `response_path` once the engine
+    is up, then for each non-empty line of stdin (a request {prompts, max_new_tokens, temperature,
+    seed, stop_token_ids, response}) generate and write {outputs: [{token_ids, finish_reason}],
+    generate_seconds} to its `response`; returns at the end of stdin."""
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        p = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
+                           stop_token_ids=list(r.get("stop_token_ids") or []), seed=r.get("seed", 0))
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
+        _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                                            "finish_reason": o.outputs[0].finish_reason} for o in outs],
+                               "generate_seconds": time.perf_counter() - t0})
+
+
+def _generate(llm, req: dict) -> tuple[list, list[dict], float]:
+    """Generate from req["prompts"] (token ids) with the request's sampling settings (for
+    "features", the connector's include_output_tokens); with one_at_a_time, prompt by prompt,
+    keeping each prompt's own speculative counters (vLLM's are cumulative).
+    Returns (vLLM's RequestOutputs, per-prompt {num_drafts, num_accepted_tokens} or [], seconds)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     extra = {}
-    if task == "features":
+    if req["task"] == "features":
         extra = {"extra_args": {"kv_transfer_params": {"include_output_tokens": bool(req.get("include_output_tokens"))}}}
     params = SamplingParams(temperature=req.get("temperature", 0.0), max_tokens=req["max_new_tokens"],
                             stop_token_ids=list(req.get("stop_token_ids") or []), seed=req.get("seed", 0),
@@ -120,6 +160,12 @@ def main(request_path: str, response_path: str) -> None:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    return outs, per_prompt, gen_s
+
+
+def _records(outs: list, per_prompt: list[dict], task: str) -> list[dict]:
+    """The response's outputs: per prompt {token_ids, finish_reason} (+ its counters with
+    one_at_a_time; + hidden_states_path for "features", once the connector has written it)."""
     records = []
     for j, o in enumerate(outs):
         rec = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
@@ -134,12 +180,7 @@ def main(request_path: str, response_path: str) -> None:
                 load_hidden_states(path)  # blocks until the connector's asynchronous write is complete
             rec["hidden_states_path"] = path
         records.append(rec)
-    resp = {"vllm_version": vllm.__version__, "outputs": records, "metrics": _metrics(llm),
-            "load_seconds": load_s, "generate_seconds": gen_s,
-            "prompt_tokens": sum(len(p) for p in req["prompts"]),
-            "new_tokens": sum(len(r["token_ids"]) for r in records)}
-    _write(response_path, resp)
-
+    return records
 
 def _write(path: str, obj: dict) -> None:
     with open(path + ".tmp", "w") as f:

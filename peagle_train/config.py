@@ -473,8 +473,8 @@ class RecommendConfig:
     overhead_ms: float = opt(0.0, "fixed per-step cost added to t_draft + t_verify (sampling, scheduling)", ge=0)
     extrapolate: Extrapolate = opt(Extrapolate.last, "acceptance beyond the measured positions: last (repeat the "
                                                      "last conditional rate) | zero")
-    k_train: Optional[int] = opt(None, "null = the head's draft.num_depths; set when only acceptance + costs "
-                                       "are given", ge=1)
+    num_depths: Optional[int] = opt(None, "K_train: null = the head's draft.num_depths; set when only acceptance "
+                                          "+ costs are given", ge=1)
     allow_beyond_k_train: bool = opt(False, "recommend K > K_train (untested) too")
     memory_limit_gb: Optional[float] = opt(None, "null = free GPU memory / available host memory; batch sizes "
                                                  "estimated above it are skipped", gt=0)
@@ -527,6 +527,8 @@ REMOVED_KEYS: dict[str, dict[str, str]] = {
     "export": {"dtype": "dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=<bfloat16 | "
                         "float32 | float16>",
                "checkpoint": "checkpoint was renamed: the head to export is head=. Fix: head=runs/<run>/checkpoint"},
+    "recommend-k": {"recommend.k_train": "recommend.k_train was renamed: K_train is recommend.num_depths, as the "
+                                         "head's draft.num_depths. Fix: recommend.num_depths=<K_train>"},
 }
 
 
@@ -747,13 +749,13 @@ def train_embeddings_problem(value: Any, algorithm: Any) -> str | None:
             "would train. Fix: draft.train_embeddings=all, or null (the algorithm's default).")
 
 
-def k_beyond_k_train_problem(K: int, k_train: int, head: str) -> str | None:
+def k_beyond_k_train_problem(K: int, num_depths: int, head: str) -> str | None:
     """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
     K > K_train is refused and the fix."""
-    if K <= k_train:
+    if K <= num_depths:
         return None
-    return (f"eval.num_speculative_tokens={K} > K_train={k_train} of {head}: the head never trained draft depths "
-            f"beyond {k_train}, so τ would measure untrained slots. Fix: eval.num_speculative_tokens={k_train} or "
+    return (f"eval.num_speculative_tokens={K} > K_train={num_depths} of {head}: the head never trained draft depths "
+            f"beyond {num_depths}, so τ would measure untrained slots. Fix: eval.num_speculative_tokens={num_depths} or "
             f"less, or train a head with draft.num_depths={K} or more.")
 
 
@@ -822,10 +824,10 @@ def config_problems(cfg, command: str = "train") -> list[str]:
                         f"{max_len} tokens (prompt included) never holds {min_sup} answer tokens, so every row "
                         f"would be dropped. Fix: data.max_length={max(512, min_sup * 4)} or lower "
                         "data.min_supervised_tokens.")
-    K, k_train = get("eval.num_speculative_tokens"), get("draft.num_depths")
+    K, num_depths = get("eval.num_speculative_tokens"), get("draft.num_depths")
     if command == "train" and get("eval.enabled") and not get("dry_run") and isinstance(K, int) and \
-            isinstance(k_train, int) and K >= 1 and k_train >= 1:
-        if (m := k_beyond_k_train_problem(K, k_train, "the head trained here (draft.num_depths)")):
+            isinstance(num_depths, int) and K >= 1 and num_depths >= 1:
+        if (m := k_beyond_k_train_problem(K, num_depths, "the head trained here (draft.num_depths)")):
             problems.append(m)
     return problems
 

@@ -59,11 +59,11 @@ def test_predict_and_recommend_hand_computed():
     assert best[1]["speedup"] == pytest.approx(1.6)  # 160 vs 1/0.010
     assert best[8]["speedup"] == pytest.approx(450.0 / 320.0)  # vs 8/0.025
     # K_train = 2: K = 3, 4 are flagged, warned about and not recommended unless allowed
-    rows = predict(a, _grid(), [1, 8], [1, 2, 3, 4], k_train=2)
+    rows = predict(a, _grid(), [1, 8], [1, 2, 3, 4], num_depths=2)
     assert recommend(rows)[1]["K"] == 2
     assert recommend(rows, allow_beyond_k_train=True)[1]["K"] == 3
     (w,) = k_range_warnings([1, 2, 3, 4], 2)
-    assert "K_serve=[3, 4] > K_train=2: untested" in w
+    assert "K=[3, 4] > K_train=2: untested" in w
     assert k_range_warnings([1, 2], 2) == [] and k_range_warnings([9], None) == []
 
 
@@ -107,13 +107,13 @@ def test_script_without_models(tmp_path, capsys, caplog):
     write_costs(tmp_path / "costs.csv", _grid())
     (tmp_path / "acc.json").write_text(json.dumps({"acceptance_length": 2.1, "per_position_acceptance": [0.8, 0.4]}))
     cfg = _config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "acc.json", batch_sizes="[1,8]",
-                  ks="[1,2,3,4]", k_train=3)
+                  ks="[1,2,3,4]", num_depths=3)
     res = recommend_k(cfg)
     assert res["recommended_k"] == {"1": 3, "8": 1}  # same a = [0.8, 0.5, 0.5 (extrapolated), 0.5] as above
     assert res["predicted_tokens_per_s"]["1"] == pytest.approx(160.0)
     out = capsys.readouterr().out
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warning.startswith("K_serve=[4] > K_train=3: untested")
+    assert warning.startswith("K=[4] > K_train=3: untested")
     assert "| 1 | 138.5 | 157.1 | **160.0** | 156." in out and "| 100.0 | 3 | 1.60× |" in out
     assert "| 8 | **450.0** | 440.0 | 400.0 | 357.1 | 320.0 | 1 | 1.41× |" in out
     assert (tmp_path / "recommend_k" / "heatmap.png").stat().st_size > 1000
@@ -123,7 +123,7 @@ def test_script_without_models(tmp_path, capsys, caplog):
     c[(8, 1)] = StepCost(4.0, 0.0, 25.0)
     write_costs(tmp_path / "costs.csv", c)
     cfg = _config(tmp_path, costs=tmp_path / "costs.csv", acceptance=tmp_path / "acc.json", batch_sizes="[1,8]",
-                  ks="[1,2,3,4]", k_train=3)
+                  ks="[1,2,3,4]", num_depths=3)
     with pytest.raises(CostModelError, match=r"batch=8 K=1 verify_ms=0.0.*Fix: re-measure"):
         recommend_k(cfg)
     (tmp_path / "bad.json").write_text(json.dumps({"acceptance_length": 1.2}))
@@ -172,3 +172,12 @@ def test_a_cut_acceptance_file_is_named_with_the_command_that_rebuilds_it(tmp_pa
                                  f"{tmp_path / 'run'} with the head and eval.* settings it was run with (it reuses the "
                                  f"results {d / 'results.jsonl'} holds and rewrites the report), or pass another "
                                  "acceptance.json of `peagle evaluate`.")
+
+
+def test_the_renamed_k_train_key_names_its_new_name():
+    """K_train has one name, num_depths: recommend.k_train is refused with the key to use."""
+    from peagle_train.config import unknown_key_message
+
+    assert unknown_key_message("recommend.k_train", "the command line", "recommend-k") == (
+        "recommend.k_train was renamed: K_train is recommend.num_depths, as the head's draft.num_depths. Fix: "
+        "recommend.num_depths=<K_train> (in the command line).")

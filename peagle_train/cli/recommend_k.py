@@ -4,7 +4,7 @@ and measured step costs.
     peagle recommend-k head=runs/demo/checkpoint recommend.acceptance=runs/demo/eval/acceptance.json \
         output_dir=runs/demo-k
     peagle recommend-k recommend.costs=runs/demo-k/recommend_k/costs.csv \
-        recommend.acceptance=runs/demo/eval/acceptance.json recommend.k_train=8 output_dir=runs/demo-k2   # no models
+        recommend.acceptance=runs/demo/eval/acceptance.json recommend.num_depths=8 output_dir=runs/demo-k2   # no models
 
 Model (peagle_train/recommend/cost_model.py):
 

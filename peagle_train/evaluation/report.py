@@ -281,7 +281,7 @@ def summarize(rows: list[dict], res_all: dict[str, list[GenerationResult]], *, K
         tau = result["acceptance_length"]
         result["calibration"] = {"training_eal": eal, "measured_tau": tau, "relative_error": (eal - tau) / tau if tau else 0.0,
                                  "within_15_percent": abs(eal - tau) <= 0.15 * tau,
-                                 "k_train": len(train_metrics["cond_acc"]), "source": train_metrics.get("source", "train")}
+                                 "num_depths": len(train_metrics["cond_acc"]), "source": train_metrics.get("source", "train")}
     result["per_category"] = _category_summaries(rows, res_all, K, baseline_algorithm, more_heads)
     return result
 

@@ -129,7 +129,7 @@ def check_costs(costs: dict[tuple[int, int], StepCost], batches: list[int], ks: 
 
 
 def predict(a: list[float], costs: dict[tuple[int, int], StepCost], batches: list[int], ks: list[int],
-            overhead_ms: float = 0.0, k_train: int | None = None) -> list[dict]:
+            overhead_ms: float = 0.0, num_depths: int | None = None) -> list[dict]:
     """Predicted tokens/s for every (batch, K) with costs (batches without any are left out).
 
     a: conditional acceptance [>= max(ks)]. Returns rows {batch, K, expected_tokens, draft_ms,
@@ -146,7 +146,7 @@ def predict(a: list[float], costs: dict[tuple[int, int], StepCost], batches: lis
             rows.append({"batch": b, "K": k, "expected_tokens": e, "draft_ms": c.draft_ms, "verify_ms": c.verify_ms,
                          "step_ms": c.draft_ms + c.verify_ms + overhead_ms, "tokens_per_s": tps,
                          "target_tokens_per_s": base, "speedup": tps / base,
-                         "beyond_k_train": bool(k_train is not None and k > k_train)})
+                         "beyond_k_train": bool(num_depths is not None and k > num_depths)})
     return rows
 
 
@@ -162,16 +162,16 @@ def recommend(rows: list[dict], allow_beyond_k_train: bool = False) -> dict[int,
     return best
 
 
-def k_range_warnings(ks: list[int], k_train: int | None) -> list[str]:
+def k_range_warnings(ks: list[int], num_depths: int | None) -> list[str]:
     """A warning per K above K_train (the depths the head was trained for): untested."""
-    if k_train is None:
+    if num_depths is None:
         return []
-    over = [k for k in ks if k > k_train]
+    over = [k for k in ks if k > num_depths]
     if not over:
         return []
-    return [f"K_serve={over} > K_train={k_train}: untested. The head never trained slots beyond depth {k_train}; "
+    return [f"K={over} > K_train={num_depths}: untested. The head never trained slots beyond depth {num_depths}; "
             f"their acceptance is extrapolated and they are not recommended unless recommend.allow_beyond_k_train=true. "
-            f"Fix: keep recommend.ks within 1..{k_train} or train with draft.num_depths >= {max(over)}."]
+            f"Fix: keep recommend.ks within 1..{num_depths} or train with draft.num_depths >= {max(over)}."]
 
 
 def read_costs(path: str | Path) -> dict[tuple[int, int], StepCost]:

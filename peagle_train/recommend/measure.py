@@ -84,9 +84,9 @@ def measure_costs(draft, target, batches, ks, context, repeats, warmup, limit_by
     return costs, skipped
 
 
-def format_table(rows: list[dict], best: dict[int, dict], ks: list[int], k_train: int | None) -> str:
+def format_table(rows: list[dict], best: dict[int, dict], ks: list[int], num_depths: int | None) -> str:
     """Markdown: predicted tokens/s per batch (rows) and K (columns); the recommended K in bold."""
-    head = "| batch | " + " | ".join(f"K={k}{'†' if k_train and k > k_train else ''}" for k in ks)
+    head = "| batch | " + " | ".join(f"K={k}{'†' if num_depths and k > num_depths else ''}" for k in ks)
     head += " | target alone | best K | speed-up |\n|" + "---|" * (len(ks) + 4) + "\n"
     lines = []
     for b, r_best in best.items():
@@ -180,19 +180,19 @@ def recommend_k(cfg: DictConfig) -> dict:
     batches, ks = _positive_ints("batch_sizes", rc.batch_sizes), _positive_ints("ks", rc.ks)
     if rc.overhead_ms is None or rc.overhead_ms < 0:
         raise CostModelError(f"recommend.overhead_ms={rc.overhead_ms}: must be >= 0 milliseconds.")
-    draft, target, tok, k_train, warnings = _load_models(cfg, ks)
-    acc_src, acc, a_measured, a, n_extra = _acceptance(cfg, out, ks, k_train, draft, target, tok)
+    draft, target, tok, num_depths, warnings = _load_models(cfg, ks)
+    acc_src, acc, a_measured, a, n_extra = _acceptance(cfg, out, ks, num_depths, draft, target, tok)
     costs, costs_src, skipped = _costs(rc, out, batches, ks, draft, target)
 
-    rows = predict(a, costs, batches, ks, rc.overhead_ms, k_train)
+    rows = predict(a, costs, batches, ks, rc.overhead_ms, num_depths)
     best = recommend(rows, rc.allow_beyond_k_train)
-    _write_predictions(rc, out, rows, best, ks, k_train, skipped, acc_src=acc_src, acc=acc, a_measured=a_measured,
+    _write_predictions(rc, out, rows, best, ks, num_depths, skipped, acc_src=acc_src, acc=acc, a_measured=a_measured,
                        costs_src=costs_src)
     result = {
         "recommended_k": {str(b): r["K"] for b, r in best.items()},
         "predicted_tokens_per_s": {str(b): r["tokens_per_s"] for b, r in best.items()},
         "predicted_speedup": {str(b): r["speedup"] for b, r in best.items()},
-        "k_train": k_train, "warnings": warnings, "skipped_batches": {str(b): r for b, r in skipped.items()},
+        "num_depths": num_depths, "warnings": warnings, "skipped_batches": {str(b): r for b, r in skipped.items()},
         "acceptance": acc_src, "conditional_acceptance": a, "extrapolated_positions": n_extra,
         "costs": costs_src, "context_length": rc.context_length, "overhead_ms": rc.overhead_ms,
     }
@@ -210,9 +210,9 @@ def recommend_k(cfg: DictConfig) -> dict:
 def _load_models(cfg: DictConfig, ks: list[int]) -> tuple:
     """The head of cfg.head (None without one), and when costs or acceptance are to be measured the
     target (cfg.target with the head's aux layer ids, on CUDA when there is one, cfg.threads CPU
-    threads) and its tokenizer (else None); K_train (recommend.k_train, else the head's num_depths,
+    threads) and its tokenizer (else None); K_train (recommend.num_depths, else the head's num_depths,
     else None) and the warnings on `ks` against it (logged).
-    Returns (draft, target, tokenizer, k_train, warnings). Raises CostModelError when there is
+    Returns (draft, target, tokenizer, num_depths, warnings). Raises CostModelError when there is
     nothing to measure with (no head, and recommend.costs or recommend.acceptance unset)."""
     rc = cfg.recommend
     need_models = rc.costs is None or rc.acceptance is None
@@ -224,8 +224,8 @@ def _load_models(cfg: DictConfig, ks: list[int]) -> tuple:
         raise CostModelError("Nothing to measure with: give head=runs/<run>/checkpoint (costs and, without "
                              "recommend.acceptance, acceptance are measured), or both recommend.costs=<costs.csv> "
                              "and recommend.acceptance=<acceptance.json>.")
-    k_train = rc.k_train if rc.k_train is not None else (draft.config.num_depths if draft is not None else None)
-    warnings = k_range_warnings(ks, k_train)
+    num_depths = rc.num_depths if rc.num_depths is not None else (draft.config.num_depths if draft is not None else None)
+    warnings = k_range_warnings(ks, num_depths)
     for w in warnings:
         logger.warning(w)
     if need_models:
@@ -236,10 +236,10 @@ def _load_models(cfg: DictConfig, ks: list[int]) -> tuple:
         target, tok = build_target(cfg.target, "cuda" if torch.cuda.is_available() else "cpu", draft.config.algorithm,
                                    aux_layer_ids=list(draft.config.aux_layer_ids))
         draft.to(target.model.device)
-    return draft, target, tok, k_train, warnings
+    return draft, target, tok, num_depths, warnings
 
 
-def _acceptance(cfg: DictConfig, out: Path, ks: list[int], k_train: int | None, draft, target, tok) -> tuple:
+def _acceptance(cfg: DictConfig, out: Path, ks: list[int], num_depths: int | None, draft, target, tok) -> tuple:
     """The acceptance to predict from: recommend.acceptance's acceptance.json, else measured by
     `evaluate_acceptance` (the eval group's prompts, K = min(max(ks), K_train), into out/eval),
     its conditional per-position rates, and those extended to max(ks) positions by
@@ -254,9 +254,9 @@ def _acceptance(cfg: DictConfig, out: Path, ks: list[int], k_train: int | None, 
         from ..evaluation.run import evaluate_acceptance
         from ..evaluation.settings import EvalSettings
 
-        k_eval = min(max(ks), k_train or max(ks))
+        num_speculative_tokens = min(max(ks), num_depths or max(ks))
         acc = evaluate_acceptance(target, draft, tok, prompts_from_config(cfg.eval),
-                                  EvalSettings.from_config(cfg.eval, num_speculative_tokens=k_eval),
+                                  EvalSettings.from_config(cfg.eval, num_speculative_tokens=num_speculative_tokens),
                                   out_dir=out / "eval", precision=None)
         acc_src = str(out / "eval" / "acceptance.json")
     a_measured = conditional_acceptance(acc["per_position_acceptance"], acc_src)
@@ -292,18 +292,18 @@ def _costs(rc: DictConfig, out: Path, batches: list[int], ks: list[int], draft, 
     return costs, costs_src, skipped
 
 
-def _write_predictions(rc: DictConfig, out: Path, rows: list[dict], best: dict, ks: list[int], k_train: int | None,
+def _write_predictions(rc: DictConfig, out: Path, rows: list[dict], best: dict, ks: list[int], num_depths: int | None,
                        skipped: dict, *, acc_src: str, acc: dict, a_measured: list[float], costs_src: str) -> None:
     """Print the predictions table (stdout: the command's product) under its note (the model, where
     acceptance (acc_src: τ of `acc` at K = len(a_measured)) and costs (costs_src) came from), log the
     skipped batch sizes, and write out/predictions.md, out/predictions.csv (one row per (batch, K))
     and out/heatmap.png."""
-    table = format_table(rows, best, ks, k_train)
+    table = format_table(rows, best, ks, num_depths)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     note = (f"Predicted tokens/s (model: B·E[τ](K) / (t_draft + t_verify + {rc.overhead_ms} ms)); acceptance from "
             f"{acc_src} (τ = {acc.get('acceptance_length', float('nan')):.3f} at K = {len(a_measured)}); costs from "
             f"{costs_src}; context {rc.context_length} tokens; bold = recommended K"
-            + (f"; † K > K_train = {k_train} (untested)" if k_train and max(ks) > k_train else "") + ".")
+            + (f"; † K > K_train = {num_depths} (untested)" if num_depths and max(ks) > num_depths else "") + ".")
     print("\n" + note + "\n\n" + table)  # the table is the command's product (stdout)
     for b, r in skipped.items():
         logger.warning(f"batch {b}: not measured, {r}")

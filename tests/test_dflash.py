@@ -232,7 +232,7 @@ def test_dflash_learns_and_validation_equals_the_step(target_model):
     _, d = make_dflash(target_model, K=K, layers=1)
     d.train()
     row = random_row(target_model, seed=4)
-    obj = DFlashObjective(SimpleNamespace(num_depths=K, max_anchors=None, loss="kl"))
+    obj = DFlashObjective(SimpleNamespace(max_anchors=None, loss="kl"), K)
 
     class One:
         device = torch.device("cpu")
@@ -274,7 +274,7 @@ def test_a_row_without_blocks_still_runs_one_forward_and_backward(target_model):
     _, d = make_dflash(target_model, K=K, layers=1)
     row = random_row(target_model, seed=4)
     row = dataclasses.replace(row, valid=torch.zeros_like(row.valid))
-    obj = DFlashObjective(SimpleNamespace(num_depths=K, max_anchors=None, loss="kl"))
+    obj = DFlashObjective(SimpleNamespace(max_anchors=None, loss="kl"), K)
     assert obj.sample(row, torch.Generator().manual_seed(0)).anchors.numel() == 0
 
     class One:

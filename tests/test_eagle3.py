@@ -99,7 +99,7 @@ def test_eagle3_validation_counts_equal_the_training_step(target_model):
 
     _, d = make_eagle3(target_model, K=3, layers=1)
     row = random_row(target_model, seed=5)
-    obj = Eagle3Objective(SimpleNamespace(num_depths=3, max_anchors=6, loss="kl", ttt_decay=0.8))
+    obj = Eagle3Objective(SimpleNamespace(max_anchors=6, loss="kl", ttt_decay=0.8), 3)
     before = {k: v.clone() for k, v in d.state_dict().items()}
     loss, count, counts = obj.validate_row(d, row, torch.Generator().manual_seed(3))
     anchors = obj.sample(row, torch.Generator().manual_seed(3))

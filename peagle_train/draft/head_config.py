@@ -40,7 +40,6 @@ class DraftConfig:
     invalid value.
     """
 
-    algorithm_name: ClassVar[str] = ""
     aux_ids_key: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"  # config.json's name of the aux ids
     # the sizes and choices that must agree for a head's weights to continue in another run
     # (draft/head_files.py `init_from_head`; num_depths, gradient_checkpointing, max_position_embeddings,
@@ -91,9 +90,8 @@ class DraftConfig:
         problems += self.algorithm_problems()
         if AuxLayers.ascending_problem(self.aux_layer_ids, "aux_layer_ids"):
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)} must be ascending (vLLM sorts them)")
-        if type(self).algorithm_name != self.algorithm:
-            problems.append(f"algorithm={self.algorithm!r} is not a {type(self).__name__}'s "
-                            f"({type(self).algorithm_name!r})")
+        if CONFIGS.get(self.algorithm) is not type(self):  # e.g. Eagle3Config(algorithm="dflash")
+            problems.append(f"algorithm={self.algorithm!r} is not a {type(self).__name__}'s")
         if self.train_embeddings not in TRAIN_EMBEDDINGS:
             problems.append(f"train_embeddings={self.train_embeddings!r} must be one of {', '.join(TRAIN_EMBEDDINGS)}")
         if self.num_depths < 1:
@@ -242,7 +240,6 @@ class PEagleConfig(DraftConfig):
     """A P-EAGLE head (draft/peagle.py PEagleDraft): 3 aux layers fused into its input, the mask token
     and `mask_hidden` at depths ≥ 1. Exported as speculators' `PEagleDraftModel`."""
 
-    algorithm_name: ClassVar[str] = "peagle"
     algorithm: str = "peagle"
 
     def algorithm_problems(self) -> list[str]:
@@ -282,7 +279,6 @@ class Eagle3Config(PEagleConfig):
     """An EAGLE-3 head (draft/peagle.py Eagle3Draft): P-EAGLE's layout without the mask token and
     `mask_hidden`, drafting sequentially. Exported as speculators' `Eagle3Speculator`."""
 
-    algorithm_name: ClassVar[str] = "eagle3"
     algorithm: str = "eagle3"
 
     def algorithm_problems(self) -> list[str]:
@@ -306,7 +302,6 @@ class DFlashConfig(DraftConfig):
     """A DFlash head (draft/dflash.py DFlashDraft): any number of aux layers, read as keys and values
     by every layer; Qwen3-style layers (q_norm/k_norm always, as vLLM's DFlash layers have)."""
 
-    algorithm_name: ClassVar[str] = "dflash"
     aux_ids_key: ClassVar[str] = "aux_hidden_state_layer_ids"
     algorithm: str = "dflash"
 

@@ -245,6 +245,10 @@ class DataConfig:
                                              "uses) and validated", ge=0)
     mix: list[Any] = opt([], "several sources instead of path: [{path: FILE_OR_DIR, weight: 1.0}, ...]; "
                              "rows taken by weight")
+    sources: list[Any] = opt([], "datasets read with `datasets` and mixed into one conversation set, the input "
+                                 "of `peagle regenerate` (whose output the recipe's data.path names): [{hub: "
+                                 "HUB_ID_OR_PATH, split: train, count: N (null = all), format: auto | sharegpt | "
+                                 "openai | instruction, columns: {turns: NAME} | {prompt: NAME, response: NAME}}, ...]")
     chat_template: Optional[str] = opt(None, "Jinja string or .jinja file replacing the tokenizer's "
                                              "(required if it has none)")
     template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, e.g. "
@@ -734,6 +738,54 @@ def mix_problems(mix: Any) -> list[str]:
     return problems
 
 
+SOURCE_FORMATS = ("auto", "sharegpt", "openai", "instruction")
+SOURCE_COLUMNS = {"sharegpt": ("turns",), "openai": ("turns",), "instruction": ("prompt", "response"),
+                  "auto": ("turns", "prompt", "response")}
+
+
+def sources_problems(sources: Any) -> list[str]:
+    """One sentence per malformed `data.sources` entry: not a mapping, no hub (id or path), an
+    unknown key, a split that is no string, a count that is no integer ≥ 1, a format outside
+    SOURCE_FORMATS, or columns naming a role its format does not read."""
+    example = ("data.sources=[{hub: HuggingFaceH4/ultrachat_200k, split: train_sft, count: 200000}, "
+               "{hub: Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered, split: train}]")
+    if sources is None or not isinstance(sources, list):
+        return [] if sources is None else [f"data.sources={_value_text(sources)} is not a list of entries. Fix: {example}."]
+    problems = []
+    for i, m in enumerate(sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(m, dict):
+            problems.append(f"{where}={_value_text(m)} is not an entry {{hub: ID, split: S, count: N}}. Fix: {example}.")
+            continue
+        hub = m.get("hub")
+        if not isinstance(hub, str) or not hub.strip():
+            problems.append(f"{where}={_value_text(m)} has no hub (a hub dataset id or a local file or directory). "
+                            f"Fix: {example}.")
+        extra = sorted(str(k) for k in m if k not in ("hub", "split", "count", "format", "columns"))
+        if extra:
+            problems.append(f"{where} has unknown key(s) {', '.join(extra)}; an entry holds hub, split, count, format "
+                            f"and columns. Fix: {example}.")
+        if m.get("split") is not None and not isinstance(m.get("split"), str):
+            problems.append(f"{where}.split={_value_text(m.get('split'))} is not a split name. Fix: {where}.split=train "
+                            "(the dataset card lists its splits, e.g. train_sft).")
+        count = m.get("count")
+        if count is not None and not (Range(ge=1).admits(count) and float(count).is_integer()):
+            problems.append(f"{where}.count={_value_text(count)} must be an integer ≥ 1 (conversations taken, "
+                            f"shuffled with seed), or null (all). Fix: {where}.count=null or a positive integer.")
+        fmt = m.get("format", "auto")
+        if fmt not in SOURCE_FORMATS:
+            problems.append(f"{where}.format={_value_text(fmt)} must be {', '.join(SOURCE_FORMATS[:-1])} or "
+                            f"{SOURCE_FORMATS[-1]}. Fix: {where}.format=auto (the format read from the columns).")
+            continue
+        cols = m.get("columns")
+        if cols is not None and (not isinstance(cols, dict) or any(k not in SOURCE_COLUMNS[fmt] or not isinstance(v, str)
+                                                                   for k, v in cols.items())):
+            problems.append(f"{where}.columns={_value_text(cols)}: format {fmt} names the column(s) "
+                            f"{' and '.join(SOURCE_COLUMNS[fmt])}, each a column name. Fix: e.g. "
+                            f"{where}.columns={{{SOURCE_COLUMNS[fmt][0]}: NAME}}.")
+    return problems
+
+
 def train_embeddings_of(value: Any, algorithm: Any) -> str:
     """`draft.train_embeddings` resolved to "all" or "mask_row": `value`, or for null the default of
     `algorithm` (TRAIN_EMBEDDINGS_DEFAULT)."""
@@ -810,6 +862,7 @@ def config_problems(cfg, command: str = "train") -> list[str]:
 
     problems = range_problems(cfg, schema_of(command))
     problems += mix_problems(get("data.mix"))
+    problems += sources_problems(get("data.sources"))
     ids = get("target.aux_layer_ids")
     if ids is not None:
         from .target.aux_layers import AuxLayers

@@ -331,3 +331,181 @@ def _normalise_batch(batch: dict, indices: list[int]) -> dict:
 
 def source_info_dict(info: SourceInfo) -> dict:
     return asdict(info)
+
+
+# ------------------------------------------------------------------------------------------------
+# data.sources: datasets named by hub id (or a local file or dataset directory), each in its format,
+# mixed into one conversation set (what the regenerate stage reads)
+
+TURN_COLUMNS = {"sharegpt": "conversations", "openai": "messages"}  # format -> default column of the turns
+PAIR_COLUMNS = {"prompt": "instruction", "response": "response"}   # format instruction: Magpie's column names
+
+
+def source_name(entry: dict) -> str:
+    """`<last part of the hub id or path>/<split>`: how a source's rows are named (their ids start with it)."""
+    return f"{Path(str(entry['hub']).rstrip('/')).name}/{entry.get('split') or 'train'}"
+
+
+def load_hub_source(entry: dict, where: str = "data.sources[0]", cache_dir: str | Path | None = None
+                    ) -> datasets.Dataset:
+    """The raw table of one `data.sources` entry, read with `datasets.load_dataset`: `hub` is a hub
+    id (e.g. HuggingFaceH4/ultrachat_200k), a local dataset directory (the hub's layout, e.g.
+    data/train_sft-00000-of-00001.parquet) or a local .json/.jsonl/.parquet file (split train);
+    `split` defaults to train. Hub datasets are cached by `datasets` (HF_HOME; HF_HUB_OFFLINE=1:
+    the cache only).
+
+    Raises:
+        DataFileError: the dataset or split cannot be loaded; one line naming `where`, the hub id,
+            the split, the cause and the fix.
+    """
+    hub, split = str(entry["hub"]), entry.get("split") or "train"
+    local = Path(hub).expanduser()
+    try:
+        if local.is_file():
+            kind = "parquet" if _is_parquet(local) else "json"
+            raw = datasets.load_dataset(kind, data_files=[str(local)], split=split,
+                                        cache_dir=str(cache_dir) if cache_dir else None)
+        else:
+            raw = datasets.load_dataset(str(local) if local.is_dir() else hub, split=split,
+                                        cache_dir=str(cache_dir) if cache_dir else None)
+    except Exception as e:  # noqa: BLE001 - datasets / the hub client raise many types
+        cause = str(e).splitlines()[0] if str(e) else ""
+        raise DataFileError(f"{where} ({hub}, split {split}): cannot load it ({type(e).__name__}: {cause}). Fix: check "
+                            "the hub id and the split (the dataset card lists its splits), set HF_TOKEN for a gated "
+                            "dataset, or unset HF_HUB_OFFLINE to download it.") from e
+    if isinstance(raw, datasets.DatasetDict):  # a split given as None: the first
+        raw = raw[next(iter(raw))]
+    return raw
+
+
+def source_format(entry: dict, columns: list[str], where: str) -> tuple[str, dict]:
+    """(format, {role of a column: its name}) of a `data.sources` entry over a table with `columns`:
+    the entry's `format` and `columns`, or for format auto the first of conversations (sharegpt:
+    from/value turns), messages (openai: role/content turns), data (UltraChat's alternating strings)
+    and instruction + response (Magpie's single-turn pair) the table holds.
+
+    Raises:
+        DataFileError: a named column is missing, or (auto) none of those columns is there; one
+            line naming `where`, the hub id, the columns there and the fix.
+    """
+    fmt, given = str(entry.get("format") or "auto"), dict(entry.get("columns") or {})
+    hub = entry["hub"]
+    if fmt == "auto":
+        if "conversations" in columns:
+            fmt = "sharegpt"
+        elif "messages" in columns:
+            fmt = "openai"
+        elif "data" in columns:
+            return "ultrachat", {"turns": "data"}
+        elif set(PAIR_COLUMNS.values()) <= set(columns):
+            fmt = "instruction"
+        else:
+            raise DataFileError(f"{where} ({hub}): none of the columns conversations, messages, data or instruction + "
+                                f"response is there (its columns: {', '.join(columns[:20])}). Fix: set its format "
+                                "(sharegpt | openai | instruction) and columns, e.g. columns: {turns: dialog}.")
+    want = {"turns": given.get("turns", TURN_COLUMNS[fmt])} if fmt in TURN_COLUMNS else \
+        {k: given.get(k, v) for k, v in PAIR_COLUMNS.items()}
+    missing = [f"{k}: {v}" for k, v in want.items() if v not in columns]
+    if missing:
+        raise DataFileError(f"{where} ({hub}): format {fmt} reads the column(s) {', '.join(missing)}, which it lacks "
+                            f"(its columns: {', '.join(columns[:20])}). Fix: name the column(s) in its columns "
+                            f"(columns: {{{', '.join(k + ': NAME' for k in want)}}}), or set format: auto.")
+    return fmt, want
+
+
+def _record_of(row: dict, fmt: str, cols: dict) -> dict:
+    """One table row as a record `normalize_record` reads."""
+    if fmt == "sharegpt":
+        return {"conversations": row[cols["turns"]]}
+    if fmt == "openai":
+        return {"messages": row[cols["turns"]]}
+    if fmt == "ultrachat":
+        return {"data": row[cols["turns"]]}
+    return {"messages": [{"role": "user", "content": row[cols["prompt"]]},
+                         {"role": "assistant", "content": row[cols["response"]]}]}
+
+
+def _source_batch(batch: dict, indices: list[int], fmt: str, cols: dict, name: str) -> dict:
+    out = {k: [] for k in FEATURES}
+    keys = list(batch)
+    for j, idx in enumerate(indices):
+        row = _row_of(_record_of({k: batch[k][j] for k in keys}, fmt, cols), f"{name}:{idx}")
+        for k in out:
+            out[k].append(row[k])
+    return out
+
+
+@dataclass
+class SourceCount:
+    """What one `data.sources` entry gave: records read, conversations kept (normalisable),
+    conversations taken into the mix (its `count`, or all), records skipped by reason and the first
+    skipped record's id."""
+
+    name: str
+    hub: str
+    split: str
+    format: str
+    records: int
+    kept: int
+    taken: int
+    skipped: dict = field(default_factory=dict)
+    first_skipped: str = ""
+
+    def line(self) -> str:
+        skipped = sum(self.skipped.values())
+        why = "; ".join(f"{r}: {c}" for r, c in sorted(self.skipped.items(), key=lambda x: -x[1])[:3])
+        tail = f", {skipped:,} skipped ({why}; first: record {self.first_skipped})" if skipped else ", 0 skipped"
+        return f"{self.name} ({self.hub}, {self.format}): {self.records:,} records, {self.kept:,} conversations, " \
+               f"{self.taken:,} taken{tail}"
+
+
+def mix_sources(entries: list[dict], *, seed: int = 0, cache_dir: str | Path | None = None
+                ) -> tuple[datasets.Dataset, list[SourceCount]]:
+    """The `data.sources` entries read (`load_hub_source`), each mapped from its format
+    (`source_format`) to normalised conversations, its unusable records skipped and counted,
+    shuffled with `seed` and cut to its `count` (all when null or absent), then concatenated and
+    shuffled with `seed` into one conversation set.
+
+    Returns (the set as the FEATURES table of this module, ids `<source_name>:<row index>`, stable
+    across runs so a regeneration resumes; one SourceCount per entry, also logged one line each).
+
+    Raises:
+        DataFileError: an entry cannot be loaded, lacks the columns of its format, or gives no
+            conversation at all (names the entry, its first record, the reasons and the fix).
+    """
+    parts, counts = [], []
+    for i, entry in enumerate(entries):
+        entry = dict(entry)
+        where = f"data.sources[{i}]"
+        raw = load_hub_source(entry, where, cache_dir)
+        fmt, cols = source_format(entry, list(raw.column_names), where)
+        name = source_name(entry)
+        ds = raw.map(_source_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
+                     features=FEATURES, fn_kwargs={"fmt": fmt, "cols": cols, "name": name},
+                     desc=f"normalising {name}")
+        drops = ds.select_columns(["id", "drop"]).to_dict()
+        skipped = Counter(d for d in drops["drop"] if d)
+        first = next((rid for rid, d in zip(drops["id"], drops["drop"]) if d), "")
+        kept = ds.filter(_is_kept_row, input_columns="drop", desc=f"keeping {name}")
+        if len(kept) == 0:
+            reasons = ", ".join(f"{r}: {c}" for r, c in skipped.most_common(3)) or "no record"
+            raise DataFileError(f"{where} ({entry['hub']}, format {fmt}): none of its {len(raw):,} records is a "
+                                f"conversation ({reasons}; first: record {first}). Fix: set its format and columns to "
+                                "the column holding the turns (sharegpt: from/value, openai: role/content).")
+        count = entry.get("count")
+        kept = kept.shuffle(seed=seed)
+        taken = kept.select(range(min(int(count), len(kept)))) if count else kept
+        if count and len(kept) < int(count):
+            logger.info("%s: %d conversations for a count of %d; taking all of them", name, len(kept), int(count))
+        parts.append(taken)
+        counts.append(SourceCount(name, str(entry["hub"]), entry.get("split") or "train", fmt, len(raw), len(kept),
+                                  len(taken), dict(skipped), first))
+        logger.info(counts[-1].line())
+    mixed = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    mixed = mixed.shuffle(seed=seed)
+    logger.info("data.sources: %d conversations from %d sources", len(mixed), len(parts))
+    return mixed, counts
+
+
+def _is_kept_row(drop: str) -> bool:
+    return drop == ""

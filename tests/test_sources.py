@@ -126,3 +126,20 @@ def test_malformed_entries_are_refused_by_the_config_check():
     assert problems[4].startswith("data.sources[4]={split: train} has no hub")
     assert problems[5].startswith("data.sources[5].columns={turns: x}: format instruction names the column(s) prompt "
                                   "and response")
+
+
+def test_the_regenerate_stage_reads_the_sources(stand_ins):
+    """`peagle regenerate` reads data.sources (mixed) when a recipe names them, data.path otherwise."""
+    from peagle_train.cli.regenerate import conversations
+    from peagle_train.config import compose
+
+    sharegpt, ultrachat, magpie = stand_ins
+    cfg = compose("regenerate", [f"data.sources=[{{hub: '{sharegpt}'}}, {{hub: '{ultrachat}', split: train_sft, "
+                                 f"count: 2}}, {{hub: '{magpie}', format: instruction}}]", "data.num_conversations=null"])
+    rows, too_long = conversations(cfg)
+    ids = [i for i, _ in rows]
+    assert too_long == 0 and len(ids) == 5 + 2 + 4 == len(set(ids))
+    assert {i.split(":")[0] for i in ids} == {"ShareGPT_stand_in/train", "ultrachat_stand_in/train_sft",
+                                              "magpie_stand_in/train"}
+    cfg.data.num_conversations = 3
+    assert [i for i, _ in conversations(cfg)[0]] == ids[:3]  # the shuffled mix, its first num_conversations

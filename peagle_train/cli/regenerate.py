@@ -5,7 +5,8 @@
     peagle regenerate regenerate.backend=endpoint regenerate.endpoint_url=http://HOST:8000/v1 \
         regenerate.model=MODEL data.path=conversations.jsonl data.num_conversations=null output_dir=/tmp/regen
 
-Reads data.path (any format of `peagle prepare`), keeps the normalisable conversations,
+Reads data.sources (datasets by hub id, mixed: a GPU recipe's regenerate stage) or else data.path
+(any format of `peagle prepare`), keeps the normalisable conversations,
 shuffles them with `seed`, takes data.num_conversations, and rewrites every assistant turn with the
 target, turn by turn with the target's own history (peagle_train/data/regenerate.py), through the
 backend regenerate.backend names (`backend_from_config`). The output (regenerate.output, a
@@ -27,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import regenerate
-from peagle_train.data.sources import check_data_path, load_source
+from peagle_train.data.sources import check_data_path, load_source, mix_sources
 from peagle_train.config import check_config, register
 from peagle_train.errors import ConfigError
 from peagle_train.runtime import RESUME_REGENERATE, cli_main
@@ -37,14 +38,17 @@ logger = logging.getLogger(__name__)
 
 
 def conversations(cfg, tok=None) -> tuple[list, int]:
-    """(id, messages) of data.path: normalisable ones, shuffled with seed, the first
-    num_conversations; and how many were skipped for a first user turn over
-    regenerate.max_prompt_tokens. With a tokenizer, each window of 16 batches is sorted by that
-    length so that a batch pads little while a run stopped early still has a random sample (the
-    output is keyed by id, so the order does not matter)."""
-    check_data_path(cfg.data.path)
-    ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
-    logger.info(info.summary())
+    """(id, messages) of data.sources (the recipe's datasets, mixed: `mix_sources`) when set, else of
+    data.path: normalisable ones, shuffled with seed, the first num_conversations; and how many were
+    skipped for a first user turn over regenerate.max_prompt_tokens. With a tokenizer, each window
+    of 16 batches is sorted by that length so that a batch pads little while a run stopped early
+    still has a random sample (the output is keyed by id, so the order does not matter)."""
+    if cfg.data.sources:
+        ds, _ = mix_sources(OmegaConf.to_container(cfg.data.sources, resolve=True), seed=cfg.seed)
+    else:
+        check_data_path(cfg.data.path)
+        ds, info = load_source(resolve_path(cfg.data.path), cfg.data.cache_dir)
+        logger.info(info.summary())
     ds = ds.filter(lambda d: d == "" , input_columns="drop").filter(lambda m: len(m) > 0, input_columns="messages")
     ds = ds.shuffle(seed=cfg.seed)
     if cfg.data.num_conversations:

@@ -114,6 +114,12 @@ class Loss(Choice):
     tv = "tv"
 
 
+class SlotWeights(Choice):
+    uniform = "uniform"
+    exp_decay = "exp_decay"
+    dpace = "dpace"
+
+
 class Attention(Choice):
     auto = "auto"
     flex = "flex"
@@ -309,6 +315,9 @@ class TrainingConfig:
     lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     warmup_steps: int = opt(10, "linear warm-up steps before the schedule", ge=0)
+    warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
+                                                 "for any number of GPUs and any data); null = warmup_steps",
+                                           gt=0, le=0.5)
     schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant | "
                                               "wsd (stable, then a linear decay over the last decay_fraction of "
                                               "the steps)")
@@ -324,6 +333,13 @@ class TrainingConfig:
     max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all", ge=1)
     partitions: int = opt(1, "sequence partitioning (P-EAGLE Alg. 1): parts per row, same gradients, less memory", ge=1)
     ttt_decay: float = opt(0.8, "eagle3 only: loss weight decay^j of TTT step j", gt=0, le=1)
+    slot_weights: SlotWeights = opt(SlotWeights.uniform, "dflash only: loss weight of block slot j = 1..K: uniform | "
+                                                          "exp_decay (exp(-(j-1)/γ), the DFlash paper's) | dpace "
+                                                          "(D-PACE: the expected accepted length slot j adds, from "
+                                                          "the head's own confidences, speculators' `dpace`)")
+    slot_decay_gamma: Optional[float] = opt(None, "dflash exp_decay: γ; null = the paper's for the block size K+1 "
+                                                  "(7 for 16 and more, 5 for 10 to 15, 4 below)", gt=0)
+    dpace_alpha: float = opt(0.5, "dflash dpace: confidence smoothing, slot factor (1-α)·q + α", ge=0, le=1)
     attention: Attention = opt(Attention.auto, "auto (FlexAttention on CUDA, sparse on CPU: no M×M mask) | flex | "
                                                "sparse | dense")
     save_every: Optional[int] = opt(None, "steps between resumable checkpoints (output_dir/checkpoints/step_N); "
@@ -445,8 +461,15 @@ class RegenerateConfig:
                                                         "(/chat/completions is added)")
     model: Optional[str] = opt("${target.name_or_path}", "endpoint backend: the served model name")
     max_new_tokens: int = opt(512, "tokens generated per assistant turn", ge=1)
-    temperature: float = opt(0.0, "0 = greedy", ge=0)
-    batch_size: int = opt(8, "conversations per batch (one backend call per turn index)", ge=1)
+    temperature: Optional[float] = opt(None, "0 = greedy; null = the target's generation_config (greedy when it "
+                                             "sets none; endpoint: the server's default)", ge=0)
+    top_p: Optional[float] = opt(None, "nucleus sampling (1 = off); null = the target's generation_config",
+                                 gt=0, le=1)
+    top_k: Optional[int] = opt(None, "top-k sampling (0 = off); null = the target's generation_config", ge=0)
+    drop_cut: bool = opt(True, "drop a conversation with an answer cut at max_new_tokens (counted), as "
+                               "speculators and SpecForge do; false keeps it")
+    batch_size: Optional[int] = opt(None, "conversations per batch (one backend call per turn index); null = "
+                                          "the backend's (hf 16, vllm 256, endpoint 64)", ge=1)
     max_turns: Optional[int] = opt(None, "answer at most this many user turns per conversation; null = all", ge=1)
     max_prompt_tokens: Optional[int] = opt(None, "hf backend: skip conversations whose first user turn is longer "
                                                  "(counted); null = no limit", ge=1)
@@ -871,6 +894,11 @@ def config_problems(cfg, command: str = "train") -> list[str]:
             problems.append(m)
     if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
         problems.append(m)
+    frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
+    if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:
+        problems.append(f"training.warmup_steps={warm} and training.warmup_fraction={frac} both set the warm-up "
+                        f"(the fraction of the run's steps would win). Fix: training.warmup_fraction=null to warm up "
+                        f"over {warm} steps, or leave training.warmup_steps at its default.")
     max_len, min_sup = get("data.max_length"), get("data.min_supervised_tokens")
     if isinstance(max_len, int) and isinstance(min_sup, int) and 1 <= max_len <= min_sup:
         problems.append(f"data.max_length={max_len} is not above data.min_supervised_tokens={min_sup}: a row of "

@@ -7,6 +7,11 @@ positions ≤ a of the same document and the block's own K + 1 entries (all of t
 themselves with `block_causal`), never another block. Slot j = 1..K is scored against the target
 distribution of row position a + j - 1 (the token x_{a+j+1} of the document), so slot 1 learns what
 P-EAGLE's depth 0 learns and slot j what its depth j - 1 learns; metrics use depth = j - 1.
+
+Slot j's loss is weighted by `slot_weights`: equally (uniform), by exp(-(j-1)/γ) (the DFlash paper's,
+arXiv 2602.06036 §A.1, γ 7 / 5 / 4 for blocks of 16 / 10 / 8) or by D-PACE (speculators'
+`dpace_loss_decay`). Anchors are re-drawn for every packed row the trainer takes (its generator is
+seeded by the row's global index, which grows with the epoch), so every epoch sees other blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from ..draft.peagle import DraftConfig
 from ..features.rows import PackedRow
-from .loss import LOSSES, depth_counts
+from .loss import LOSSES, depth_counts, weighted_loss_sum
 from .base import Objective
 from .peagle import global_loss_norm
 
@@ -80,6 +85,54 @@ def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bo
     return torch.cat([ctx, inner], 1)
 
 
+def paper_gamma(block_size: int) -> float:
+    """γ of the exp_decay slot weights for a block of `block_size` = K + 1 entries, the DFlash paper's
+    (§A.1: 7 for block 16, 5 for 10, 4 for 8): 7 for 16 and more, 5 for 10 to 15, 4 below."""
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
+def slot_weights(kind: str, valid: torch.Tensor, confidence: torch.Tensor | None = None,
+                 gamma: float | None = None, alpha: float = 0.5) -> torch.Tensor:
+    """Loss weights [N, K] float of the K slots of N blocks; 0 where `valid` [N, K] bool is False.
+
+    kind: "uniform" (1), "exp_decay" (slot j = 1..K: exp(-(j-1)/γ), γ = `gamma` or `paper_gamma(K+1)`)
+    or "dpace" (D-PACE, speculators 0.9 `dpace_loss_decay`: with s_i = (1-α)·q_i + α on valid slots
+    and 1 elsewhere, slot k weighs Σ_{j ≥ k, valid} Π_{i ≤ j} s_i: the expected run of accepted
+    slots that passes through k; confidence [N, K]: q_i, the head's probability of the target's
+    token at slot i, no gradient). Raises ValueError for another kind or dpace without confidence."""
+    v = valid.float()
+    K = valid.shape[-1]
+    if kind == "uniform":
+        return v
+    if kind == "exp_decay":
+        g = float(gamma) if gamma is not None else paper_gamma(K + 1)
+        return v * torch.exp(-torch.arange(K, dtype=torch.float32, device=v.device) / g)
+    if kind == "dpace":
+        if confidence is None:
+            raise ValueError("slot_weights('dpace') needs the confidences of the slots")
+        smooth = torch.where(valid, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(v))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return torch.flip(torch.cumsum(torch.flip(prefix * v, dims=[-1]), dim=-1), dims=[-1]) * v
+    raise ValueError(f"slot weights {kind!r}: expected uniform | exp_decay | dpace")
+
+
+@dataclass
+class SlotWeighting:
+    """How dflash_loss weighs the slots (`slot_weights`): kind, γ (exp_decay; None = the paper's),
+    α (dpace)."""
+
+    kind: str = "uniform"
+    gamma: float | None = None
+    alpha: float = 0.5
+
+    @classmethod
+    def of(cls, training) -> "SlotWeighting":
+        """From the `training` group (slot_weights, slot_decay_gamma, dpace_alpha; absent: uniform)."""
+        get = (lambda k, d: training.get(k, d)) if hasattr(training, "get") else (lambda k, d: getattr(training, k, d))
+        g = get("slot_decay_gamma", None)
+        return cls(str(get("slot_weights", "uniform")), None if g is None else float(g), float(get("dpace_alpha", 0.5)))
+
+
 def head_config(model) -> DraftConfig:
     """The DraftConfig of a head, through the wrappers of distributed engines (DDP's and DeepSpeed's
     `.module`; DeepSpeed's engine has a `config` of its own)."""
@@ -103,8 +156,10 @@ def dflash_forward(draft, row: PackedRow, blocks: DFlashBlocks, K: int) -> torch
     return logits[0].view(N, K + 1, -1)[:, 1:]
 
 
-def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: int, count: float):
-    """(Σ loss over valid slots / count, counts [4, K]) of `dflash_forward`; counts by depth j - 1."""
+def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: int, count: float,
+                weighting: SlotWeighting | None = None):
+    """(Σ over valid slots of weight · loss / count, counts [4, K]) of `dflash_forward`, the weights
+    `weighting`'s (None: uniform, every valid slot 1); counts by depth j - 1."""
     dev = row.tokens.device
     logits = dflash_forward(draft, row, blocks, K)
     N = logits.shape[0]
@@ -114,7 +169,15 @@ def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: 
         a = torch.arange(N, device=dev).repeat_interleave(K)      # block index as the chain's anchor
         d = torch.arange(K, device=dev).repeat(N)
         counts = depth_counts(flat, tl, a, d, lmask, K).cpu()
-    return LOSSES[loss_name](flat, tl, lmask) / count, counts
+    if weighting is None or weighting.kind == "uniform":
+        return LOSSES[loss_name](flat, tl, lmask) / count, counts
+    with torch.no_grad():
+        conf = None
+        if weighting.kind == "dpace":  # q = the head's probability of the target's token
+            x = flat.float()
+            conf = (x.gather(1, tl.argmax(-1, keepdim=True))[:, 0] - torch.logsumexp(x, -1)).exp().view(N, K)
+        w = slot_weights(weighting.kind, lmask.view(N, K), conf, weighting.gamma, weighting.alpha).reshape(-1)
+    return weighted_loss_sum(loss_name, flat, tl, w) / count, counts
 
 
 class DFlashObjective(Objective):
@@ -136,7 +199,7 @@ class DFlashObjective(Objective):
         for row, blocks in micro:
             blocks = with_a_block(blocks, self.num_depths)  # every process runs one forward and backward per row
             with amp:
-                loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, norm)
+                loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, norm, SlotWeighting.of(t))
             backward(loss)
             loss_value, counts = loss_value + loss.item(), counts + c
         return loss_value, counts
@@ -145,5 +208,5 @@ class DFlashObjective(Objective):
     def validate_row(self, model, row: PackedRow, generator: torch.Generator):
         t = self.training
         blocks = with_a_block(self.sample(row, generator), self.num_depths)  # lockstep engines gather in forward
-        loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, 1.0)
+        loss, c = dflash_loss(model, row, blocks, t.loss, self.num_depths, 1.0, SlotWeighting.of(t))
         return float(loss), float(blocks.valid.sum()), c

@@ -81,6 +81,36 @@ def tv_loss_sum(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: 
 LOSSES = {"kl": kl_loss_sum, "ce": ce_loss_sum, "tv": tv_loss_sum}
 
 
+def weighted_loss_sum(name: str, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+    """Σ_i weight_i · loss_i of the loss `name` (a key of LOSSES), loss_i the per-element loss of
+    that function (KL, CE against the target's argmax, TV), in fp32.
+
+    draft_logits, target_logits: [M, V_draft]; weight: [M] float ≥ 0 (0 = not in the loss: invalid
+    elements). With weights 1 on the valid elements this is LOSSES[name]. Returns an fp32 scalar
+    differentiable in draft_logits. Raises KeyError for an unknown name."""
+    keep = weight > 0
+    w = weight.float()
+    if name == "kl":
+        if not target_logits.requires_grad:  # the chunked KL takes a per-row multiplier
+            return _ChunkedKL.apply(draft_logits, target_logits.detach(), w, kl_chunk_rows(draft_logits.device))
+        logq = F.log_softmax(draft_logits[keep].float(), dim=-1)
+        logp = F.log_softmax(target_logits[keep].float(), dim=-1)
+        return ((logp.exp() * (logp - logq)).sum(-1) * w[keep]).sum()
+    if name == "ce":
+        ce = F.cross_entropy(draft_logits[keep].float(), target_logits[keep].argmax(-1), reduction="none")
+        return (ce * w[keep]).sum()
+    if name == "tv":
+        x, t, wk = draft_logits[keep], target_logits[keep].detach(), w[keep]
+        total = draft_logits.new_zeros((), dtype=torch.float32)
+        for r0 in range(0, x.shape[0], 256):
+            q = F.softmax(x[r0:r0 + 256].float(), dim=-1)
+            p = F.softmax(t[r0:r0 + 256].float(), dim=-1)
+            total = total + (0.5 * (p - q).abs().sum(-1) * wk[r0:r0 + 256]).sum()
+        return total
+    raise KeyError(name)
+
+
 def depth_counts(draft_logits, target_logits, anchors, depths, valid, num_depths: int) -> torch.Tensor:
     """Counts for per-depth metrics, summable across steps and processes.
 

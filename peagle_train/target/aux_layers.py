@@ -8,7 +8,8 @@ without it were written with the older numbering "layer_output" (id i = the outp
 
 The rules: P-EAGLE and EAGLE-3 heads read 3 layers, DFlash 1 or more (`AuxLayers.count`); the ids
 are distinct, ascending and in [0, N) for an N-layer target (`AuxLayers.problem`); none given means
-[2, N//2, N-3] (`AuxLayers.default`).
+[2, N//2, N-3] for P-EAGLE and EAGLE-3, and for DFlash the paper's 5 layers spread from the 2nd to the
+third-to-last (`AuxLayers.default`, `AuxLayers.spread`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 AUX_LAYER_NUMBERING = "hidden_states"
 OLD_AUX_LAYER_NUMBERING = "layer_output"
+DFLASH_AUX_COUNT = 5  # DFlash (arXiv 2602.06036 §A.1) reads 5 target layers
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,26 @@ class AuxLayers:
         return list(self.ids)
 
     @staticmethod
-    def default(num_layers: int) -> list[int]:
-        """[2, N//2, N-3] for a target with N decoder layers (EAGLE-3 / vLLM default, in
-        `AUX_LAYER_NUMBERING`); distinct for N ≥ 8."""
+    def default(num_layers: int, count: int | None = 3) -> list[int]:
+        """The ids a head reads when none are given, for a target with N decoder layers: for 3 ids
+        (P-EAGLE, EAGLE-3) [2, N//2, N-3] (EAGLE-3 / vLLM default, in `AUX_LAYER_NUMBERING`; distinct
+        for N ≥ 8); for any number (count None: DFlash) `spread(N, DFLASH_AUX_COUNT)`."""
+        if count is None:
+            return AuxLayers.spread(num_layers, DFLASH_AUX_COUNT)
         return [2, num_layers // 2, num_layers - 3]
+
+    @staticmethod
+    def spread(num_layers: int, n: int) -> list[int]:
+        """DFlash's placement of n target layers (arXiv 2602.06036 §A.1: uniform from the second
+        layer to the third-to-last; z-lab/dflash `build_target_layer_ids`): the outputs of decoder
+        layers round(1 + i·(N-4)/(n-1)), i = 0..n-1 (Python's round), the middle layer N//2 for
+        n = 1; in `AUX_LAYER_NUMBERING` (the output of layer i is id i + 1), ascending. A target too
+        shallow for n distinct layers (N < n + 3) gets the distinct ones only. E.g. N = 30, n = 5:
+        [2, 9, 15, 21, 28]."""
+        if n == 1:
+            return [num_layers // 2 + 1]
+        start, end = 1, max(num_layers - 3, 1)
+        return sorted({round(start + i * (end - start) / (n - 1)) + 1 for i in range(n)})
 
     @staticmethod
     def count(algorithm: str) -> int | None:
@@ -49,7 +67,7 @@ class AuxLayers:
         `problem`."""
         from ..errors import ConfigError
 
-        ids = [int(i) for i in ids] if ids else cls.default(num_layers)
+        ids = [int(i) for i in ids] if ids else cls.default(num_layers, count)
         problem = cls.problem(ids, num_layers, setting, count)
         if problem:
             raise ConfigError(problem)
@@ -91,8 +109,8 @@ class AuxLayers:
                 return (f"{setting}={ids} must be {many} distinct layer ids ≥ 0, ascending (id k = the hidden state "
                         "entering decoder layer k, HF hidden_states[k], as vLLM reads it; below the target's layer count). "
                         f"Fix: {setting}=null for the default [2, N//2, N-3] of an N-layer target, or {many} such ids.")
-            default, spread = AuxLayers.default(num_layers), [0, num_layers // 2, num_layers - 1]
-            if len(set(default)) == 3 and min(default) >= 0:
+            default, spread = AuxLayers.default(num_layers, count), [0, num_layers // 2, num_layers - 1]
+            if len(set(default)) == len(default) and min(default) >= 0 and (count is None or len(default) == count):
                 fix = f"{setting}=null for the default {default}, or {many} ids in that range."
             elif len(set(spread)) == 3:  # a shallow target, where [2, N//2, N-3] repeats a layer
                 fix = f"{setting}={spread}, or {many} other distinct ids in that range."

@@ -1,0 +1,159 @@
+"""DFlash's training recipe (arXiv 2602.06036 §A.1; speculators 0.9 `models/dflash`): the target
+layers it reads, the slot weights of its loss (exp-decay, D-PACE) by hand, the weighted losses
+against their per-element definition, and anchors re-drawn every epoch."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from peagle_train.algorithms.dflash import (DFlashObjective, SlotWeighting, dflash_blocks, dflash_forward,
+                                            dflash_loss, paper_gamma, slot_weights)
+from peagle_train.algorithms.loss import LOSSES, weighted_loss_sum
+from peagle_train.target.aux_layers import AuxLayers
+
+from .test_dflash import make_dflash
+from .test_training import random_row
+
+
+# ---- the target layers --------------------------------------------------------------------------
+
+def test_dflash_reads_five_layers_placed_as_the_paper_places_them():
+    """z-lab's Qwen3-8B DFlash head reads the outputs of layers [1, 9, 17, 25, 33] of 36 (its
+    `target_layer_ids`, HF hidden_states[i + 1]): ids [2, 10, 18, 26, 34] in our numbering."""
+    assert AuxLayers.spread(36, 5) == [2, 10, 18, 26, 34]
+    # SmolLM2-135M, 30 layers: layers 1, 7.5 → 8 (round half to even), 14, 20.5 → 20, 27
+    assert AuxLayers.spread(30, 5) == [2, 9, 15, 21, 28]
+    assert AuxLayers.spread(30, 1) == [16]
+    assert AuxLayers.spread(8, 5) == [2, 3, 4, 5, 6]
+    assert AuxLayers.spread(5, 5) == [2, 3]          # too shallow for 5: the distinct ones
+    assert AuxLayers.resolve(None, 36, count=None).ids == (2, 10, 18, 26, 34)      # DFlash's default
+    assert AuxLayers.resolve(None, 36).ids == (2, 18, 33)                          # P-EAGLE's, EAGLE-3's
+
+
+# ---- slot weights by hand -----------------------------------------------------------------------
+
+def test_slot_weights_by_hand():
+    valid = torch.tensor([[True, True, True], [True, False, True]])
+    assert torch.equal(slot_weights("uniform", valid), valid.float())
+    ed = slot_weights("exp_decay", valid, gamma=2.0)
+    assert torch.allclose(ed, torch.tensor([[1.0, math.exp(-0.5), math.exp(-1.0)], [1.0, 0.0, math.exp(-1.0)]]))
+    # D-PACE, α = 0.5, q = 0.5 everywhere: s = 0.75; prefix products 0.75, 0.5625, 0.421875
+    q = torch.full((2, 3), 0.5)
+    dp = slot_weights("dpace", valid, q, alpha=0.5)
+    # row 0: w_k = Σ_{j ≥ k} prefix_j = [1.734375, 0.984375, 0.421875]
+    # row 1 (slot 2 invalid: s = 1, it adds nothing): prefixes 0.75, 0.75, 0.5625 → [1.3125, 0, 0.5625]
+    assert torch.allclose(dp, torch.tensor([[1.734375, 0.984375, 0.421875], [1.3125, 0.0, 0.5625]]))
+    assert torch.allclose(slot_weights("dpace", valid[:1], torch.tensor([[1.0, 0.0, 0.3]]), alpha=0.0),
+                          torch.tensor([[1.0, 0.0, 0.0]]))   # a sure miss at slot 2: nothing after it counts
+    with pytest.raises(ValueError, match="needs the confidences"):
+        slot_weights("dpace", valid)
+    with pytest.raises(ValueError, match="uniform | exp_decay | dpace"):
+        slot_weights("linear", valid)
+
+
+def test_paper_gamma():
+    """§A.1: γ 7 / 5 / 4 for blocks 16 / 10 / 8."""
+    assert [paper_gamma(b) for b in (16, 10, 8, 32, 12, 4)] == [7.0, 5.0, 4.0, 7.0, 5.0, 4.0]
+    valid = torch.ones(1, 15, dtype=torch.bool)
+    assert torch.allclose(slot_weights("exp_decay", valid)[0, 7], torch.tensor(math.exp(-1.0)))  # K 15: γ 7
+
+
+@pytest.mark.parametrize("name", ["kl", "ce", "tv"])
+def test_weighted_loss_sum_is_the_weighted_per_element_loss(name):
+    torch.manual_seed(0)
+    x, t = torch.randn(7, 11, requires_grad=True), torch.randn(7, 11)
+    w = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.0, 0.25, 1.0])
+    per = {"kl": lambda a, b: (F.softmax(b, -1) * (F.log_softmax(b, -1) - F.log_softmax(a, -1))).sum(-1),
+           "ce": lambda a, b: F.cross_entropy(a, b.argmax(-1), reduction="none"),
+           "tv": lambda a, b: 0.5 * (F.softmax(b, -1) - F.softmax(a, -1)).abs().sum(-1)}[name]
+    got = weighted_loss_sum(name, x, t, w)
+    want = (per(x, t) * w).sum()
+    assert torch.allclose(got, want, atol=1e-6)
+    (g,) = torch.autograd.grad(got, x)
+    (gw,) = torch.autograd.grad(want, x)
+    assert torch.allclose(g, gw, atol=1e-6)
+    ones = (w > 0).float()
+    assert torch.allclose(weighted_loss_sum(name, x, t, ones), LOSSES[name](x, t, w > 0), atol=1e-6)
+
+
+# ---- the weighted DFlash loss -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["exp_decay", "dpace"])
+def test_dflash_loss_weighs_each_slot(target_model, kind):
+    """dflash_loss with slot weights = Σ over valid slots of w_slot · CE(slot) / count, w computed from
+    the same forward's logits (D-PACE: the head's probability of the target's token)."""
+    K = 4
+    t, d = make_dflash(target_model, K=K)
+    row = random_row(target_model, seed=3, lengths=(14, 10))
+    blocks = dflash_blocks(row.valid, row.doc_ids, K, None)
+    weighting = SlotWeighting(kind, gamma=2.0, alpha=0.3)
+    loss, _ = dflash_loss(d, row, blocks, "ce", K, 5.0, weighting)
+    with torch.no_grad():
+        logits = dflash_forward(d, row, blocks, K)                            # [N, K, V]
+        target = row.target_logits[blocks.labels].argmax(-1)                 # [N, K]
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)
+        if kind == "exp_decay":
+            w = torch.exp(-torch.arange(K) / 2.0).expand_as(ce)
+        else:
+            q = F.softmax(logits.float(), -1).gather(-1, target[..., None])[..., 0]
+            s = torch.where(blocks.valid, 0.7 * q + 0.3, torch.ones_like(q))
+            prefix = torch.cumprod(s, -1) * blocks.valid
+            w = torch.stack([prefix[:, k:].sum(-1) for k in range(K)], -1)
+        want = (ce * w * blocks.valid).sum() / 5.0
+    assert torch.allclose(loss, want, rtol=1e-5)
+    uniform, _ = dflash_loss(d, row, blocks, "ce", K, 5.0, SlotWeighting())
+    assert torch.allclose(uniform, (ce * blocks.valid).sum() / 5.0, rtol=1e-5)
+
+
+def test_slot_weighting_reads_the_training_group():
+    t = OmegaConf.create({"slot_weights": "dpace", "slot_decay_gamma": None, "dpace_alpha": 0.25})
+    assert SlotWeighting.of(t) == SlotWeighting("dpace", None, 0.25)
+    assert SlotWeighting.of(OmegaConf.create({"loss": "kl"})) == SlotWeighting()
+    from peagle_train.config import default_config
+    tr = default_config().training
+    assert (str(tr.slot_weights), tr.slot_decay_gamma, tr.dpace_alpha) == ("uniform", None, 0.5)
+
+
+# ---- anchors re-drawn every epoch ---------------------------------------------------------------
+
+def test_anchors_are_redrawn_every_epoch(tmp_path, monkeypatch):
+    """One conversation, two epochs: the trainer takes the same packed row twice; with fewer anchors
+    than positions, the two epochs train other blocks (the sampler's generator is seeded by the
+    row's global index)."""
+    from accelerate import Accelerator
+
+    from peagle_train.config import default_config
+    from peagle_train.data.vocab import DraftVocab
+    from peagle_train.jobs.builders import build_draft
+    from peagle_train.target.capture import FeatureTarget
+    from peagle_train.training.checks import TrainSettings
+    from peagle_train.training.trainer import train
+
+    from .conftest import tiny_llama
+    from .test_loop import tiny_rows
+
+    seen = []
+    sample = DFlashObjective.sample
+
+    def recording(self, row, generator):
+        blocks = sample(self, row, generator)
+        seen.append((row.tokens.tolist(), blocks.anchors.tolist()))
+        return blocks
+
+    monkeypatch.setattr(DFlashObjective, "sample", recording)
+    t = FeatureTarget(tiny_llama(), aux_count=None)
+    vocab = DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 3, "norm_before_fc": False, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False})
+    settings = TrainSettings(OmegaConf.merge(default_config().training,
+                                             {"tokens_per_step": 64, "epochs": 2, "warmup_steps": 1, "max_anchors": 4,
+                                              "save_every": None, "val_conversations": 0}),
+                             draft=dcfg, algorithm="dflash")
+    draft = build_draft(t, dcfg, vocab, 127, "dflash")
+    train(Accelerator(cpu=True), draft, t, tiny_rows(n=1), vocab.draft_ids, settings, tmp_path)
+    assert len(seen) == 2 and seen[0][0] == seen[1][0]           # the same row in both epochs
+    assert len(seen[0][1]) == len(seen[1][1]) == 4
+    assert seen[0][1] != seen[1][1]

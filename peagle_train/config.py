@@ -163,6 +163,7 @@ class TrainEmbeddings(Choice):
 
     all = "all"            # every row: the target's embeddings move too
     mask_row = "mask_row"  # the mask token's row only; the target's rows frozen (no gradient, no optimizer state)
+    none = "none"          # no row: the target's embedding, frozen (DFlash's recipe; the mask token's row too)
 
 
 # draft.train_embeddings=null, per algorithm: peagle mask_row (τ level with all at equal tokens, the
@@ -302,6 +303,10 @@ class DraftSchema:
                                                             "mask token's row only; the target's rows frozen, no "
                                                             "gradient or optimizer state for them); null = mask_row "
                                                             "for peagle, all for eagle3 and dflash")
+    train_lm_head: bool = opt(True, "the head's lm_head (the target's rows of the draft vocabulary at init) trains; "
+                                    "false = frozen: with data.draft_vocab_size = the target's vocabulary and "
+                                    "train_embeddings=none, a DFlash head shares the target's embedding and LM head "
+                                    "as the DFlash paper trains it")
     init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
                                          ".../checkpoints/step_N or an export (same sizes, data and mask token)")
 

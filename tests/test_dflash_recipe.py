@@ -2,6 +2,7 @@
 layers it reads, the slot weights of its loss (exp-decay, D-PACE) by hand, the weighted losses
 against their per-element definition, and anchors re-drawn every epoch."""
 
+import json
 import math
 
 import pytest
@@ -157,3 +158,72 @@ def test_anchors_are_redrawn_every_epoch(tmp_path, monkeypatch):
     assert len(seen) == 2 and seen[0][0] == seen[1][0]           # the same row in both epochs
     assert len(seen[0][1]) == len(seen[1][1]) == 4
     assert seen[0][1] != seen[1][1]
+
+
+# ---- the target's embedding and LM head, frozen, over the full vocabulary -------------------------
+
+def shared_head_run(tmp_path, steps=3):
+    """A DFlash head trained `steps` steps with train_embeddings=none, train_lm_head=false and the
+    target's full vocabulary (128 ids): (target, head before, head after)."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from peagle_train.config import default_config
+    from peagle_train.data.vocab import DraftVocab
+    from peagle_train.jobs.builders import build_draft
+    from peagle_train.target.capture import FeatureTarget
+    from peagle_train.training.checks import TrainSettings
+    from peagle_train.training.trainer import train
+
+    from .conftest import tiny_llama
+    from .test_loop import tiny_rows
+
+    t = FeatureTarget(tiny_llama(), aux_count=None)
+    vocab = DraftVocab.from_ids(torch.arange(128), 128)
+    dcfg = OmegaConf.create({"num_layers": 1, "num_depths": 5, "norm_before_fc": False, "fc_norm": False,
+                             "norm_before_residual": False, "gradient_checkpointing": False,
+                             "train_embeddings": "none", "train_lm_head": False})
+    settings = TrainSettings(OmegaConf.merge(default_config().training,
+                                             {"tokens_per_step": 64, "epochs": 1, "warmup_steps": 1, "max_steps": steps,
+                                              "lr": 1e-2, "save_every": None, "val_conversations": 0,
+                                              "loss": "ce", "slot_weights": "exp_decay"}),
+                             draft=dcfg, algorithm="dflash")
+    draft = build_draft(t, dcfg, vocab, 127, "dflash")
+    before = copy.deepcopy(draft)
+    train(Accelerator(cpu=True), draft, t, tiny_rows(n=8), vocab.draft_ids, settings, tmp_path / "run")
+    return t, before, draft
+
+
+def test_a_frozen_shared_head_keeps_the_targets_embedding_and_lm_head(tmp_path):
+    t, before, after = shared_head_run(tmp_path)
+    assert after.config.aux_layer_ids == [2, 3, 4, 5, 6]                   # DFlash's 5 layers of an 8-layer target
+    assert after.fc.weight.shape == (64, 5 * 64)
+    assert torch.equal(after.embed_tokens.weight, t.model.get_input_embeddings().weight)
+    assert torch.equal(after.lm_head.weight, t.model.get_output_embeddings().weight)
+    assert not after.embed_tokens.weight.requires_grad and not after.lm_head.weight.requires_grad
+    assert not torch.equal(after.fc.weight, before.fc.weight)               # the rest trained
+    assert not torch.equal(after.layers[0].self_attn.q_proj.weight, before.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(after.d2t, torch.zeros(128, dtype=torch.long)) and bool(after.t2d.all())
+
+
+def test_a_full_vocabulary_dflash_export_has_no_vocabulary_map(tmp_path):
+    """vLLM's DFlash model has no draft_id_to_target_id when the draft vocabulary is the target's:
+    the export leaves d2t/t2d out, validates, and reads back as the same head."""
+    from safetensors.torch import load_file
+
+    from peagle_train.draft.head_files import load_export
+    from peagle_train.export.speculators import validate_export, write_export
+
+    _, _, head = shared_head_run(tmp_path, steps=1)
+    out = write_export(head, tmp_path / "exp", verifier_name_or_path="org/target", verifier_architectures=["L"],
+                       dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["transformer_layer_config"]["vocab_size"] == 128
+    sd = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in sd and "t2d" not in sd and sd["lm_head.weight"].shape == (128, 64)
+    validate_export(out, reference=head)
+    back = load_export(out)
+    assert set(back.state_dict()) == set(head.state_dict())
+    for k, v in head.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

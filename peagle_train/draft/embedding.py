@@ -24,7 +24,7 @@ try:
 except ImportError:  # a torch without distributed: no sharded tensors
     DTensor = ()
 
-TRAIN_EMBEDDINGS = ("all", "mask_row")  # the choices of DraftConfig.train_embeddings (config.py TrainEmbeddings)
+TRAIN_EMBEDDINGS = ("all", "mask_row", "none")  # the choices of DraftConfig.train_embeddings (config.py TrainEmbeddings)
 MASK_ROW = "mask_row"  # the state-dict name of the separate row: embed_tokens.mask_row
 
 
@@ -90,14 +90,16 @@ def _fold_on_load(module, state_dict, prefix, local_metadata, strict, missing_ke
 
 
 def token_embedding(num_embeddings: int, embedding_dim: int, mask_token_id: int, train: str) -> nn.Module:
-    """`embed_tokens` of a head: nn.Embedding (`train` = "all") or `MaskRowEmbedding` ("mask_row").
+    """`embed_tokens` of a head: nn.Embedding (`train` = "all"; "none": frozen, the target's own
+    embedding with no gradient or optimizer state, as DFlash trains) or `MaskRowEmbedding` ("mask_row").
     The nn.Embedding also reads the two-tensor form a sharded engine saves. Raises ValueError for
     another `train`."""
     if train == "mask_row":
         return MaskRowEmbedding(num_embeddings, embedding_dim, mask_token_id)
-    if train != "all":
+    if train not in ("all", "none"):
         raise ValueError(f"train_embeddings={train!r} must be one of {', '.join(TRAIN_EMBEDDINGS)}")
     embed = nn.Embedding(num_embeddings, embedding_dim)
     embed.mask_token_id = mask_token_id
     embed.register_load_state_dict_pre_hook(_fold_on_load)
+    embed.weight.requires_grad_(train == "all")
     return embed

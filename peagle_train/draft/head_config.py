@@ -43,7 +43,7 @@ class DraftConfig:
     aux_ids_key: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"  # config.json's name of the aux ids
     # the sizes and choices that must agree for a head's weights to continue in another run
     # (draft/head_files.py `init_from_head`; num_depths, gradient_checkpointing, max_position_embeddings,
-    # train_embeddings and block_causal may change)
+    # train_embeddings, train_lm_head and block_causal may change)
     WEIGHT_KEYS: ClassVar[tuple[str, ...]] = (
         "algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
@@ -79,6 +79,7 @@ class DraftConfig:
     # which rows of embed_tokens train: "all", or "mask_row" (the target's rows frozen, the mask
     # token's row trainable: draft/embedding.py); "all" is what a file without the key was trained with
     train_embeddings: str = "all"
+    train_lm_head: bool = True      # False: lm_head frozen (the target's rows; DFlash's recipe with the full vocabulary)
 
     def __post_init__(self):
         problems = []

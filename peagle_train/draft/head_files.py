@@ -93,6 +93,9 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> D
     draft = make_draft_head(dc)
     weights = load_safetensors(d / "model.safetensors", "export weights", fix)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}
+    if dc.algorithm == "dflash" and dc.draft_vocab_size == dc.vocab_size and "d2t" not in sd:
+        # the full vocabulary, written without d2t/t2d (export/speculators.py `unmapped_vocab_keys`)
+        sd["d2t"], sd["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.long), torch.ones(dc.vocab_size, dtype=torch.bool)
     missing, unexpected = draft.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ExportError(f"{d}: missing tensors {missing}, unexpected tensors {unexpected}")

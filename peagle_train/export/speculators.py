@@ -113,7 +113,16 @@ def verifier_name(name_or_path: str | None, target_path: str) -> str:
 def export_state_dict(draft: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under export names (its state dict: weights and d2t/t2d); floating
     tensors cast to `dtype`."""
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.state_dict().items()}
+    skip = unmapped_vocab_keys(draft.config.algorithm, draft.config.draft_vocab_size, draft.config.vocab_size)
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.state_dict().items()
+            if k not in skip}
+
+
+def unmapped_vocab_keys(algorithm: str, draft_vocab_size: int, vocab_size: int) -> set[str]:
+    """{"d2t", "t2d"} for a DFlash head over the target's full vocabulary (vLLM's DFlash model then
+    has no draft_id_to_target_id to load them into: qwen3_dflash.py builds it only when the sizes
+    differ), else none: what an export leaves out."""
+    return {"d2t", "t2d"} if algorithm == "dflash" and draft_vocab_size == vocab_size else set()
 
 
 def write_export(draft: DraftHead, out_dir: str | Path, *, verifier_name_or_path: str,
@@ -306,6 +315,8 @@ def _expected_shapes(cfg: dict, ids: list[int], dflash: bool, peagle: bool) -> d
     hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
     expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, len(ids) * T if dflash else 3 * T), "norm.weight": (H,),
               "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
+    for k in unmapped_vocab_keys("dflash" if dflash else "", Vd, V):
+        del expect[k]
     if dflash:
         expect["hidden_norm.weight"] = (H,)
     if peagle:
@@ -377,7 +388,7 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
         problems.append(f"d2t dtype {sd['d2t'].dtype}, expected int64")
     if "t2d" in sd and sd["t2d"].dtype != torch.bool:
         problems.append(f"t2d dtype {sd['t2d'].dtype}, expected bool")
-    if not problems:
+    if not problems and "d2t" in sd:
         ids = torch.arange(Vd) + sd["d2t"]
         if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
             problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")

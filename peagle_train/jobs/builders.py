@@ -51,6 +51,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
         gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
         block_causal=bool(getattr(dcfg, "block_causal", False)),
         train_embeddings=train_embeddings_of(getattr(dcfg, "train_embeddings", None), algorithm),
+        train_lm_head=bool(getattr(dcfg, "train_lm_head", True)),
     )
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)

@@ -84,11 +84,11 @@ def test_resume_after_kill_redoes_nothing_finished(tmp_path, server):
     class Dying(EndpointBackend):
         calls = 0
 
-        def generate(self, c):
+        def generate(self, c, seeds=None):
             Dying.calls += 1
             if Dying.calls > 2:  # batch 1 (2 turn calls) finishes, batch 2 is killed
                 raise KeyboardInterrupt
-            return super().generate(c)
+            return super().generate(c, seeds)
 
     with pytest.raises(KeyboardInterrupt):
         regenerate(convs(5), Dying(url, "m"), out, batch_size=2)
@@ -165,11 +165,11 @@ def test_a_kill_between_two_batches_is_refused_by_readers_until_the_rerun_finish
     class Dying(EndpointBackend):
         calls = 0
 
-        def generate(self, c):
+        def generate(self, c, seeds=None):
             Dying.calls += 1
             if Dying.calls > 2:  # batch 1 written, the process dies in batch 2
                 raise KeyboardInterrupt
-            return super().generate(c)
+            return super().generate(c, seeds)
 
     with pytest.raises(KeyboardInterrupt):
         regenerate(convs(5), Dying(url, "m"), out, batch_size=2, settings=settings, command="peagle regenerate x=1")
@@ -272,3 +272,275 @@ def test_resuming_with_other_settings_or_a_damaged_line_is_refused(tmp_path, ser
                                                r".*\): the file is damaged\. Fix: remove that line \(or the file\) and "
                                                "rerun peagle regenerate"):
         regenerate(convs(3), EndpointBackend(url, "m"), out)
+
+
+# --- regeneration as the field does it: sampling, seeds, cut answers dropped, duplicates counted -------------
+
+
+@pytest.fixture
+def scripted():
+    """A /v1/chat/completions server on 127.0.0.1: a prompt "long..." is answered with finish_reason
+    "length" (cut), one "dup..." with the answer "same", any other one with "ans(<prompt>)#<answers so far>"."""
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append(body)
+            msgs = body["messages"]
+            last = msgs[-1]["content"]
+            text = "same" if last.startswith("dup") else f"ans({last})#{sum(m['role'] == 'assistant' for m in msgs)}"
+            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+                                           "finish_reason": "length" if last.startswith("long") else "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", requests
+    srv.shutdown()
+
+
+def two_turns(cid, a, b):
+    return (cid, [{"role": "user", "content": a}, {"role": "assistant", "content": "old"},
+                  {"role": "user", "content": b}, {"role": "assistant", "content": "old"}])
+
+
+def test_target_sampling_reads_the_generation_config_and_the_user_overrides():
+    from transformers import GenerationConfig
+
+    from peagle_train.data.regenerate import Sampling, target_sampling
+
+    greedy = "greedy (the target's generation_config sets no sampling)"
+    assert target_sampling(None) == Sampling(0.0, 1.0, 0, 0, greedy)
+    assert target_sampling(GenerationConfig(bos_token_id=1, eos_token_id=2)) == Sampling(0.0, 1.0, 0, 0, greedy)
+    # Llama-3's recommendation: top_k left unset is off (as vLLM reads it), not transformers' default 50
+    llama3 = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9)
+    assert target_sampling(llama3, seed=7) == Sampling(0.6, 0.9, 0, 7, "temperature, top_p from the target "
+                                                                       "generation_config")
+    assert target_sampling(GenerationConfig(do_sample=True)).temperature == 1.0
+    assert target_sampling(GenerationConfig(do_sample=True, temperature=0.7, top_k=20)).top_k == 20
+    assert target_sampling(llama3, temperature=0.3, top_k=5) == Sampling(
+        0.3, 0.9, 5, 0, "temperature, top_k from the user; top_p from the target generation_config")
+    assert target_sampling(None, temperature=0.0).source == "temperature from the user"
+
+
+def test_hf_sampling_draws_each_conversation_with_its_own_seed(chatml_tokenizer):
+    """A sampled answer is the target's softmax(logits / T) drawn with the conversation's seed, the
+    same alone or beside another conversation; top_k 1 is the greedy answer."""
+    import torch
+
+    from peagle_train.data.regenerate import Sampling
+
+    tok = chatml_tokenizer
+    model = tiny_llama(vocab_size=len(tok))
+    a = [{"role": "user", "content": "hello there"}]
+    b = [{"role": "user", "content": "What is two plus two? I am fine, thank you."}]
+    be = HFBackend(model, tok, max_new_tokens=6, sampling=Sampling(temperature=25.0))  # ×20 logits: T 25 spreads them
+    both = [g.text for g in be.generate([a, b], seeds=[11, 22])]
+    assert [g.text for g in be.generate([b, a], seeds=[22, 11])] == both[::-1]
+    assert be.generate([a], seeds=[11])[0].text == both[0]
+    # by hand: six draws from softmax(logits / 25) with a generator seeded 11
+    ids = tok.apply_chat_template(a, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    g, new = torch.Generator().manual_seed(11), []
+    with torch.no_grad():
+        for _ in range(6):
+            p = torch.softmax(model(ids).logits[0, -1].float() / 25.0, -1)
+            t = int(torch.multinomial(p, 1, generator=g))
+            if t == tok.eos_token_id:
+                break
+            new.append(t)
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+    assert both[0] == tok.decode(new, skip_special_tokens=True).strip()
+    assert be.generate([a], seeds=[12])[0].text != both[0]  # another seed, another draw
+    greedy = HFBackend(model, tok, max_new_tokens=6).generate([a, b])
+    top1 = HFBackend(model, tok, max_new_tokens=6, sampling=Sampling(temperature=25.0, top_k=1)).generate([a, b], [1, 2])
+    assert [x.text for x in top1] == [x.text for x in greedy]
+
+
+def test_seeds_and_sampling_fields_reach_the_endpoint(tmp_path, scripted):
+    from peagle_train.data.regenerate import turn_seed
+
+    url, requests = scripted
+    regenerate([two_turns("c0", "q", "r")], EndpointBackend(url, "m", temperature=0.7, top_k=20), tmp_path / "o.jsonl",
+               seed=5)
+    assert [(r["messages"][-1]["content"], r["seed"], r["temperature"], r["top_k"], "top_p" in r) for r in requests] == \
+        [("q", turn_seed(5, "c0", 0), 0.7, 20, False), ("r", turn_seed(5, "c0", 1), 0.7, 20, False)]
+    assert turn_seed(5, "c0", 0) != turn_seed(5, "c0", 1) != turn_seed(6, "c0", 1)
+    assert 0 <= turn_seed(5, "c0", 0) < 2**31
+    requests.clear()
+    regenerate([two_turns("c1", "q", "r")], EndpointBackend(url, "m", temperature=None), tmp_path / "p.jsonl")
+    assert "temperature" not in requests[0] and "top_k" not in requests[0]  # the server's default
+
+
+def test_a_sampled_run_resumed_after_a_kill_writes_what_one_run_writes(tmp_path, chatml_tokenizer):
+    from peagle_train.data.regenerate import Sampling
+
+    tok = chatml_tokenizer
+    model = tiny_llama(vocab_size=len(tok))
+    cs = [(f"c{i}", [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}])
+          for i, q in enumerate(["hello there", "What is two plus two?", "how are you today?", "thank you", "fine"])]
+    be = HFBackend(model, tok, max_new_tokens=4, sampling=Sampling(temperature=25.0))
+
+    class Dying(HFBackend):
+        calls = 0
+
+        def generate(self, c, seeds=None):
+            Dying.calls += 1
+            if Dying.calls > 1:
+                raise KeyboardInterrupt
+            return super().generate(c, seeds)
+
+    def answers(path):
+        return {r["id"]: r["messages"] for r in map(json.loads, path.read_text().splitlines())}
+
+    one = regenerate(cs, be, tmp_path / "one.jsonl", batch_size=2, seed=3, drop_cut=False)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(cs, Dying(model, tok, max_new_tokens=4, sampling=Sampling(temperature=25.0)), tmp_path / "two.jsonl",
+                   batch_size=2, seed=3, drop_cut=False)
+    st = regenerate(cs, be, tmp_path / "two.jsonl", batch_size=3, seed=3, drop_cut=False)  # another batch size
+    assert (one.written, st.skipped_done, st.written) == (5, 2, 3)
+    assert answers(tmp_path / "two.jsonl") == answers(tmp_path / "one.jsonl")
+    assert len({m[1]["content"] for m in answers(tmp_path / "one.jsonl").values()}) > 1
+
+
+def test_a_cut_answer_drops_its_conversation_counted_and_remembered(tmp_path, scripted):
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from peagle_train.data.regenerate import CUT, dropped_path
+
+    url, requests = scripted
+    out = tmp_path / "regen.jsonl"
+    cs = [two_turns("ok", "q", "r"), two_turns("cut2", "q", "long answer"), two_turns("cut1", "long", "r")]
+    st = regenerate(cs, EndpointBackend(url, "m"), out, batch_size=2)
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["ok"]
+    assert (st.written, st.cut_at_max_new_tokens, st.turns_generated, st.dropped) == (1, 2, 5, {CUT: 2})
+    # cut1's first answer was cut: its second turn was never asked
+    assert [r["messages"][-1]["content"] for r in requests if r["messages"][0]["content"] == "long"] == ["long"]
+    m = read_regenerated_manifest(out)
+    assert (m["complete"], m["conversations"], m["dropped"], m["cut_answers_dropped"]) == (True, 1, {CUT: 2}, 2)
+    assert [json.loads(x) for x in dropped_path(out).read_text().splitlines()] == [
+        {"id": "cut2", "reason": CUT}, {"id": "cut1", "reason": CUT}]
+    n = len(requests)
+    again = regenerate(cs + [two_turns("new", "q2", "r2")], EndpointBackend(url, "m"), out, batch_size=2)
+    assert (again.skipped_done, again.skipped_dropped, again.written, len(requests) - n) == (1, 2, 1, 2)
+    assert read_regenerated_manifest(out)["dropped"] == {CUT: 2}  # the whole output's, not this run's
+    kept = regenerate([two_turns("cut2", "q", "long answer")], EndpointBackend(url, "m"), tmp_path / "k.jsonl",
+                      drop_cut=False)
+    assert kept.written == 1 and kept.dropped == {} and kept.cut_at_max_new_tokens == 1
+
+
+def test_exact_duplicates_are_counted_and_duplicate_conversations_dropped(tmp_path, scripted):
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from peagle_train.data.regenerate import DUPLICATE
+
+    url, _ = scripted
+    out = tmp_path / "regen.jsonl"
+    cs = [two_turns("a", "q", "dup1"), two_turns("b", "q2", "dup2"), two_turns("a2", "q", "dup1")]
+    st = regenerate(cs, EndpointBackend(url, "m"), out, batch_size=2)
+    # b's second answer "same" repeats a's; a2 is a whole copy of a (same prompts, same answers)
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b"]
+    assert (st.duplicate_answers, st.duplicate_conversations, st.dropped) == (1, 1, {DUPLICATE: 1})
+    st = regenerate([two_turns("a3", "q", "dup1"), two_turns("c", "q3", "dup3")], EndpointBackend(url, "m"), out)
+    assert (st.written, st.duplicate_answers, st.duplicate_conversations) == (1, 1, 1)  # against the file written before
+    m = read_regenerated_manifest(out)
+    assert (m["duplicate_answers"], m["duplicate_conversations_dropped"], m["dropped"]) == (2, 2, {DUPLICATE: 2})
+
+
+def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkeypatch, chatml_tokenizer):
+    import peagle_train.serving.vllm_engine as engine
+    from peagle_train.data.regenerate import Sampling
+    from peagle_train.serving.backends import VllmBackend
+    from peagle_train.serving.vllm_worker import serve_sampling_params
+
+    calls = []
+
+    class FakeSession:
+        def __init__(self, **kw):
+            calls.append(("start", kw["max_num_seqs"]))
+
+        def generate(self, prompts, **kw):
+            calls.append(kw)
+            return [{"token_ids": [5, 6], "finish_reason": "length"}, {"token_ids": [5, 2], "finish_reason": "stop"}]
+
+    monkeypatch.setattr(engine, "VllmSession", FakeSession)
+    be = VllmBackend("t", chatml_tokenizer, {2}, python="p", log_path="l", max_num_seqs=256, max_new_tokens=9,
+                     sampling=Sampling(0.6, 0.9, 20, 1))
+    gens = be.generate([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], seeds=[3, 4])
+    assert [g.cut for g in gens] == [True, False]
+    assert calls == [("start", 256), {"max_new_tokens": 9, "stop_token_ids": {2}, "temperature": 0.6, "seed": 1,
+                                      "top_p": 0.9, "top_k": 20, "seeds": [3, 4]}]
+    params = serve_sampling_params(dict, {"prompts": [[1], [2]], "max_new_tokens": 9, "temperature": 0.6, "top_p": 0.9,
+                                          "top_k": 20, "seed": 1, "seeds": [3, 4], "stop_token_ids": [2]})
+    assert params == [dict(temperature=0.6, top_p=0.9, top_k=20, max_tokens=9, stop_token_ids=[2], seed=s)
+                      for s in (3, 4)]
+    assert [p["seed"] for p in serve_sampling_params(dict, {"prompts": [[1], [2]], "max_new_tokens": 1, "seed": 8})] \
+        == [8, 8]
+
+
+def test_the_regenerate_group_resolves_sampling_and_batch_size(tmp_path, chatml_tokenizer):
+    """backend_from_config's hf backend samples with the target's generation_config (a user's value
+    wins); the batch size defaults per backend."""
+    from transformers import GenerationConfig
+
+    from peagle_train.cli.regenerate import backend_from_config, batch_size_of
+    from peagle_train.config import compose
+
+    d = tmp_path / "target"
+    model = tiny_llama(vocab_size=len(chatml_tokenizer))
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, eos_token_id=2)
+    model.save_pretrained(str(d))
+    chatml_tokenizer.save_pretrained(str(d))
+    cfg = compose("regenerate", [f"target.path={d}", "regenerate.top_p=0.95"])
+    backend, _ = backend_from_config(cfg.regenerate, cfg.target, cfg.data, seed=4)
+    s = backend.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.7, 0.95, 20, 4)
+    assert s.source == "top_p from the user; temperature, top_k from the target generation_config"
+    assert [batch_size_of(compose("regenerate", o).regenerate) for o in
+            ([], ["regenerate.backend=vllm"], ["regenerate.backend=endpoint"], ["regenerate.backend=vllm",
+                                                                                 "regenerate.batch_size=7"])] == \
+        [16, 256, 64, 7]
+
+
+def test_peagle_regenerate_records_and_prints_its_sampling_and_drops(tmp_path, chatml_tokenizer):
+    """The command: the target's generation_config samples (the user's top_p on top), every answer of
+    the tiny target is cut at 3 tokens, so both conversations are dropped; the summary and the
+    manifest say so."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import GenerationConfig
+
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from peagle_train.data.regenerate import CUT
+    from tests.conftest import REPO_ROOT
+
+    d = tmp_path / "target"
+    model = tiny_llama(vocab_size=len(chatml_tokenizer))
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, eos_token_id=2)
+    model.save_pretrained(str(d))
+    chatml_tokenizer.save_pretrained(str(d))
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": q},
+                                                                    {"role": "assistant", "content": "old"}]}) + "\n"
+                            for i, q in enumerate(["hello there", "What is two plus two?"])))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PEAGLE_DATA_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "peagle_train.cli", "regenerate", f"target.path={d}", f"data.path={data}",
+                        "data.num_conversations=null", "regenerate.max_new_tokens=3", "regenerate.top_p=0.9", "seed=2",
+                        f"output_dir={tmp_path / 'out'}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "out" / "regenerated.jsonl"
+    m = read_regenerated_manifest(out)
+    assert {k: m["settings"][k] for k in ("temperature", "top_p", "top_k", "seed", "drop_cut")} == \
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 2, "drop_cut": True}
+    assert (m["complete"], m["conversations"], m["dropped"], m["cut_answers_dropped"]) == (True, 0, {CUT: 2}, 2)
+    log = p.stdout + p.stderr
+    assert "'temperature': 0.7, 'top_p': 0.9, 'top_k': 20, 'source': 'top_p from the user; temperature, top_k from " \
+           "the target generation_config'}" in log
+    assert f"{'dropped':<26} {{'{CUT}': 2}}" in log and f"{'batch_size':<26} 16" in log

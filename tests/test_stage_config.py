@@ -136,5 +136,5 @@ def test_evaluate_and_regenerate_take_their_groups(monkeypatch, tmp_path):
     backend, tok = backend_from_config(cfg.regenerate, cfg.target, cfg.data)
     assert isinstance(backend, EndpointBackend) and tok is None
     assert (backend.url, backend.model, backend.max_new_tokens, backend.temperature, backend.concurrency,
-            backend.template_kwargs) == ("http://h:1/v1/chat/completions", "org/m", 7, 0.0, 3,
-                                         {"enable_thinking": False})
+            backend.template_kwargs) == ("http://h:1/v1/chat/completions", "org/m", 7, None, 3,
+                                         {"enable_thinking": False})  # temperature: the server's default

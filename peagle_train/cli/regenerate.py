@@ -1,7 +1,7 @@
 """Regenerate the assistant turns of a conversation file with the target (self-distillation).
 
     peagle regenerate recipe=smollm2-135m-demo data.num_conversations=50 output_dir=/tmp/regen
-    peagle regenerate recipe=smollm2-135m-demo regenerate.backend=vllm regenerate.batch_size=64 output_dir=/tmp/regen
+    peagle regenerate recipe=smollm2-135m-demo regenerate.backend=vllm regenerate.temperature=0.7 output_dir=/tmp/regen
     peagle regenerate regenerate.backend=endpoint regenerate.endpoint_url=http://HOST:8000/v1 \
         regenerate.model=MODEL data.path=conversations.jsonl data.num_conversations=null output_dir=/tmp/regen
 
@@ -11,8 +11,17 @@ shuffles them with `seed`, takes data.num_conversations, and rewrites every assi
 target, turn by turn with the target's own history (peagle_train/data/regenerate.py), through the
 backend regenerate.backend names (`backend_from_config`). The output (regenerate.output, a
 `messages` JSONL) is resumable after a kill and is a valid data.path once the run has finished (its
-sidecar regenerate.output + ".manifest" says so and records its sha256; the data readers refuse an
-unfinished, cut or altered file, naming the command that completes it):
+sidecar regenerate.output + ".manifest" says so and records its sha256, the settings and the
+counts of dropped conversations; the data readers refuse an unfinished, cut or altered file, naming
+the command that completes it).
+
+Answers are sampled as the target recommends (`sampling_of`: regenerate.temperature, top_p, top_k
+where given, else the target's generation_config; greedy when it sets none), each conversation's
+turn with its own seed drawn from `seed` and its id, so a resumed run writes what one run would.
+A conversation with an answer cut at regenerate.max_new_tokens is dropped and counted
+(regenerate.drop_cut), as are exact duplicate conversations; duplicate answers are counted.
+regenerate.batch_size defaults per backend (`batch_size_of`: 256 conversations per call fill a vLLM
+engine; 16 for the in-process target, whose batches pad to their longest answer):
 
     peagle prepare data.path=/tmp/regen/regenerated.jsonl output_dir=/tmp/prepared
 """
@@ -60,18 +69,40 @@ def conversations(cfg, tok=None) -> tuple[list, int]:
     first = [next((m["content"] for m in msgs if m["role"] == "user"), "") for _, msgs in rows]
     lengths = [len(ids) for ids in tok(first, add_special_tokens=False)["input_ids"]]
     keep = [i for i, n in enumerate(lengths) if not limit or n <= limit]
-    w = 16 * cfg.regenerate.batch_size
+    w = 16 * batch_size_of(cfg.regenerate)
     order = [i for s in range(0, len(keep), w) for i in sorted(keep[s: s + w], key=lengths.__getitem__)]
     return [rows[i] for i in order], len(rows) - len(keep)
 
 
-def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
+BATCH_SIZES = {"hf": 16, "vllm": 256, "endpoint": 64}  # conversations per call when regenerate.batch_size is null
+
+
+def batch_size_of(rcfg) -> int:
+    """regenerate.batch_size, or the backend's default (`BATCH_SIZES`): 256 for vllm (its
+    scheduler keeps that many sequences decoding), 16 for hf (a padded batch runs to its longest
+    answer), 64 for endpoint (requests queued for the server; `concurrency` in flight)."""
+    return int(rcfg.batch_size or BATCH_SIZES[str(rcfg.backend)])
+
+
+def sampling_of(rcfg, generation_config, seed: int = 0):
+    """The run's `Sampling` (data/regenerate.py `target_sampling`): regenerate.temperature, top_p,
+    top_k where set, else the target's `generation_config` (a transformers GenerationConfig or None)."""
+    from peagle_train.data.regenerate import target_sampling
+
+    return target_sampling(generation_config, temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
+                           seed=seed)
+
+
+def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", seed: int = 0):
     """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
     target.path in-process (with data.chat_template; decoding/hf_backend.py); `endpoint` talks to
     regenerate.endpoint_url serving regenerate.model (serving/backends.py). Both render with
-    data.template_kwargs and use regenerate.max_new_tokens and temperature; `vllm` runs vLLM on
-    target.path in its own environment, in `precision` (auto: bf16 where the hardware has it;
-    serving/backends.py). Raises ConfigError for another backend."""
+    data.template_kwargs and use regenerate.max_new_tokens; `vllm` runs vLLM on target.path in its
+    own environment, in `precision` (auto: bf16 where the hardware has it; serving/backends.py).
+    hf and vllm sample with `sampling_of` the target's generation_config (`backend.sampling`);
+    endpoint sends the regenerate.temperature, top_p, top_k that are set and leaves the others to
+    the server (which applies the served model's generation_config). `seed`: the run's seed.
+    Raises ConfigError for another backend."""
     kw = OmegaConf.to_container(data_cfg.template_kwargs) if OmegaConf.is_config(data_cfg.template_kwargs) \
         else data_cfg.template_kwargs
     kw = kw or None
@@ -82,10 +113,10 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
 
         model, tok = load_target(target_cfg.path)
         set_chat_template(tok, data_cfg.chat_template)
-        return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature,
-                         template_kwargs=kw), tok
+        return HFBackend(model, tok, max_new_tokens=rcfg.max_new_tokens, template_kwargs=kw,
+                         sampling=sampling_of(rcfg, model.generation_config, seed)), tok
     if rcfg.backend == "vllm":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, GenerationConfig
 
         from peagle_train.data.regenerate import as_list
         from peagle_train.data.template import set_chat_template
@@ -101,15 +132,17 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto"):
                                                if gen_cfg.is_file() else None))
         eos.discard(None)
         ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
+        sampling = sampling_of(rcfg, GenerationConfig.from_pretrained(src) if gen_cfg.is_file() else None, seed)
         return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
                            log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
-                           max_new_tokens=rcfg.max_new_tokens, temperature=rcfg.temperature, template_kwargs=kw,
-                           max_model_len=min(int(ctx), 8192), max_num_seqs=rcfg.batch_size), tok
+                           max_new_tokens=rcfg.max_new_tokens, sampling=sampling, template_kwargs=kw,
+                           max_model_len=min(int(ctx), 8192), max_num_seqs=batch_size_of(rcfg)), tok
     if rcfg.backend == "endpoint":
         from peagle_train.serving.backends import EndpointBackend
 
         return EndpointBackend(rcfg.endpoint_url, rcfg.model, max_new_tokens=rcfg.max_new_tokens,
-                               temperature=rcfg.temperature, concurrency=rcfg.concurrency, template_kwargs=kw), None
+                               temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
+                               concurrency=rcfg.concurrency, template_kwargs=kw), None
     raise ConfigError(f"regenerate.backend={rcfg.backend!r}: use hf, vllm or endpoint")
 
 
@@ -133,22 +166,31 @@ def main(cfg: DictConfig) -> dict:
     check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()
     r = cfg.regenerate
-    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision))
+    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed))
     try:
         convs, too_long = conversations(cfg, tok)
         by = (cfg.target.name_or_path or cfg.target.path) if r.backend in ("hf", "vllm") else r.model
-        settings = {"regenerated_by": str(by), "backend": str(r.backend), "temperature": float(r.temperature),
-                    "max_new_tokens": int(r.max_new_tokens), "max_turns": r.max_turns,
+        if hasattr(backend, "sampling"):
+            s = backend.sampling
+            sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "source": s.source}
+        else:  # endpoint: what is not set is the server's default
+            sampling = {k: "server default" if r[k] is None else r[k] for k in ("temperature", "top_p", "top_k")}
+        settings = {"regenerated_by": str(by), "backend": str(r.backend),
+                    **{k: v for k, v in sampling.items() if k != "source"}, "seed": int(cfg.seed),
+                    "max_new_tokens": int(r.max_new_tokens), "max_turns": r.max_turns, "drop_cut": bool(r.drop_cut),
                     "template_kwargs": OmegaConf.to_container(cfg.data.template_kwargs, resolve=True) or {}}
-        stats = regenerate(convs, backend, r.output, batch_size=r.batch_size, max_turns=r.max_turns,
-                           extra={"regenerated_by": str(by)}, settings=settings, command=_command_line(str(r.output)))
+        logger.info(f"regenerating with {sampling}, seed {cfg.seed}, batches of {batch_size_of(r)} conversations")
+        stats = regenerate(convs, backend, r.output, batch_size=batch_size_of(r), max_turns=r.max_turns,
+                           extra={"regenerated_by": str(by)}, settings=settings, command=_command_line(str(r.output)),
+                           seed=int(cfg.seed), drop_cut=bool(r.drop_cut))
     finally:
         vllm_summary = backend.summary() if hasattr(backend, "summary") else None
         if hasattr(backend, "close"):
             backend.close()  # the vllm backend's engine
     if too_long:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
-    out = {**asdict(stats), "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
+    out = {"sampling": sampling, "seed": int(cfg.seed), "batch_size": batch_size_of(r), **asdict(stats),
+           "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
     if vllm_summary:
         out["vllm"] = vllm_summary
     logger.info("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))

@@ -19,14 +19,29 @@ engines they drive: `decoding/hf_backend.py` `HFBackend` (an in-process transfor
 works), `serving/backends.py` `VllmBackend` (vLLM's offline engine in its own environment, token ids
 in and out, one engine for the whole run) and `EndpointBackend` (any OpenAI-compatible
 /v1/chat/completions server: vLLM, SGLang); `peagle regenerate` (cli/regenerate.py) picks one.
+
+As the field regenerates (speculators' and SpecForge's data scripts, EAGLE's self-distillation):
+- Answers are sampled with the target's recommended parameters (`target_sampling`: the temperature,
+  top_p and top_k its generation_config sets, as vLLM and SGLang read them; greedy when it sets
+  none), each overridable. Conversation `id`'s turn t draws with its own seed
+  (`turn_seed(seed, id, t)`), so an answer does not depend on the batch it fell in and a resumed
+  run writes what an uninterrupted one would (up to floating-point differences between batches).
+- Every assistant turn is rewritten, on the regenerated history (above).
+- A conversation with an answer cut at max_new_tokens is dropped whole (counted), as speculators
+  and SpecForge drop such samples: a cut answer teaches the head a stop that the target never makes.
+- Exact duplicates are counted: answers equal to one already in the output (kept: short answers
+  legitimately repeat), and whole conversations equal to one already in the output (dropped).
+Dropped conversations are recorded in the sidecar <output>.dropped (one {"id", "reason"} line
+each, appended per batch), so a rerun skips them too; the manifest counts them by reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -62,18 +77,151 @@ def as_list(x) -> list:
     return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How answers are drawn. temperature 0 = greedy (top_p and top_k unused); top_p 1.0 and top_k 0
+    are off. seed: the run's seed (`turn_seed`). source: where each value came from (the user, the
+    target's generation_config, or the greedy default)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    source: str = "greedy (default)"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def target_sampling(generation_config, *, temperature: float | None = None, top_p: float | None = None,
+                    top_k: int | None = None, seed: int = 0) -> Sampling:
+    """The sampling of a regeneration: the user's values where given, else the target's.
+
+    generation_config: the target's transformers `GenerationConfig` (model.generation_config, or
+    `GenerationConfig.from_pretrained`), or None when it has none. Its values are those its file
+    sets (`to_diff_dict()`: what differs from transformers' defaults), as vLLM and SGLang read a
+    model's recommended parameters: temperature (1.0 when it sets only do_sample=True, greedy when
+    it sets neither), top_p (1.0 when unset), top_k (0 = off when unset).
+    """
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    diff = generation_config.to_diff_dict() if generation_config is not None else {}
+    own = {k: diff[k] for k in SAMPLING_KEYS if diff.get(k) is not None}
+    if "temperature" not in own and diff.get("do_sample"):
+        own["temperature"] = 1.0
+    vals = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    src = {}
+    for k in SAMPLING_KEYS:
+        if given[k] is not None:
+            vals[k], src[k] = given[k], "user"
+        elif k in own:
+            vals[k], src[k] = own[k], "target generation_config"
+    if not src:
+        source = "greedy (the target's generation_config sets no sampling)"
+    else:
+        source = "; ".join(f"{', '.join(k for k in SAMPLING_KEYS if src.get(k) == w)} from the {w}"
+                           for w in ("user", "target generation_config") if w in src.values())
+    return Sampling(float(vals["temperature"]), float(vals["top_p"]), int(vals["top_k"] or 0), int(seed), source)
+
+
+def turn_seed(seed: int, cid: str, turn: int) -> int:
+    """The seed of conversation `cid`'s assistant turn `turn` (0-based) in a run seeded `seed`: the
+    first 31 bits of sha256("seed/cid/turn"), an int in [0, 2**31) every backend accepts."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{cid}/{turn}".encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
 @dataclass
 class RegenerateStats:
-    """Counts of a regeneration run."""
+    """Counts of a regeneration run. cut_at_max_new_tokens: answers that hit the token limit (their
+    conversations are dropped when drop_cut); duplicate_answers: answers written equal to one
+    already in the output; duplicate_conversations: conversations equal to one already in the
+    output (dropped); dropped: conversations not written, by reason (this run)."""
 
     skipped_done: int = 0
+    skipped_dropped: int = 0
     written: int = 0
     turns_generated: int = 0
     cut_at_max_new_tokens: int = 0
     stopped_at_empty_answer: int = 0
     turns_cut_by_max_turns: int = 0
     torn_lines_dropped: int = 0
+    duplicate_answers: int = 0
+    duplicate_conversations: int = 0
     dropped: dict = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+CUT = "an answer cut at max_new_tokens"
+DUPLICATE = "exact duplicate of a conversation in the output"
+
+
+def dropped_path(out_path: str | Path) -> Path:
+    """The sidecar of a regeneration output listing its dropped conversations: <file>.dropped."""
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".dropped")
+
+
+def read_dropped(out_path: str | Path) -> dict[str, str]:
+    """{id: reason} of the conversations a run on `out_path` dropped (`dropped_path`); {} without
+    one. A torn last line (a kill mid-write) is cut off the file: its conversation is redone."""
+    path = dropped_path(out_path)
+    if not path.is_file():
+        return {}
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    out = {}
+    for n, line in enumerate(data[:end].splitlines(), 1):
+        if line.strip():
+            try:
+                r = json.loads(line)
+                out[str(r["id"])] = r["reason"]
+            except (ValueError, KeyError, TypeError) as e:
+                from ..errors import CorruptFileError
+
+                raise CorruptFileError(f"{path}, line {n}: not a dropped conversation ({type(e).__name__}): the file "
+                                       "is damaged. Fix: remove that line (its conversation is regenerated), then "
+                                       "rerun.") from e
+    return out
+
+
+def _digest(obj) -> bytes:
+    return hashlib.sha256(json.dumps(obj, ensure_ascii=False, sort_keys=True).encode()).digest()[:16]
+
+
+class _Seen:
+    """Digests of the answers and conversations in the output, to count exact duplicates."""
+
+    def __init__(self, out_path: Path):
+        self.answers, self.conversations, self.file_duplicate_answers = set(), set(), 0
+        if out_path.is_file():
+            for line in out_path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    self.file_duplicate_answers += self.add(json.loads(line)["messages"])
+
+    def is_duplicate(self, msgs: list[dict]) -> bool:
+        return _digest(msgs) in self.conversations
+
+    def add(self, msgs: list[dict]) -> int:
+        """Record a written conversation; returns how many of its answers were already in the output."""
+        self.conversations.add(_digest(msgs))
+        dup = 0
+        for m in msgs:
+            if m["role"] == "assistant":
+                d = _digest(m["content"])
+                dup += d in self.answers
+                self.answers.add(d)
+        return dup
 
 
 def done_ids(out_path: Path, stats: RegenerateStats | None = None, fix: str = "") -> set[str]:
@@ -142,16 +290,20 @@ def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | Non
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,
                extra: dict | None = None, max_turns: int | None = None, settings: dict | None = None,
-               command: str | None = None) -> RegenerateStats:
+               command: str | None = None, seed: int = 0, drop_cut: bool = True) -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
 
     conversations: iterable of (id, messages) with normalised messages (user/assistant alternating,
-    optional leading system). Conversations whose id is already in out_path are skipped.
+    optional leading system). Conversations whose id is already in out_path, or in its
+    <out_path>.dropped, are skipped.
     extra: fields added to every written line (e.g. {"regenerated_by": "<model>"}).
     max_turns: answer at most this many user turns per conversation (the rest is cut, counted as
     "turns cut by max_turns"); None = all.
+    seed: the run's seed; the backend draws conversation id's turn t with `turn_seed(seed, id, t)`.
+    drop_cut: drop a conversation with an answer cut at the backend's max_new_tokens (counted; the
+    field's choice, module docstring); False keeps it, its cut answer in the history of the next turn.
     An empty answer ends its conversation there (counted); a conversation left without an answer
-    is not written (counted).
+    is not written (counted); one equal to a conversation already in the output is dropped (counted).
     settings: what the answers depend on (backend, model, sampling); a rerun with other settings is
     refused. command: the command line that continues the run, named in the errors of its readers.
     The sidecar <out_path>.manifest says "not finished" from before the first line is appended until
@@ -170,6 +322,8 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
     fix = regenerate_fix(out_path, command)
     _check_resumable(out_path, read_regenerated_manifest(out_path), settings, fix)
     done = done_ids(out_path, stats, fix=f"remove that line (or the file) and {fix}")
+    dropped_before = read_dropped(out_path)
+    seen = _Seen(out_path)
     manifest = {"what": "peagle regenerate output", "file": out_path.name, "settings": settings, "command": command,
                 "complete": False, "conversations": len(done), "bytes": out_path.stat().st_size if out_path.is_file() else 0,
                 "sha256": None}
@@ -178,22 +332,43 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
     for cid, msgs in conversations:
         if str(cid) in done:
             stats.skipped_done += 1
+        elif str(cid) in dropped_before:
+            stats.skipped_dropped += 1
         else:
             todo.append((str(cid), _first_turns(msgs, max_turns, stats)))
-    if stats.skipped_done:
-        logger.info(f"{out_path}: {stats.skipped_done} conversations already regenerated, skipped")
-    with open(out_path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
+    if stats.skipped_done or stats.skipped_dropped:
+        logger.info(f"{out_path}: {stats.skipped_done} conversations already regenerated and "
+                    f"{stats.skipped_dropped} already dropped ({dropped_path(out_path).name}), skipped")
+    with open(out_path, "a", encoding="utf-8") as f, open(dropped_path(out_path), "a", encoding="utf-8") as fd, \
+            tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for b in range(0, len(todo), batch_size):
             batch = todo[b: b + batch_size]
-            lines = [_json_line(cid, msgs, extra) for cid, msgs in _regenerate_batch(batch, backend, stats)]
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
+            lines, gone = [], []
+            for cid, msgs, reason in _regenerate_batch(batch, backend, stats, seed, drop_cut):
+                if reason is None and seen.is_duplicate(msgs):
+                    reason = DUPLICATE
+                    stats.duplicate_conversations += 1
+                if reason is not None:
+                    stats.drop(reason)
+                    gone.append(json.dumps({"id": cid, "reason": reason}, ensure_ascii=False) + "\n")
+                    continue
+                stats.duplicate_answers += seen.add(msgs)
+                lines.append(_json_line(cid, msgs, extra))
+            for handle, text in ((fd, gone), (f, lines)):  # the dropped first: a kill between keeps both right
+                handle.write("".join(text))
+                handle.flush()
+                os.fsync(handle.fileno())
             stats.written += len(lines)
             bar.update(len(batch))
+    dropped = {}
+    for reason in read_dropped(out_path).values():
+        dropped[reason] = dropped.get(reason, 0) + 1
     atomic_write_json(regenerated_manifest_path(out_path), {
         **manifest, "complete": True, "conversations": len(done) + stats.written,
-        "bytes": out_path.stat().st_size, "sha256": sha256_file(out_path)}, durable=True)
+        "bytes": out_path.stat().st_size, "sha256": sha256_file(out_path),
+        "dropped": dropped, "duplicate_answers": seen.file_duplicate_answers + stats.duplicate_answers,
+        "duplicate_conversations_dropped": dropped.get(DUPLICATE, 0),
+        "cut_answers_dropped": dropped.get(CUT, 0)}, durable=True)
     return stats
 
 
@@ -212,38 +387,48 @@ def _json_line(cid: str, msgs: list[dict], extra: dict | None) -> str:
     return json.dumps({"id": cid, "messages": msgs, **(extra or {})}, ensure_ascii=False) + "\n"
 
 
-def _regenerate_batch(batch, backend, stats: RegenerateStats):
-    """Turn-by-turn regeneration of one batch: yields (id, new messages) of the conversations kept."""
+def _regenerate_batch(batch, backend, stats: RegenerateStats, seed: int = 0, drop_cut: bool = True):
+    """Turn-by-turn regeneration of one batch: yields (id, new messages, None) of the conversations
+    kept and (id, None, reason) of those dropped (reason: CUT or "no answer generated"). Turn t of
+    conversation id is drawn with `turn_seed(seed, id, t)`."""
     # per conversation: the new history so far, and the queue of remaining original messages
     state = []
     for cid, msgs in batch:
         hist, rest = [], list(msgs)
         while rest and rest[0]["role"] != "assistant":
             hist.append(rest.pop(0))
-        state.append({"id": cid, "hist": hist, "rest": rest, "open": bool(rest) and hist and hist[-1]["role"] == "user"})
+        state.append({"id": cid, "hist": hist, "rest": rest, "turn": 0, "cut": False,
+                      "open": bool(rest) and hist and hist[-1]["role"] == "user"})
     while True:
         active = [s for s in state if s["open"]]
         if not active:
             break
-        gens = backend.generate([s["hist"] for s in active])
+        gens = backend.generate([s["hist"] for s in active], seeds=[turn_seed(seed, s["id"], s["turn"]) for s in active])
         for s, g in zip(active, gens):
             stats.turns_generated += 1
             stats.cut_at_max_new_tokens += g.cut
+            s["turn"] += 1
             s["rest"].pop(0)  # the original assistant turn, replaced
             if not g.text:
                 stats.stopped_at_empty_answer += 1
                 s["open"] = False
                 continue
             s["hist"].append({"role": "assistant", "content": g.text})
+            if g.cut and drop_cut:  # dropped at the end of the batch: no later turn is asked
+                s["cut"], s["open"] = True, False
+                continue
             users = []
             while s["rest"] and s["rest"][0]["role"] != "assistant":
                 users.append(s["rest"].pop(0))
             s["hist"] += users
             s["open"] = bool(s["rest"]) and bool(users)
     for s in state:
+        if s["cut"]:
+            yield s["id"], None, CUT
+            continue
         while s["hist"] and s["hist"][-1]["role"] != "assistant":
             s["hist"].pop()
         if any(m["role"] == "assistant" for m in s["hist"]):
-            yield s["id"], s["hist"]
+            yield s["id"], s["hist"], None
         else:
-            stats.dropped["no answer generated"] = stats.dropped.get("no answer generated", 0) + 1
+            yield s["id"], None, "no answer generated"

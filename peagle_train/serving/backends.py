@@ -20,33 +20,44 @@ class VllmBackend:
     """Generation by vLLM's offline engine in its own environment (vllm_engine.py `VllmSession`):
     the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does
     (chat template with add_generation_prompt=True, template_kwargs), vLLM generates from those
-    token ids, and the answer is decoded here. The engine starts on the first call and stops at `close`;
-    `max_num_seqs` sequences decode together (the regeneration batch: `regenerate.batch_size`)."""
+    token ids with one SamplingParams per prompt (`sampling`'s temperature, top_p, top_k; the
+    prompt's own seed), and the answer is decoded here (cut: vLLM's finish_reason "length"). The
+    engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
+    (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend).
+    `temperature` alone is shorthand for Sampling(temperature, seed=seed) when sampling is None."""
 
     def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
                  max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
                  dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0,
-                 max_num_seqs: int = 16):
+                 max_num_seqs: int = 16, sampling: Sampling | None = None):
         self.tok, self.eos = tokenizer, set(eos)
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.sampling = sampling or Sampling(temperature=float(temperature), seed=seed)
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, self.sampling.temperature, self.sampling.seed
         self.template_kwargs = dict(template_kwargs or {})
         self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
                           max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
         self._session = None
         self.generated_tokens = 0
 
-    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
-        """conversations: message lists ending with a user turn. Returns one Generation each."""
+    def generate(self, conversations: list[list[dict]], seeds: list[int] | None = None) -> list[Generation]:
+        """conversations: message lists ending with a user turn; seeds: one per conversation (None =
+        the sampling's seed for every prompt). Returns one Generation each."""
         from .vllm_engine import VllmSession
 
         if self._session is None:
             self._session = VllmSession(**self._args)
         texts = prompt_texts(self.tok, conversations, self.template_kwargs)
         prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+        s = self.sampling
         outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
-                                      temperature=self.temperature, seed=self.seed)
+                                      temperature=s.temperature, seed=s.seed, top_p=s.top_p, top_k=s.top_k,
+                                      seeds=list(seeds) if seeds is not None else None)
         self.generated_tokens += sum(len(o["token_ids"]) for o in outs)
-        return [decode_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
+        gens = [decode_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
+        for g, o in zip(gens, outs):
+            if o.get("finish_reason") is not None:
+                g.cut = o["finish_reason"] == "length"
+        return gens
 
     def summary(self) -> dict:
         """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
@@ -68,23 +79,33 @@ class EndpointError(UserError, RuntimeError):
 class EndpointBackend:
     """POST /v1/chat/completions of an OpenAI-compatible server, `concurrency` requests at a time.
 
+    Each request carries max_tokens, the conversation's seed and temperature, top_p, top_k where
+    they are set (top_k is vLLM's and SGLang's extension); one left None is left out, so the server
+    applies the served model's generation_config (vLLM's and SGLang's default). Cut: finish_reason
+    "length".
+
     Raises:
         EndpointError (a RuntimeError and a user error: one line at the command line): the server
             cannot be reached or answers without a choice (names the URL).
     """
 
-    def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float = 0.0,
+    def __init__(self, base_url: str, model: str, *, max_new_tokens: int = 512, temperature: float | None = 0.0,
                  concurrency: int = 8, timeout_s: float = 600.0, api_key: str | None = None,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, top_p: float | None = None, top_k: int | None = None):
         self.url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/chat/completions") else "/chat/completions")
         self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+        self.top_p, self.top_k = top_p, top_k
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
         self.template_kwargs = dict(template_kwargs or {})
 
-    def _one(self, messages: list[dict]) -> Generation:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature}
+    def _one(self, messages: list[dict], seed: int | None = None) -> Generation:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens}
+        for k in ("temperature", "top_p", "top_k"):
+            if getattr(self, k) is not None:
+                body[k] = getattr(self, k)
+        if seed is not None:
+            body["seed"] = int(seed)
         if self.template_kwargs:  # vLLM / SGLang: arguments of the chat template, e.g. enable_thinking
             body["chat_template_kwargs"] = self.template_kwargs
         headers = {"Content-Type": "application/json"}
@@ -104,6 +125,8 @@ class EndpointBackend:
             raise EndpointError(f"Endpoint {self.url} answered without choices[0].message: {str(ans)[:200]}. Fix: "
                                 "point regenerate.endpoint_url at an OpenAI-compatible server (vllm serve / sglang).") from e
 
-    def generate(self, conversations: list[list[dict]]) -> list[Generation]:
+    def generate(self, conversations: list[list[dict]], seeds: list[int] | None = None) -> list[Generation]:
+        """conversations: message lists ending with a user turn; seeds: one per conversation (None:
+        no seed sent). Returns one Generation each, in order."""
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as ex:
-            return list(ex.map(self._one, conversations))
+            return list(ex.map(self._one, conversations, seeds if seeds is not None else [None] * len(conversations)))

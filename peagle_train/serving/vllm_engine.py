@@ -162,13 +162,16 @@ class VllmSession:
         return json.loads(path.read_text())
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids, temperature: float = 0.0,
-                 seed: int = 0) -> list[dict]:
-        """[{token_ids, finish_reason}] per prompt (token ids in, vLLM's scheduler batches them)."""
+                 seed: int = 0, top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[dict]:
+        """[{token_ids, finish_reason}] per prompt (token ids in, vLLM's scheduler batches them).
+        seeds: one per prompt (each prompt its own SamplingParams seed); None = `seed` for all."""
         self._calls += 1
         resp = Path(self._tmp.name) / f"response-{self._calls}.json"
         self._proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts],
                                            "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-                                           "seed": int(seed), "stop_token_ids": sorted(map(int, stop_token_ids)),
+                                           "top_p": float(top_p), "top_k": int(top_k), "seed": int(seed),
+                                           "seeds": None if seeds is None else [int(x) for x in seeds],
+                                           "stop_token_ids": sorted(map(int, stop_token_ids)),
                                            "response": str(resp)}) + "\n")
         self._proc.stdin.flush()
         r = self._wait(resp, 24 * 3600, "answer")

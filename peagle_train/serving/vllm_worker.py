@@ -16,8 +16,9 @@ starts this file and reads the response. Tasks:
   (hidden_states [T, L, H] for the L requested layer ids in vLLM's numbering, token_ids [T]).
   With `max_new_tokens` > 1 and `include_output_tokens`, generation and features in one pass.
 - "serve": one engine for many generate calls (regeneration, turn after turn): after the engine is
-  up, each line of stdin is a request {prompts, max_new_tokens, temperature, seed, stop_token_ids,
-  response: path}; its response {outputs, generate_seconds} is written to `response` (atomically).
+  up, each line of stdin is a request {prompts, max_new_tokens, temperature, top_p, top_k, seed,
+  seeds (one per prompt, or null), stop_token_ids, response: path}; its response {outputs,
+  generate_seconds} is written to `response` (atomically).
   The job ends at the end of stdin.
 """
 
@@ -124,13 +125,22 @@ def _serve(llm, response_path: str, load_s: float) -> None:
         if not line.strip():
             continue
         r = json.loads(line)
-        p = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
-                           stop_token_ids=list(r.get("stop_token_ids") or []), seed=r.get("seed", 0))
+        p = serve_sampling_params(SamplingParams, r)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
         _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
                                             "finish_reason": o.outputs[0].finish_reason} for o in outs],
                                "generate_seconds": time.perf_counter() - t0})
+
+
+def serve_sampling_params(sampling_params, r: dict) -> list:
+    """One `sampling_params` (vLLM's SamplingParams class) per prompt of serve request `r`: its
+    temperature, top_p, top_k (0 = off), max_new_tokens, stop_token_ids, and the prompt's seed
+    (r["seeds"][i], else r["seed"])."""
+    seeds = r.get("seeds") or [r.get("seed", 0)] * len(r["prompts"])
+    return [sampling_params(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0),
+                            max_tokens=r["max_new_tokens"], stop_token_ids=list(r.get("stop_token_ids") or []),
+                            seed=s) for s in seeds]
 
 
 def _generate(llm, req: dict) -> tuple[list, list[dict], float]:

@@ -252,10 +252,9 @@ class DataConfig:
                                              "uses) and validated", ge=0)
     mix: list[Any] = opt([], "several sources instead of path: [{path: FILE_OR_DIR, weight: 1.0}, ...]; "
                              "rows taken by weight")
-    sources: list[Any] = opt([], "datasets read with `datasets` and mixed into one conversation set, the input "
-                                 "of `peagle regenerate` (whose output the recipe's data.path names): [{hub: "
-                                 "HUB_ID_OR_PATH, split: train, count: N (null = all), format: auto | sharegpt | "
-                                 "openai | instruction, columns: {turns: NAME} | {prompt: NAME, response: NAME}}, ...]")
+    sources: list[Any] = opt([], "datasets mixed into the conversations `peagle regenerate` reads (its output: data.path): "
+                                 "[{hub: ID_OR_PATH, split: train, count: N, format: auto | sharegpt | openai | "
+                                 "instruction, columns: {turns: NAME}}, ...]")
     chat_template: Optional[str] = opt(None, "Jinja string or .jinja file replacing the tokenizer's "
                                              "(required if it has none)")
     template_kwargs: dict[str, Any] = opt({}, "passed to the chat template at every rendering, e.g. "
@@ -320,6 +319,9 @@ class TrainingConfig:
     lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     warmup_steps: int = opt(10, "linear warm-up steps before the schedule", ge=0)
+    warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
+                                                 "for any number of GPUs and any data); null = warmup_steps",
+                                           gt=0, le=0.5)
     warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
                                                  "for any number of GPUs and any data); null = warmup_steps",
                                            gt=0, le=0.5)
@@ -899,6 +901,11 @@ def config_problems(cfg, command: str = "train") -> list[str]:
             problems.append(m)
     if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
         problems.append(m)
+    frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
+    if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:
+        problems.append(f"training.warmup_steps={warm} and training.warmup_fraction={frac} both set the warm-up "
+                        f"(the fraction of the run's steps would win). Fix: training.warmup_fraction=null to warm up "
+                        f"over {warm} steps, or leave training.warmup_steps at its default.")
     frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
     if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:
         problems.append(f"training.warmup_steps={warm} and training.warmup_fraction={frac} both set the warm-up "

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .paths import SPEC_BENCH, TARGET_CONFIGS_DIR
 from .training.checks import schedule_problems
+from .training.schedule import warmup_steps_of
 from .training.memory import (GIB, RESERVE_BYTES, dtype_bytes, draft_config_for, estimate_step_memory, head_parameters,
                               memory_problem, target_parameters)
 
@@ -101,6 +102,8 @@ def data_counts(cfg, data_tokens: int | None = None) -> dict:
         return {"tokens": int(s["tokens"]), "conversations": int(s["conversations_kept"]), "fill": {},
                 "source": f"{p}"}
     table = DATA_COUNTS.get(str(d.path)) if not d.get("mix") else None
+    if not table and d.get("sources") and all(e.get("count") for e in d.sources):
+        return _sources_estimate(d)
     if not table:
         raise ConfigError(f"no token count for data.path={d.path}{' (data.mix)' if d.get('mix') else ''}. Fix: give "
                        f"data_tokens=N (tokens of all rows, prompt and answer), or data.prepared_dir= of a prepared "
@@ -112,6 +115,24 @@ def data_counts(cfg, data_tokens: int | None = None) -> dict:
     note = "" if L == d.max_length else f" (counted at max_length {L}: {'more' if L > d.max_length else 'fewer'} tokens)"
     return {"tokens": int(tokens * scale), "conversations": int(round(rows * scale)), "fill": fill,
             "source": f"{d.path}: {int(round(rows * scale)):,} conversations, SmolLM2's tokenizer{note}"}
+
+
+def _sources_estimate(d) -> dict:
+    """`data_counts` of a recipe whose data.path is its regenerate stage's output (from data.sources,
+    each entry with a count): the entries' conversations (to data.num_conversations), each as many
+    tokens as ShareGPT's mean conversation at the first counted max_length ≥ data.max_length with
+    its packing fill (DATA_COUNTS, SmolLM2's tokenizer): an estimate until the output is prepared
+    (data.prepared_dir=) or counted (data_tokens=)."""
+    table = DATA_COUNTS["pkg:sharegpt"]
+    at = [L for L in sorted(table) if L >= d.max_length]
+    L = at[0] if at else max(table)
+    rows, tokens, _, fill = table[L]
+    n = sum(int(e["count"]) for e in d.sources)
+    n = min(n, int(d.num_conversations)) if d.get("num_conversations") else n
+    per = tokens / rows
+    return {"tokens": int(n * per), "conversations": n, "fill": fill,
+            "source": f"estimate: {n:,} conversations of data.sources × {per:,.0f} tokens (ShareGPT's mean at "
+                      f"max_length {L}, SmolLM2's tokenizer)"}
 
 
 def packing_fill(fill: dict, tokens_per_step: int, mean_row: float) -> float:
@@ -233,11 +254,12 @@ def _schedule(cfg, W: int, problems: list[str], notes: list[str]) -> dict:
     per_step = W * t.grad_accum
     steps_data = rows_epoch * t.epochs // per_step
     steps = min(steps_data, t.max_steps) if t.max_steps else steps_data
+    warmup = warmup_steps_of(t.warmup_steps, t.get("warmup_fraction"), steps)
     if steps < 1:
         problems.append(f"no optimizer step: {rows_epoch * t.epochs:,} packed rows for {W} GPUs × grad_accum "
                         f"{t.grad_accum}. Fix: more data, fewer GPUs, or a lower training.grad_accum.")
     else:
-        problems += schedule_problems(steps, int(t.warmup_steps), t.save_every, world_size=W, grad_accum=t.grad_accum,
+        problems += schedule_problems(steps, warmup, t.save_every, world_size=W, grad_accum=t.grad_accum,
                                       rows=rows_epoch * t.epochs, epochs=t.epochs)
     if val and not t.save_every:
         notes.append(f"training.val_conversations={val} are held out but training.save_every is null: validation "
@@ -249,8 +271,8 @@ def _schedule(cfg, W: int, problems: list[str], notes: list[str]) -> dict:
     return {"data": data, "train_tokens": int(train_tokens), "val_conversations": val, "fill": fill,
             "rows_per_epoch": rows_epoch, "epochs": t.epochs, "rows_per_step": per_step,
             "steps_per_epoch": rows_epoch // per_step, "steps": steps, "steps_from_data": steps_data,
-            "max_steps": t.max_steps, "warmup_steps": int(t.warmup_steps),
-            "warmup_share": int(t.warmup_steps) / steps if steps else float("inf"),
+            "max_steps": t.max_steps, "warmup_steps": warmup,
+            "warmup_share": warmup / steps if steps else float("inf"),
             "save_every": t.save_every, "checkpoints_before_end": saves,
             "validations": (saves + 1) if val and t.save_every else 0}
 

@@ -188,6 +188,10 @@ def test_the_trainer_refuses_a_run_that_never_leaves_warmup(tmp_path):
 def test_data_counts_from_the_key_a_prepared_dir_or_the_table(tmp_path):
     cfg = compose("plan", ["recipe=llama-3.1-8b-instruct"])
     assert data_counts(cfg, 1234)["tokens"] == 1234
+    estimate = data_counts(cfg)  # the recipe's regenerate stage: its sources' counts × ShareGPT's mean conversation
+    assert (estimate["tokens"], estimate["conversations"]) == (22_635_787 * 500_000 // 16_747, 500_000)
+    assert estimate["source"].startswith("estimate: 500,000 conversations of data.sources × 1,352 tokens")
+    cfg = compose("plan", ["recipe=llama-3.1-8b-instruct", "data.path=pkg:sharegpt", "data.sources=[]"])
     shipped = data_counts(cfg)
     assert shipped["tokens"] == 22_635_787 and shipped["conversations"] == 16_747  # ShareGPT at max_length 2048
     (tmp_path / "summary.json").write_text(json.dumps({"tokens": 5000, "conversations_kept": 7}))
@@ -234,11 +238,13 @@ def test_the_command_prints_the_table_and_refuses_with_the_fix(capsys):
     assert main(["recipe=llama-3.1-8b-instruct", "world_size=8"]) == 0
     out = capsys.readouterr().out
     assert "| **peak (estimate)** |" in out and "1.608B parameters, 1.082B trainable" in out
-    assert "| optimizer steps | 883 = 1,413 rows × 10 epochs / 16 rows per step (8 GPUs × grad_accum 2) |" in out
-    assert main(["recipe=llama-3.1-8b-instruct", "world_size=8", "training.warmup_steps=500"]) == 2
+    assert "| optimizer steps | 5,428 = 43,427 rows × 2 epochs / 16 rows per step (8 GPUs × grad_accum 2) |" in out
+    assert "| warm-up | 109 steps = 2% of the run |" in out  # training.warmup_fraction 0.02
+    assert main(["recipe=llama-3.1-8b-instruct", "world_size=8", "training.warmup_fraction=null",
+                 "training.warmup_steps=5000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("peagle plan: error: training.warmup_steps=500 is more than half of the run's 883 optimizer "
-                          "steps") and "Fix: training.warmup_steps=88 (10% of the steps)" in err
+    assert err.startswith("peagle plan: error: training.warmup_steps=5000 is more than half of the run's 5,428 optimizer "
+                          "steps") and "Fix: training.warmup_steps=542 (10% of the steps)" in err
     assert main(["recipe=llama-3.1-8b-instruct", "world_size=1", "gpu_memory_gb=40"]) == 2
     err = capsys.readouterr().err
     assert "one training step needs ≈ " in err and "but the GPU has 40.0 GiB. Fix: lower training.tokens_per_step" in err

@@ -56,11 +56,27 @@ def prepare_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 
     def plain(x):
         return OmegaConf.to_container(x) if OmegaConf.is_config(x) else x
 
+    check_regenerate_stage(dcfg)
     return prepare_data(dcfg.path, tokenizer, target_vocab_size, num_conversations=dcfg.num_conversations,
                         max_length=dcfg.max_length, min_supervised_tokens=dcfg.min_supervised_tokens,
                         draft_vocab_size=dcfg.draft_vocab_size, mask_token_id=dcfg.mask_token_id, seed=seed,
                         mix=plain(dcfg.mix) or None, num_proc=dcfg.num_proc, cache_dir=dcfg.cache_dir,
                         chat_template=dcfg.chat_template, template_kwargs=plain(dcfg.template_kwargs) or None)
+
+
+def check_regenerate_stage(dcfg) -> None:
+    """A config naming data.sources reads them in its regenerate stage, whose output is data.path:
+    raise DataFileError, naming the command that writes it, when data.path does not exist yet."""
+    from ..paths import resolve_path
+
+    if not dcfg.get("sources") or dcfg.get("mix") or not str(dcfg.path or "").strip():
+        return
+    if not resolve_path(str(dcfg.path)).exists():
+        raise DataFileError(f"data.path={dcfg.path} does not exist yet: it is the output of the regenerate stage, which "
+                            f"reads data.sources ({len(dcfg.sources)} datasets). Fix: run that stage first, with the "
+                            f"same recipe: peagle regenerate recipe=NAME regenerate.backend=vllm "
+                            f"regenerate.output={dcfg.path} (docs/TRAINING.md), or set data.path to conversations "
+                            "of your own.")
 
 
 def data_from_config(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0) -> PreparedData:

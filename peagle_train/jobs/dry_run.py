@@ -76,7 +76,7 @@ def dry_run(cfg, out_dir: Path) -> dict:
         "tokens_per_step": 96, "max_steps": 2, "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
         "grad_accum": 1, "max_anchors": 32, "attention": "dense",
         # 2 steps: the recipe's warm-up is sized for its data (peagle plan)
-        "warmup_steps": min(int(cfg.training.warmup_steps), 1)}))
+        "warmup_steps": min(int(cfg.training.warmup_steps), 1), "warmup_fraction": None}))
     check_training_config(settings)
     job_cfg = OmegaConf.merge(cfg, {"eval": {"enabled": True}, "export": {"enabled": True}})
     acc = tracked_accelerator(settings.training.tracker, out_dir, config=OmegaConf.to_container(cfg, resolve=True),

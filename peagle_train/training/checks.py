@@ -151,10 +151,14 @@ def schedule_problems(steps: int, warmup_steps: int, save_every: int | None, *, 
 
 def check_schedule(steps: int, training, *, world_size: int = 1, rows: int | None = None) -> None:
     """Raise ConfigError (one line per problem of `schedule_problems`) for a run of `steps` optimizer
-    steps with the `training` group `training` (warmup_steps, save_every, grad_accum, epochs).
+    steps with the `training` group `training` (warmup_steps or warmup_fraction, save_every, grad_accum,
+    epochs).
     `peagle train` runs it at start-up, once `steps` is known (Trainer.setup); `peagle plan` runs the
     same rule on its estimate."""
-    problems = schedule_problems(steps, int(training.warmup_steps), training.get("save_every"),
+    from .schedule import warmup_steps_of
+
+    warmup = warmup_steps_of(training.warmup_steps, training.get("warmup_fraction"), steps)
+    problems = schedule_problems(steps, warmup, training.get("save_every"),
                                  world_size=world_size, grad_accum=int(training.get("grad_accum") or 1), rows=rows,
                                  epochs=training.get("epochs"))
     if problems:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import math
 
 
+def warmup_steps_of(warmup_steps: int, warmup_fraction: float | None, total: int) -> int:
+    """Warm-up steps of a run of `total` optimizer steps: round(warmup_fraction × total) when the
+    fraction is set (`training.warmup_fraction`), else `warmup_steps` (`training.warmup_steps`)."""
+    return int(round(warmup_fraction * total)) if warmup_fraction is not None else int(warmup_steps)
+
+
 def lr_lambda(warmup: int, total: int, schedule: str, decay_fraction: float = 0.2):
     """The LR factor of optimizer step `step` (0-based): a linear warm-up over `warmup` steps, then
 

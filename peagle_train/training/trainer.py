@@ -35,7 +35,7 @@ from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder,
 from ..algorithms.cod import attention_kind
 from .engines import fused_optimizer, make_engine, resolve_engine
 from ..algorithms.loss import metrics_from_counts
-from .schedule import lr_lambda
+from .schedule import lr_lambda, warmup_steps_of
 from .tracking import step_scalars, tracker_name
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ class Trainer:
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], training.lr, training.weight_decay,
                          fused=fused_optimizer(engine_kind))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(training.warmup_steps, self.steps,
+        warmup = warmup_steps_of(training.warmup_steps, training.get("warmup_fraction"), self.steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.steps,
                                                                          training.schedule,
                                                                          training.get("decay_fraction", 0.2)))
         attention_kind(training.attention, acc.device)  # raises now, not at the first backward

@@ -47,8 +47,10 @@ def main():
     section = (f"{HEADING}\n\n`python benchmarks/plan_tables.py`: `peagle plan recipe=NAME world_size=N gpu_memory_gb=80` for "
                "the three GPU recipes as they stand, on 1 and 8 GPUs. Estimates, not measurements (no GPU run has "
                "been made from this repository): the memory model is checked against real CPU steps "
-               "(docs/BENCHMARKS.md, benchmarks/calibrate_plan.py); the steps use ShareGPT's token count under "
-               "SmolLM2's tokenizer, an upper bound for these targets' larger vocabularies.\n\n"
+               "(docs/BENCHMARKS.md, benchmarks/calibrate_plan.py); the steps count the recipes' 500,000 regenerated "
+               "conversations at ShareGPT's mean length under SmolLM2's tokenizer (data.sources' counts × 1,352 "
+               "tokens: an estimate until the regenerated file is prepared; a larger vocabulary cuts fewer tokens)."
+               "\n\n"
                + "\n".join(summary) + "\n\n" + "\n".join(full))
     if args.no_docs:
         print(section)

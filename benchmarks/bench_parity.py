@@ -1,0 +1,356 @@
+"""Peer parity: our trainer against the speculators library's own trainer, on the same rows and target
+features, at equal hyper-parameters and token-passes, both heads served by vLLM on the same prompts.
+
+    python benchmarks/bench_parity.py --out-dir runs/parity --steps 170 340 --threads 1 [--write-docs]
+    python benchmarks/bench_parity.py --out-dir runs/parity --steps 170 340 --table-only --write-docs
+
+Runs (trainer ∈ ours, speculators) × (algorithm ∈ peagle, eagle3; `--algorithms`) × budgets
+(`--steps`: optimizer steps of one packed row of `training.tokens_per_step` tokens each), in order:
+1. features: `peagle features` once (the recipe's target, data and storage) into OUT/features;
+2. ours: `peagle train` on those offline features (benchmarks/parity_ours.py: the same command,
+   recording a digest of every row it trains on and writing those rows afterwards to a rows file);
+3. speculators: its own model class trained by its own `Trainer` on that rows file, in its own
+   venv (benchmarks/parity_speculators.py), saved by its own checkpointer;
+4. vLLM: `peagle evaluate eval.engine=vllm` on each export (greedy, batch 1, K = `--k`, the
+   recipe's evaluation prompts, first `--num-prompts`).
+Each run writes OUT/results/TRAINER-ALGORITHM-STEPS.json; a finished stage is not run again, so a
+stopped benchmark resumes. The table is made from the JSONs alone (`--table-only`).
+
+Equal in both trainers: the packed rows, byte for byte (the digests of the rows each trainer read
+are asserted equal), their order (one row per optimizer step), the target features, the target
+distribution (both from the same stored pre-norm final states through the target's norm and its lm_head
+rows of the draft vocabulary, each trainer computing it), the head's architecture (speculators builds its
+model from our export's config.json: layers, norms, aux layer ids, draft vocabulary and d2t/t2d,
+mask token, embedding trainable or not), K_train (P-EAGLE depths; EAGLE-3 TTT steps), COD r / r_min,
+max_anchors, the loss (KL), lr, weight decay, warm-up steps, bf16 autocast with fp32 weights, grad
+clip 1.0 (ours: training.grad_clip), 1 process, the same torch threads.
+Not equal (each library's own choice): initialisation (its `mask_hidden` N(0, 1) and its layer
+init; ours from the recipe), the COD sample drawn (same rule, different generators), the end of the
+cosine (ours decays to 0.1 × lr, its transformers schedule to 0), AdamW betas (ours 0.9/0.95,
+its torch default 0.9/0.999), which parameters train (each library's rule: `trainable` in the JSONs),
+its attention (`sdpa` with a dense mask) and loss (`eager`) on a CPU, its packed-axis position
+ids for P-EAGLE, its EAGLE-3 TTT loss decay (ours: training.ttt_decay, passed as its
+ttt_step_loss_decay).
+tokens/s: row tokens plus one per document per second of training (ours: its own clock less the
+digest time; speculators: its `Trainer.run_training`); "with features" adds the feature pass's
+seconds per token to both (the features are made once and read by both). τ at equal wall-clock:
+each trainer's τ at the token-passes it reaches in the same seconds (features counted), linear in
+log(token-passes) between its measured budgets, never extrapolated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators (run as a script)
+HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
+ALGORITHMS = ("peagle", "eagle3")  # dflash: speculators.models.dflash, when our DFlash objective is ready
+TRAINERS = ("ours", "speculators")
+SPEC_LOSS = {"kl": "kl_div", "ce": "ce", "tv": "tv"}
+SPEC_SCHEDULE = {"cosine": "cosine", "linear": "linear", "constant": "none"}
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench_tables import bench_arguments
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md", threads=1)  # --out (the docs file), --no-docs, --threads
+    ap.add_argument("--out-dir", type=Path, required=True, help="run directory (resumable)")
+    ap.add_argument("--recipe", default="smollm2-135m", help="recipe of the target, data and hyper-parameters")
+    ap.add_argument("--steps", type=int, nargs="+", default=[170, 340], help="budgets: optimizer steps (≥ 2 budgets)")
+    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=[*ALGORITHMS, "dflash"])
+    ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    ap.add_argument("--k", type=int, default=5, help="K served by vLLM")
+    ap.add_argument("--num-prompts", type=int, default=40, help="evaluation prompts (the recipe's benchmark)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="extra key=value for every peagle command (repeatable), e.g. data.num_conversations=600")
+    ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators" / "bin" / "python"))
+    ap.add_argument("--no-eval", action="store_true", help="train and export only (no vLLM)")
+    ap.add_argument("--keep-rows", action="store_true", help="keep each run's rows file (GBs at real budgets)")
+    ap.add_argument("--table-only", action="store_true", help="print the table of the finished runs only")
+    ap.add_argument("--write-docs", action="store_true", help="also write the table into --out (its section)")
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------- commands
+def run(cmd: list[str], log: Path, threads: int) -> float:
+    """Run `cmd` from the checkout with OMP_NUM_THREADS=threads, output to `log`; returns its wall
+    seconds. Raises SystemExit with the log's tail when it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if rc:
+        raise SystemExit(f"failed ({rc}): {' '.join(cmd)}\n{log}:\n" + log.read_text()[-3000:])
+    return time.perf_counter() - t0
+
+
+def peagle_args(args, *extra: str) -> list[str]:
+    return [f"recipe={args.recipe}", f"threads={args.threads}", *args.overrides, *extra]
+
+
+def features_stage(args) -> dict:
+    """`peagle features` into OUT/features, once. Returns its generation_summary.json (tokens,
+    seconds of the feature pass)."""
+    d = args.out_dir / "features"
+    summary = d / "generation_summary.json"
+    if not summary.is_file():
+        run([sys.executable, "-m", "peagle_train.cli", "features", *peagle_args(args, f"features.dir={d}",
+                                                                                f"output_dir={args.out_dir / 'features-run'}")],
+            args.out_dir / "logs" / "features.log", args.threads)
+    return json.loads(summary.read_text())
+
+
+def run_dir(args, trainer: str, algorithm: str, steps: int) -> Path:
+    return args.out_dir / "runs" / f"{trainer}-{algorithm}-{steps}"
+
+
+def ours_stage(args, algorithm: str, steps: int) -> Path:
+    """`peagle train` (through parity_ours.py) for `steps` steps on the offline features, no
+    validation, no checkpoint, no evaluation; its export in RUN/export, its rows in RUN/parity."""
+    out = run_dir(args, "ours", algorithm, steps)
+    if not (out / "parity" / "ours.json").is_file() or not (out / "export" / "config.json").is_file():
+        run([sys.executable, str(ROOT / "benchmarks" / "parity_ours.py"), str(out / "parity"),
+             *peagle_args(args, f"algorithm={algorithm}", "features.source=offline",
+                          f"features.dir={args.out_dir / 'features'}", f"training.max_steps={steps}",
+                          "training.max_minutes=null", "training.save_every=null", "training.val_conversations=0",
+                          "training.grad_accum=1", "training.resume=false", "eval.enabled=false",
+                          "export.enabled=true", f"output_dir={out}")],
+            args.out_dir / "logs" / f"ours-{algorithm}-{steps}.log", args.threads)
+    return out
+
+
+def spec_hyper(cfg: dict) -> dict:
+    """The speculators run's hyper-parameters from our run's resolved config (config.yaml).
+    Raises SystemExit for a schedule or loss speculators has no counterpart of."""
+    t = cfg["training"]
+    if t["schedule"] not in SPEC_SCHEDULE or t["loss"] not in SPEC_LOSS:
+        raise SystemExit(f"training.schedule={t['schedule']} / training.loss={t['loss']}: speculators has no "
+                         f"counterpart; use one of {sorted(SPEC_SCHEDULE)} / {sorted(SPEC_LOSS)}")
+    return {"lr": t["lr"], "weight_decay": t["weight_decay"], "warmup_steps": t["warmup_steps"],
+            "schedule": SPEC_SCHEDULE[t["schedule"]], "loss": SPEC_LOSS[t["loss"]], "num_depths": cfg["draft"]["num_depths"],
+            "down_sample_ratio": t["down_sample_ratio"], "down_sample_ratio_min": t["down_sample_ratio_min"],
+            "max_anchors": t["max_anchors"], "ttt_decay": t["ttt_decay"]}
+
+
+def config_only_dir(ours: Path, dest: Path) -> Path:
+    """A config-only directory for speculators' `_build_from_config_only`: our export's config.json
+    with the verifier path blanked (speculators then takes the local target directory)."""
+    cfg = json.loads((ours / "export" / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = ""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dest
+
+
+def spec_stage(args, algorithm: str, steps: int) -> Path:
+    """speculators' trainer on the rows of our run of the same algorithm and budget (its venv).
+    Returns its run directory (RUN/result.json, RUN/checkpoint/0)."""
+    import yaml
+
+    from peagle_train.target.load import model_source
+
+    ours, out = run_dir(args, "ours", algorithm, steps), run_dir(args, "speculators", algorithm, steps)
+    if (out / "result.json").is_file():
+        return out
+    cfg = yaml.safe_load((ours / "config.yaml").read_text())
+    spec = {"rows": str(ours / "parity" / "rows.safetensors"), "d2t_t2d": str(ours / "parity" / "d2t_t2d.safetensors"),
+            "config_dir": str(config_only_dir(ours, out / "config_only")), "algorithm": algorithm,
+            "verifier": model_source(cfg["target"]["path"]), "hyper": spec_hyper(cfg), "threads": args.threads,
+            "seed": cfg["seed"], "out": str(out), "result": str(out / "result.json")}
+    (out / "run_spec.json").write_text(json.dumps(spec, indent=1))
+    run([args.spec_python, str(ROOT / "benchmarks" / "parity_speculators.py"), str(out / "run_spec.json")],
+        args.out_dir / "logs" / f"speculators-{algorithm}-{steps}.log", args.threads)
+    return out
+
+
+def eval_stage(args, export: Path, out: Path) -> dict | None:
+    """vLLM's τ of an export (`peagle evaluate eval.engine=vllm`), once; None with --no-eval.
+    Returns acceptance_vllm.json plus per_prompt (accepted, drafts) from vllm_outputs.jsonl."""
+    if args.no_eval:
+        return None
+    acc = out / "eval" / "acceptance_vllm.json"
+    if not acc.is_file():
+        run([sys.executable, "-m", "peagle_train.cli", "evaluate",
+             *peagle_args(args, f"head={export}", "eval.engine=vllm", f"eval.num_prompts={args.num_prompts}",
+                          f"eval.num_speculative_tokens={args.k}", f"output_dir={out}")],
+            args.out_dir / "logs" / f"eval-{out.name}.log", args.threads)
+    res = json.loads(acc.read_text())
+    res["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"]) for o in
+                         map(json.loads, (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines())]
+    return res
+
+
+# ------------------------------------------------------------------------------------------ results
+def check_rows(ours: dict, spec: dict | None, where: str) -> None:
+    """Raises SystemExit unless our trainer trained on the rows written for speculators and (when
+    given) speculators read exactly those rows: the three digest lists equal."""
+    if ours["trained_digests"] != ours["digests"]:
+        raise SystemExit(f"{where}: the rows file differs from the rows our trainer trained on")
+    if spec is not None and spec["digests"] != ours["digests"]:
+        raise SystemExit(f"{where}: speculators read other rows than our trainer trained on")
+
+
+def tau_stats(per_prompt: list[tuple[float, float]]) -> tuple[float, float]:
+    """(τ, its standard error) from per-prompt (accepted tokens, drafts): τ = 1 + Σa / Σd, s.e. by
+    the delta method clustered by prompt (`evaluation.report.ratio_stderr`)."""
+    from peagle_train.evaluation.report import ratio_stderr
+
+    a, d = [x[0] for x in per_prompt], [x[1] for x in per_prompt]
+    return (1.0 + sum(a) / sum(d) if sum(d) else 1.0), ratio_stderr(a, d)
+
+
+def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -> dict:
+    """OUT/results/TRAINER-ALGORITHM-STEPS.json from the finished stages (written once)."""
+    path = args.out_dir / "results" / f"{trainer}-{algorithm}-{steps}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    ours_dir = run_dir(args, "ours", algorithm, steps)
+    ours = json.loads((ours_dir / "parity" / "ours.json").read_text())
+    if trainer == "ours":
+        check_rows(ours, None, str(ours_dir))
+        tokens, seconds, export = ours["tokens"], ours["seconds"] - ours["digest_seconds"], ours_dir / "export"
+        trainable = ours.get("trainable")
+    else:
+        d = run_dir(args, trainer, algorithm, steps)
+        spec = json.loads((d / "result.json").read_text())
+        check_rows(ours, spec, str(d))
+        tokens, seconds, export, trainable = spec["tokens"], spec["seconds"], Path(spec["checkpoint"]), spec["trainable"]
+    fspt = feats["seconds"] / feats["tokens"]
+    rec = {"trainer": trainer, "algorithm": algorithm, "steps": steps, "tokens": tokens, "train_seconds": seconds,
+           "tokens_per_second": tokens / seconds, "features_seconds_per_token": fspt,
+           "tokens_per_second_with_features": 1.0 / (seconds / tokens + fspt), "rows_digest_count": len(ours["digests"]),
+           "targets_from_finals_equal": ours["targets_equal"], "export": str(export), "trainable": trainable}
+    ev = eval_stage(args, export, run_dir(args, trainer, algorithm, steps) / "vllm")
+    if ev is not None:
+        tau, se = tau_stats(ev["per_prompt"])
+        pos = ev["per_position_acceptance"]
+        rec.update(tau=tau, tau_se=se, per_position=pos, c1=pos[1] / pos[0] if len(pos) > 1 and pos[0] else None,
+                   num_prompts=ev["num_prompts"], k=ev["num_speculative_tokens"], lossless=ev["lossless"],
+                   vllm_version=ev["vllm_version"], precision=ev["precision"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def tau_at(points: list[tuple[float, float]], tokens: float) -> float | None:
+    """τ at `tokens` token-passes from measured (token-passes, τ) points: linear in log(token-passes)
+    between the two neighbouring points, the point itself on a measured budget, None outside the
+    measured range (never extrapolated)."""
+    pts = sorted(points)
+    if not pts or tokens < pts[0][0] * (1 - 1e-9) or tokens > pts[-1][0] * (1 + 1e-9):
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= tokens <= x1:
+            return y0 + (y1 - y0) * (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return pts[0][1]
+
+
+def equal_wall_clock(records: list[dict]) -> list[tuple[float, dict]]:
+    """For one algorithm's records: at each wall-clock that some run took (features counted, at its
+    trainer's throughput over all its runs: Σ token-passes / Σ seconds), each trainer's τ at the
+    token-passes it reaches in that time (`tau_at`; None outside its budgets).
+    Returns [(seconds, {trainer: τ or None})] sorted by seconds."""
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("tau") is not None:
+            by.setdefault(r["trainer"], []).append(r)
+    rate = {t: sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["tokens_per_second_with_features"] for r in rs)
+            for t, rs in by.items()}
+    walls = sorted({r["tokens"] / rate[t] for t, rs in by.items() for r in rs})
+    return [(w, {t: tau_at([(r["tokens"], r["tau"]) for r in rs], w * rate[t]) for t, rs in by.items()})
+            for w in walls]
+
+
+# ---------------------------------------------------------------------------------------- the table
+def _f(x, fmt: str = ".3f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def format_table(records: list[dict], meta: dict) -> str:
+    """The markdown section (HEADING first): the machine line, the per-run table (τ ± s.e.,
+    P(≥i), c1, tokens/s) and τ at equal wall-clock per algorithm."""
+    k = max((len(r.get("per_position") or []) for r in records), default=0)
+    lines = [HEADING, "", f"`{meta['command']}`, {meta['date']}: {meta['cpu']} (bf16 unit: {meta['bf16']}), "
+             f"load average {meta['load']}; speculators {meta.get('speculators') or '?'}, vLLM "
+             f"{meta.get('vllm') or '?'}. Same rows (digests equal), features made once; τ from vLLM's counters "
+             "(greedy, batch 1), s.e. clustered by prompt; c1 = P(≥2) / P(≥1).", "",
+             "| algorithm | trainer | steps | token-passes | train s | tokens/s | tokens/s with features | τ ± s.e. | "
+             + " | ".join(f"P(≥{i + 1})" for i in range(k)) + " | c1 |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * k + "---|"]
+    order = {t: i for i, t in enumerate(TRAINERS)}
+    for r in sorted(records, key=lambda r: (r["algorithm"], r["steps"], order[r["trainer"]])):
+        pos = (r.get("per_position") or []) + [None] * k
+        tau = "—" if r.get("tau") is None else f"{r['tau']:.3f} ± {r['tau_se']:.3f}"
+        lines.append(f"| {r['algorithm']} | {r['trainer']} | {r['steps']} | {r['tokens']:,} | {r['train_seconds']:.0f} | "
+                     f"{r['tokens_per_second']:.0f} | {r['tokens_per_second_with_features']:.0f} | {tau} | "
+                     + " | ".join(_f(p) for p in pos[:k]) + f" | {_f(r.get('c1'), '.2f')} |")
+    for algorithm in sorted({r["algorithm"] for r in records}):
+        rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
+        if not rows:
+            continue
+        names = sorted(rows[0][1], key=order.get)
+        lines += ["", f"τ at equal wall-clock, {algorithm} (features counted; — = outside that trainer's budgets):", "",
+                  "| seconds | " + " | ".join(f"τ {t}" for t in names) + " |", "|---|" + "---|" * len(names)]
+        lines += [f"| {w:.0f} | " + " | ".join(_f(taus.get(t)) for t in names) + " |" for w, taus in rows]
+    return "\n".join(lines) + "\n"
+
+
+def machine_meta(args, argv: list[str]) -> dict:
+    """Command, date, CPU model (lscpu's model name), bf16 unit, load average, library versions."""
+    from bench_tables import cpu_model
+    from peagle_train.precision import cpu_bf16_units
+
+    recs = [json.loads(p.read_text()) for p in sorted((args.out_dir / "results").glob("*.json"))]
+    return {"command": "python benchmarks/bench_parity.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
+            "cpu": cpu_model(), "bf16": cpu_bf16_units() or "none",
+            "load": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "vllm": next((r["vllm_version"] for r in recs if r.get("vllm_version")), None),
+            "speculators": _spec_version(args)}
+
+
+def _spec_version(args) -> str | None:
+    for p in sorted((args.out_dir / "runs").glob("speculators-*/result.json")):
+        return json.loads(p.read_text()).get("speculators_version")
+    return None
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the missing stages (unless --table-only), then print (and with --write-docs write) the
+    table of every finished run. Returns the table."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = arguments(argv)
+    if not args.table_only:
+        feats = features_stage(args)
+        for algorithm in args.algorithms:
+            for steps in args.steps:
+                ours_stage(args, algorithm, steps)
+                if "speculators" in args.trainers:
+                    spec_stage(args, algorithm, steps)
+                for trainer in args.trainers:
+                    result_record(args, trainer, algorithm, steps, feats)
+                rows = run_dir(args, "ours", algorithm, steps) / "parity" / "rows.safetensors"
+                if not args.keep_rows and rows.is_file() and all(
+                        (args.out_dir / "results" / f"{t}-{algorithm}-{steps}.json").is_file() for t in args.trainers):
+                    rows.unlink()
+    records = [json.loads(p.read_text()) for p in sorted((args.out_dir / "results").glob("*.json"))]
+    text = format_table(records, machine_meta(args, argv))
+    print(text)
+    if args.write_docs and not args.no_docs:
+        from bench_tables import write_section
+
+        print(f"written to {write_section(HEADING, text, args.out)}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

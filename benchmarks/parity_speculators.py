@@ -1,0 +1,167 @@
+"""The speculators library's side of the peer-parity benchmark (benchmarks/bench_parity.py): train its
+own draft model class on our packed rows with its own `Trainer`, save it with its own checkpointer.
+Runs in the speculators venv (`scripts/check_speculators.sh` builds one):
+
+    .venv-speculators/bin/python benchmarks/parity_speculators.py RUN_SPEC.json
+
+RUN_SPEC.json (written by bench_parity.py): rows (the rows file), config_dir (a config-only
+directory: our export's config.json, the verifier path blanked), verifier (the target's local HF
+directory), d2t_t2d (a safetensors file with d2t [V_draft] int64 and t2d [V] bool), algorithm
+(peagle | eagle3 | dflash), hyper (lr, weight_decay, warmup_steps, schedule, num_depths,
+down_sample_ratio, down_sample_ratio_min, max_anchors, ttt_decay, loss), threads, seed, out (a folder: the
+checkpoint goes to out/checkpoint/0, speculators' own `save_pretrained` format, which vLLM serves),
+result (the JSON written at the end).
+
+How it trains, as a user of speculators 0.9.0 would on one CPU process: the model is built by its
+own config-only path (`speculators.train.cli._build_from_config_only`: fresh weights from a full
+speculator config, `load_vocab_mappings`, `load_verifier_weights` from the target), the step is
+`speculators.train.trainer.Trainer` (AdamW over all parameters, its scheduler, autocast to
+`hidden_states_dtype` = bf16, grad clip 1.0, one epoch over the given rows, one row per step).
+What a CPU needs that its CLI does not offer: its Trainer moves the model to the local rank (an
+int, i.e. CUDA), autocasts on "cuda" when no accelerator exists and its step timer calls
+`torch.accelerator.synchronize` (which fails without a GPU), so the local rank is set to "cpu",
+the autocast device to "cpu" and the synchronize is a no-op (nothing to wait for on a CPU); the
+draft attention is `sdpa` and the loss `eager` (its FlexAttention has no CPU backward, its fused
+loss needs Triton), as benchmarks/bench_speculators_step.py runs it. Its parameters that train are
+its own rule (e.g. lm_head frozen): the result lists them (`trainable`).
+
+The rows file (safetensors; bench_parity.py writes it from the rows our trainer trained on), per
+row j: `j.input_ids` [n] int64, `j.hidden_states` [n, 3H], `j.verifier_last_hidden_states` [n, H]
+(the target's final hidden states, pre-norm, aligned like the rows: speculators computes its
+targets from them with the target's norm and lm_head rows of the draft vocabulary), `j.loss_mask`
+[n] bool, `j.document_ids` [n] int64, `j.position_ids` [n] int64 (position within the document,
+from 0; speculators' own data pipeline starts them at 1 after its shift, so 1 is added here);
+metadata `rows` = the number of rows. `row_digest` (standard library + torch) is the one digest both
+sides compute, so bench_parity.py asserts that both trainers saw byte-identical rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DIGEST_FIELDS = ("input_ids", "hidden_states", "loss_mask", "document_ids", "position_ids")
+
+
+def row_digest(input_ids, hidden_states, loss_mask, document_ids, position_ids) -> str:
+    """sha256 (hex) of one packed row as both trainers read it: input_ids, document_ids,
+    position_ids as int64, hidden_states as float32 [n, 3H], loss_mask as bool, each with its shape."""
+    h = hashlib.sha256()
+    for name, x, dt in zip(DIGEST_FIELDS, (input_ids, hidden_states, loss_mask, document_ids, position_ids),
+                           (torch.int64, torch.float32, torch.bool, torch.int64, torch.int64)):
+        x = x.detach().to("cpu", dt).contiguous()
+        h.update(f"{name}:{tuple(x.shape)}:".encode())
+        h.update(x.numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_rows(path: str | Path) -> tuple[list[dict], list[str]]:
+    """(batches, digests) of a rows file: one batch dict per row, as speculators' collate makes
+    them ([1, n] and [1, n, D] tensors, hidden states in float32, loss_mask float, position ids from
+    1, `error_records` 0), and each row's `row_digest`. Raises KeyError for a file without `rows`."""
+    from safetensors import safe_open
+
+    batches, digests = [], []
+    with safe_open(str(path), "pt") as f:
+        n = int(f.metadata()["rows"])
+        for j in range(n):
+            t = {k: f.get_tensor(f"{j}.{k}") for k in (*DIGEST_FIELDS, "verifier_last_hidden_states")}
+            digests.append(row_digest(*(t[k] for k in DIGEST_FIELDS)))
+            batches.append({"input_ids": t["input_ids"].long()[None], "hidden_states": t["hidden_states"].float()[None],
+                            "verifier_last_hidden_states": t["verifier_last_hidden_states"].float()[None],
+                            "loss_mask": t["loss_mask"].float()[None], "document_ids": t["document_ids"].long()[None],
+                            "position_ids": t["position_ids"].long()[None] + 1, "error_records": 0})
+    return batches, digests
+
+
+def build_model(spec: dict):
+    """speculators' draft model of `spec["algorithm"]` from the config-only directory, through its
+    own config-only path; the vocabulary maps from `spec["d2t_t2d"]`, embeddings and lm_head from the
+    verifier. Returns the model (fp32, train mode)."""
+    from safetensors.torch import load_file
+    from speculators.model import SpeculatorModel
+    from speculators.train.cli import _build_from_config_only
+
+    import speculators.models  # noqa: F401  (registers the model classes)
+
+    maps = load_file(spec["d2t_t2d"])
+    cls = SpeculatorModel.registry[spec["algorithm"]]
+    torch.manual_seed(spec.get("seed", 0))
+    model = _build_from_config_only(cls, spec["config_dir"], t2d=maps["t2d"], d2t=maps["d2t"],
+                                    verifier_name_or_path=spec["verifier"], draft_attn_impl="sdpa")
+    return model.float().train()
+
+
+def call_kwargs(algorithm: str, hyper: dict) -> dict:
+    """The forward's keyword arguments, from the model class's own `get_trainer_kwargs` with our
+    hyper-parameters (P-EAGLE: K_train, COD r / r_min, max_anchors; EAGLE-3: TTT steps = K_train and
+    the per-step loss decay) and its `eager` loss."""
+    from speculators.model import SpeculatorModel
+
+    cls = SpeculatorModel.registry[algorithm]
+    kw = dict(loss_fn=hyper.get("loss", "kl_div"), loss_implementation="eager", num_depths=hyper["num_depths"],
+              down_sample_ratio=hyper["down_sample_ratio"], down_sample_ratio_min=hyper["down_sample_ratio_min"],
+              max_anchors=hyper.get("max_anchors"), ttt_steps=hyper["num_depths"],
+              ttt_step_loss_decay=hyper.get("ttt_decay", 1.0))
+    train_kwargs, _ = cls.get_trainer_kwargs(**kw)
+    return train_kwargs
+
+
+def train(spec: dict) -> dict:
+    """Train on every row of the rows file once with speculators' Trainer; its checkpoint (bf16,
+    config.json + model.safetensors) goes to out/checkpoint/0. Returns the result dict: steps, tokens
+    (row tokens + one per document, as our trainer counts), seconds (the Trainer's run alone),
+    tokens_per_second, digests, trainable parameter names, losses, checkpoint."""
+    import speculators.train.distributed as dist_state
+    from speculators.train.trainer import Trainer, TrainerConfig
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(int(spec.get("threads") or 1))
+    batches, digests = load_rows(spec["rows"])
+    model = build_model(spec)
+    hyper, losses = spec["hyper"], []
+    dist_state._local_rank = "cpu"  # its Trainer moves the model and batches to the local rank (else cuda:0)
+    if not torch.accelerator.is_available():  # its step timer synchronizes the accelerator: none to wait for
+        torch.accelerator.synchronize = lambda *a, **k: None
+    out = Path(spec["out"])
+    cfg = TrainerConfig(lr=hyper["lr"], num_epochs=1, save_path=str(out / "checkpoint"), optimizer="adamw",
+                        weight_decay=hyper["weight_decay"], scheduler_type=hyper["schedule"],
+                        scheduler_warmup_steps=hyper["warmup_steps"], scheduler_total_steps=len(batches),
+                        train_call_kwargs=call_kwargs(spec["algorithm"], hyper), hidden_states_dtype=torch.bfloat16,
+                        log_freq=1, max_steps=len(batches))
+    loader = DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: dict(b))
+    trainer = Trainer(model, cfg, loader)
+    trainer.device_type = "cpu"  # bf16 autocast on the CPU, as hidden_states_dtype asks
+    step = model.forward
+
+    def forward(*a, **k):
+        res = step(*a, **k)
+        losses.append(float(res[1].detach()))
+        return res
+    model.forward = forward
+    t0 = time.perf_counter()
+    trainer.run_training()
+    seconds = time.perf_counter() - t0
+    tokens = sum(int(b["input_ids"].numel() + b["document_ids"].unique().numel()) for b in batches)
+    return {"trainer": "speculators", "algorithm": spec["algorithm"], "steps": len(batches), "tokens": tokens,
+            "seconds": seconds, "tokens_per_second": tokens / seconds, "digests": digests, "losses": losses,
+            "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+            "checkpoint": str(out / "checkpoint" / "0"), "speculators_version": _version()}
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("speculators")
+
+
+if __name__ == "__main__":
+    run_spec = json.loads(Path(sys.argv[1]).read_text())
+    result = train(run_spec)
+    Path(run_spec["result"]).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("digests", "losses", "trainable")}))

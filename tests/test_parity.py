@@ -1,0 +1,109 @@
+"""The peer-parity benchmark (benchmarks/bench_parity.py) on a tiny random target: both trainers get
+byte-identical rows, the speculators run's export loads in our loader and gives vLLM a valid
+speculative config, and the table's arithmetic (τ ± s.e., τ at equal wall-clock) equals hand-computed
+numbers. The training part needs the speculators venv (`scripts/check_speculators.sh` builds
+.venv-speculators); it is skipped without it. No vLLM run here (`--no-eval`)."""
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench_parity  # benchmarks/ (pytest's pythonpath, pyproject.toml)
+
+from .conftest import REPO_ROOT, tiny_llama
+
+SPEC_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
+
+
+def _spec_venv_problem() -> str | None:
+    if not SPEC_PYTHON.is_file():
+        return f"{SPEC_PYTHON} is missing: build it with `bash scripts/check_speculators.sh` (speculators 0.9.0)"
+    p = subprocess.run([str(SPEC_PYTHON), "-c", "import speculators"], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"{SPEC_PYTHON} cannot import speculators: {p.stderr.strip()[-200:]}"
+
+
+def test_tau_and_stderr_by_hand():
+    # prompts (accepted, drafts): (3, 10), (1, 10), (2, 5) → r = 6/25, τ = 1.24
+    tau, se = bench_parity.tau_stats([(3, 10), (1, 10), (2, 5)])
+    assert tau == pytest.approx(1.24)
+    # residuals a - r·d: 3 - 2.4 = 0.6, 1 - 2.4 = -1.4, 2 - 1.2 = 0.8; Σ² = 0.36 + 1.96 + 0.64 = 2.96
+    assert se == pytest.approx(math.sqrt(3 / 2 * 2.96) / 25)
+
+
+def test_tau_at_is_log_linear_and_never_extrapolates():
+    pts = [(1000, 1.2), (4000, 1.4)]
+    assert bench_parity.tau_at(pts, 2000) == pytest.approx(1.3)  # the log-midpoint of 1000 and 4000
+    assert bench_parity.tau_at(pts, 4000) == pytest.approx(1.4)
+    assert bench_parity.tau_at(pts, 999) is None and bench_parity.tau_at(pts, 4001) is None
+
+
+def test_equal_wall_clock_by_hand():
+    # ours: 1,000 tokens/s (features counted); theirs 500 tokens/s. Budgets 2,000 and 8,000 token-passes each.
+    recs = [{"trainer": t, "tokens": n, "tau": tau, "tokens_per_second_with_features": rate}
+            for t, rate, taus in (("ours", 1000.0, (1.2, 1.4)), ("speculators", 500.0, (1.1, 1.3)))
+            for n, tau in zip((2000, 8000), taus)]
+    rows = dict(bench_parity.equal_wall_clock(recs))
+    assert sorted(rows) == [2.0, 4.0, 8.0, 16.0]
+    # 4 s: ours reaches 4,000 token-passes (log-midpoint → 1.3), theirs 2,000 (measured 1.1)
+    assert rows[4.0]["ours"] == pytest.approx(1.3) and rows[4.0]["speculators"] == pytest.approx(1.1)
+    # 8 s: ours 8,000 (1.4); theirs 4,000 (1.2); 16 s: ours past its budgets, theirs 8,000 (1.3)
+    assert rows[8.0]["ours"] == pytest.approx(1.4) and rows[8.0]["speculators"] == pytest.approx(1.2)
+    assert rows[16.0]["ours"] is None and rows[16.0]["speculators"] == pytest.approx(1.3)
+    assert rows[2.0]["speculators"] is None  # 1,000 token-passes: below its first budget
+
+
+def _conversations(path: Path, n: int = 12) -> Path:
+    answers = ["I am fine, thank you. The answer is 4. " * 3, "hello there, how are you today? " * 3,
+               "What is two plus two? The answer is 4, thank you. " * 2]
+    recs = [{"conversations": [{"from": "human", "value": f"What is two plus two? {i}"},
+                               {"from": "gpt", "value": answers[i % 3]}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+@pytest.mark.skipif(_spec_venv_problem() is not None, reason=str(_spec_venv_problem()))
+def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path, chatml_tokenizer, monkeypatch):
+    from peagle_train.draft.head_files import load_head
+    from peagle_train.serving.vllm_engine import speculative_config
+
+    target = tmp_path / "target"
+    tiny_llama(vocab_size=512, layers=8).save_pretrained(str(target))
+    chatml_tokenizer.save_pretrained(str(target))
+    data = _conversations(tmp_path / "conv.jsonl")
+    monkeypatch.setenv("PEAGLE_DATA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "parity"
+    argv = ["--out-dir", str(out), "--steps", "2", "--algorithms", "peagle", "eagle3", "--threads", "1",
+            "--no-eval", "--keep-rows", "--spec-python", str(SPEC_PYTHON)]
+    for s in (f"target.path={target}", "target.name_or_path=test/tiny-llama", f"data.path={data}",
+              "data.num_conversations=null", "data.draft_vocab_size=64", "data.num_proc=1", "data.max_length=128",
+              "draft.num_layers=1", "draft.num_depths=3", "training.tokens_per_step=128", "training.epochs=1",
+              "training.warmup_steps=1", "training.max_anchors=null", "precision=fp32", "features.storage=float32"):
+        argv += ["--set", s]
+    bench_parity.main(argv)
+    for algorithm in ("peagle", "eagle3"):
+        for steps in (2,):
+            ours = json.loads((out / "runs" / f"ours-{algorithm}-{steps}" / "parity" / "ours.json").read_text())
+            spec = json.loads((out / "runs" / f"speculators-{algorithm}-{steps}" / "result.json").read_text())
+            assert len(ours["digests"]) == steps and ours["trained_digests"] == ours["digests"] == spec["digests"]
+            assert ours["targets_equal"] and spec["steps"] == steps and spec["tokens"] == ours["tokens"]
+            assert all(math.isfinite(x) for x in spec["losses"]) and len(spec["losses"]) == steps
+            export = Path(spec["checkpoint"])
+            draft, _ = load_head(export)  # our loader reads speculators' own save
+            cfg = json.loads((export / "config.json").read_text())
+            assert cfg["speculators_model_type"] == algorithm and draft.config.algorithm == algorithm
+            spec_cfg = speculative_config(export, 2)
+            assert spec_cfg["method"] == "eagle3" and spec_cfg.get("parallel_drafting", False) == (algorithm == "peagle")
+            ours_cfg = json.loads((out / "runs" / f"ours-{algorithm}-{steps}" / "export" / "config.json").read_text())
+            for key in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "mask_token_id", "norm_before_residual"):
+                assert cfg.get(key) == ours_cfg.get(key), key
+            assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    recs = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")]
+    assert len(recs) == 4 and all(r["tokens"] > 0 and r["tokens_per_second"] > 0 for r in recs)
+    assert {r["trainer"] for r in recs} == {"ours", "speculators"} and all(r["trainable"] for r in recs)
+    # a second call resumes: every stage is done, only the table is made (from the JSONs)
+    table = bench_parity.main(argv)
+    assert "| peagle | ours | 2 |" in table and "| eagle3 | speculators | 2 |" in table

@@ -322,9 +322,6 @@ class TrainingConfig:
     warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
                                                  "for any number of GPUs and any data); null = warmup_steps",
                                            gt=0, le=0.5)
-    warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
-                                                 "for any number of GPUs and any data); null = warmup_steps",
-                                           gt=0, le=0.5)
     schedule: Schedule = opt(Schedule.cosine, "learning-rate schedule after warm-up: cosine | linear | constant | "
                                               "wsd (stable, then a linear decay over the last decay_fraction of "
                                               "the steps)")
@@ -901,11 +898,6 @@ def config_problems(cfg, command: str = "train") -> list[str]:
             problems.append(m)
     if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
         problems.append(m)
-    frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
-    if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:
-        problems.append(f"training.warmup_steps={warm} and training.warmup_fraction={frac} both set the warm-up "
-                        f"(the fraction of the run's steps would win). Fix: training.warmup_fraction=null to warm up "
-                        f"over {warm} steps, or leave training.warmup_steps at its default.")
     frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
     if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:
         problems.append(f"training.warmup_steps={warm} and training.warmup_fraction={frac} both set the warm-up "

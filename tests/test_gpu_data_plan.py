@@ -71,3 +71,32 @@ def test_the_trainer_warms_up_over_the_fraction_of_its_steps(tmp_path):
     tr.setup()
     f = tr.sched.lr_lambdas[0]
     assert tr.steps == 23 and [f(i) for i in range(6)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]  # round(0.2 × 23) = 5
+
+
+def test_the_recipes_sources_map_the_published_datasets_columns(tmp_path):
+    """The recipe's entries, their hub ids swapped for local stand-ins with the published datasets'
+    columns (UltraChat 200k: prompt, prompt_id, messages; Magpie Pro: uuid, instruction, response,
+    conversations of human/gpt turns, task_category): read by format auto, counts cut at `count`."""
+    import json
+
+    from peagle_train.data.sources import mix_sources
+
+    def hub(name, split, records):
+        d = tmp_path / name / "data"
+        d.mkdir(parents=True)
+        (d / f"{split}-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return str(tmp_path / name)
+
+    ultrachat = [{"prompt": f"p{i}", "prompt_id": f"id{i}",
+                  "messages": [{"role": "user", "content": f"p{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+                 for i in range(5)]
+    magpie = [{"uuid": f"u{i}", "instruction": f"q{i}", "response": f"r{i}", "task_category": "Math",
+               "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"r{i}"}]}
+              for i in range(4)]
+    local = {"HuggingFaceH4/ultrachat_200k": hub("ultrachat_200k", "train_sft", ultrachat),
+             "Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered": hub("Magpie-Llama-3.1-Pro-300K-Filtered", "train", magpie)}
+    entries = [{**dict(e), "hub": local[e["hub"]], "count": 3} for e in compose("regenerate", ["recipe=qwen3-8b"]).data.sources]
+    ds, counts = mix_sources(entries, cache_dir=tmp_path / "cache")
+    assert [(c.name, c.format, c.records, c.kept, c.taken) for c in counts] == [
+        ("ultrachat_200k/train_sft", "openai", 5, 5, 3), ("Magpie-Llama-3.1-Pro-300K-Filtered/train", "sharegpt", 4, 4, 3)]
+    assert len(ds) == 6 and all(m[0]["role"] == "user" and m[-1]["role"] == "assistant" for m in ds["messages"])

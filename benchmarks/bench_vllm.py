@@ -76,6 +76,7 @@ def main() -> None:
                          s["tokens"] / v["generate_seconds"] if v.get("generate_seconds") else None))
         common = ["recipe=smollm2-135m-demo", f"data.num_conversations={args.regen_convs}", "regenerate.max_turns=1",
                   f"regenerate.max_new_tokens={args.new_tokens}", f"regenerate.batch_size={args.batch}",
+                  "regenerate.temperature=0", "regenerate.drop_cut=false",  # greedy, every answer kept and counted
                   f"threads={args.threads}"]
         for backend in ("hf", "vllm"):
             d = tmp / f"regen-{backend}"

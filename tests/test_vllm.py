@@ -109,7 +109,7 @@ def test_vllm_regenerates_what_the_target_writes(tmp_path):
     target writes for the same conversations (the same rendered token ids), resumably."""
     _vllm_python()
     common = ["recipe=smollm2-135m-demo", "data.num_conversations=3", "precision=fp32", "regenerate.max_new_tokens=24",
-              "regenerate.max_turns=1"]
+              "regenerate.max_turns=1", "regenerate.temperature=0", "regenerate.drop_cut=false"]  # greedy, cut answers kept
     _peagle("regenerate", *common, f"output_dir={tmp_path / 'hf'}")
     proc = _peagle("regenerate", *common, "regenerate.backend=vllm", f"output_dir={tmp_path / 'vllm'}")
 
@@ -124,6 +124,37 @@ def test_vllm_regenerates_what_the_target_writes(tmp_path):
     assert answers(tmp_path / "vllm" / "regenerated.jsonl") == vl  # a rerun skips what is written
     assert "vllm_regenerate.log" in {p.name for p in (tmp_path / "vllm").iterdir()}
     assert proc.returncode == again.returncode == 0
+
+
+def test_vllm_samples_each_conversation_with_its_own_seed(tmp_path):
+    """The vllm backend with the target's sampling: one SamplingParams per prompt, each with its
+    conversation's seed, so an answer is the same alone or beside another, and another seed draws
+    another answer (top_k, top_p reach vLLM: top_k 1 gives the greedy answer)."""
+    from transformers import AutoTokenizer
+
+    from peagle_train.data.regenerate import Sampling
+    from peagle_train.serving.backends import VllmBackend
+    from peagle_train.target.load import model_source
+
+    python = _vllm_python()
+    src = model_source("pkg:smollm2")
+    tok = AutoTokenizer.from_pretrained(src)
+    a = [{"role": "user", "content": "Write a short poem about the sea."}]
+    b = [{"role": "user", "content": "Name three colours."}]
+    kw = dict(python=python, log_path=tmp_path / "vllm.log", max_new_tokens=16, dtype="float32", max_model_len=1024,
+              threads=1)
+    be = VllmBackend(src, tok, {tok.eos_token_id}, sampling=Sampling(temperature=1.0, top_p=0.95), **kw)
+    try:
+        both = [g.text for g in be.generate([a, b], seeds=[11, 22])]
+        assert be.generate([b, a], seeds=[22, 11])[1].text == both[0]
+        assert be.generate([a], seeds=[11])[0].text == both[0]
+        assert {be.generate([a], seeds=[s])[0].text for s in (1, 2, 3)} != {both[0]}
+        be.sampling = Sampling(temperature=1.0, top_k=1)  # the same engine, other SamplingParams
+        top1 = [g.text for g in be.generate([a, b], seeds=[5, 6])]
+        be.sampling = Sampling()
+        assert top1 == [g.text for g in be.generate([a, b])]
+    finally:
+        be.close()
 
 
 def _stat(pid) -> list[str] | None:

@@ -12,7 +12,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..data.regenerate import Generation, decode_answer, prompt_texts
+from ..data.regenerate import Generation, Sampling, decode_answer, prompt_texts
 from ..errors import UserError
 
 

@@ -11,6 +11,11 @@ Every source becomes the same Arrow table (memory-mapped, in `cache_dir`):
 JSON files, alone or in a directory, go through `read_records` (which salvages truncated files and
 counts malformed records) inside `Dataset.from_generator`, whose cache key holds the file's sha256:
 a second run with the same file is a cache hit and reads nothing but the Arrow file.
+
+`data.sources` (`mix_sources`): datasets named by hub id (or a local dataset directory or file), read
+with `datasets.load_dataset`, each mapped from its format (ShareGPT `conversations`, OpenAI
+`messages`, UltraChat `data`, Magpie's `instruction` + `response`) to the same table, cut to its
+count and mixed into one conversation set: the input of the regenerate stage.
 """
 
 from __future__ import annotations

@@ -313,7 +313,6 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
         CorruptFileError: out_path or its manifest is damaged, altered, or was written with other
             settings (naming the file and the fix).
     """
-    from ..provenance import sha256_file
     from .manifest import read_regenerated_manifest, regenerate_fix, regenerated_manifest_path
 
     out_path = Path(out_path)
@@ -360,16 +359,25 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
                 os.fsync(handle.fileno())
             stats.written += len(lines)
             bar.update(len(batch))
+    _finish(out_path, {**manifest, "conversations": len(done) + stats.written},
+            seen.file_duplicate_answers + stats.duplicate_answers)
+    return stats
+
+
+def _finish(out_path: Path, manifest: dict, duplicate_answers: int) -> None:
+    """Write the manifest of a finished run: complete, the file's size and sha256, and the whole
+    output's counts (dropped conversations by reason, from <out_path>.dropped; duplicate answers)."""
+    from ..provenance import sha256_file
+    from .manifest import regenerated_manifest_path
+
     dropped = {}
     for reason in read_dropped(out_path).values():
         dropped[reason] = dropped.get(reason, 0) + 1
     atomic_write_json(regenerated_manifest_path(out_path), {
-        **manifest, "complete": True, "conversations": len(done) + stats.written,
-        "bytes": out_path.stat().st_size, "sha256": sha256_file(out_path),
-        "dropped": dropped, "duplicate_answers": seen.file_duplicate_answers + stats.duplicate_answers,
-        "duplicate_conversations_dropped": dropped.get(DUPLICATE, 0),
-        "cut_answers_dropped": dropped.get(CUT, 0)}, durable=True)
-    return stats
+        **manifest, "complete": True, "bytes": out_path.stat().st_size, "sha256": sha256_file(out_path),
+        "dropped": dropped, "duplicate_answers": duplicate_answers,
+        "duplicate_conversations_dropped": dropped.get(DUPLICATE, 0), "cut_answers_dropped": dropped.get(CUT, 0)},
+        durable=True)
 
 
 def _first_turns(msgs: list[dict], max_turns: int | None, stats: RegenerateStats) -> list[dict]:

@@ -205,9 +205,10 @@ class _Seen:
     def __init__(self, out_path: Path):
         self.answers, self.conversations, self.file_duplicate_answers = set(), set(), 0
         if out_path.is_file():
-            for line in out_path.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    self.file_duplicate_answers += self.add(json.loads(line)["messages"])
+            with open(out_path, encoding="utf-8") as f:  # line by line: the output may hold 500k conversations
+                for line in f:
+                    if line.strip():
+                        self.file_duplicate_answers += self.add(json.loads(line)["messages"])
 
     def is_duplicate(self, msgs: list[dict]) -> bool:
         return _digest(msgs) in self.conversations

@@ -28,13 +28,14 @@ class RowSampler:
         if sampling.top_p < 1.0:
             warpers.append(TopPLogitsWarper(sampling.top_p))
         self.warp = LogitsProcessorList(warpers)
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.seeds, self.generators = [int(s) for s in seeds], None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.warp(input_ids, scores.float()), dim=-1).cpu()  # [B, V]
+        if self.generators is None:  # on the logits' device (a draw on CUDA stays there)
+            self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
+        probs = torch.softmax(self.warp(input_ids, scores.float()), dim=-1)  # [B, V]
         drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, drawn.to(scores.device), 0.0)
+        return torch.full_like(scores, float("-inf")).scatter_(1, drawn, 0.0)
 
 
 class HFBackend:

@@ -22,7 +22,8 @@ distribution (both from the same stored pre-norm final states through the target
 rows of the draft vocabulary, each trainer computing it), the head's architecture (speculators builds its
 model from our export's config.json: layers, norms, aux layer ids, draft vocabulary and d2t/t2d,
 mask token, embedding trainable or not), K_train (P-EAGLE depths; EAGLE-3 TTT steps), COD r / r_min,
-max_anchors, the loss (KL), lr, weight decay, warm-up steps, bf16 autocast with fp32 weights, grad
+max_anchors, the loss (KL), lr, weight decay, warm-up steps, the draft's autocast (ours as
+`precision` resolves it; speculators' hidden_states_dtype set to match) with fp32 weights, grad
 clip 1.0 (ours: training.grad_clip), 1 process, the same torch threads.
 Not equal (each library's own choice): initialisation (its `mask_hidden` N(0, 1) and its layer
 init; ours from the recipe), the COD sample drawn (same rule, different generators), the end of the
@@ -129,9 +130,10 @@ def ours_stage(args, algorithm: str, steps: int) -> Path:
     return out
 
 
-def spec_hyper(cfg: dict) -> dict:
-    """The speculators run's hyper-parameters from our run's resolved config (config.yaml).
-    Raises SystemExit for a schedule or loss speculators has no counterpart of."""
+def spec_hyper(cfg: dict, autocast: str) -> dict:
+    """The speculators run's hyper-parameters from our run's resolved config (config.yaml) and its
+    draft autocast (run.json: bf16 | fp32). Raises SystemExit for a schedule or loss speculators
+    has no counterpart of."""
     t = cfg["training"]
     if t["schedule"] not in SPEC_SCHEDULE or t["loss"] not in SPEC_LOSS:
         raise SystemExit(f"training.schedule={t['schedule']} / training.loss={t['loss']}: speculators has no "
@@ -139,7 +141,7 @@ def spec_hyper(cfg: dict) -> dict:
     return {"lr": t["lr"], "weight_decay": t["weight_decay"], "warmup_steps": t["warmup_steps"],
             "schedule": SPEC_SCHEDULE[t["schedule"]], "loss": SPEC_LOSS[t["loss"]], "num_depths": cfg["draft"]["num_depths"],
             "down_sample_ratio": t["down_sample_ratio"], "down_sample_ratio_min": t["down_sample_ratio_min"],
-            "max_anchors": t["max_anchors"], "ttt_decay": t["ttt_decay"]}
+            "max_anchors": t["max_anchors"], "ttt_decay": t["ttt_decay"], "autocast": autocast}
 
 
 def config_only_dir(ours: Path, dest: Path) -> Path:
@@ -165,7 +167,8 @@ def spec_stage(args, algorithm: str, steps: int) -> Path:
     cfg = yaml.safe_load((ours / "config.yaml").read_text())
     spec = {"rows": str(ours / "parity" / "rows.safetensors"), "d2t_t2d": str(ours / "parity" / "d2t_t2d.safetensors"),
             "config_dir": str(config_only_dir(ours, out / "config_only")), "algorithm": algorithm,
-            "verifier": model_source(cfg["target"]["path"]), "hyper": spec_hyper(cfg), "threads": args.threads,
+            "verifier": model_source(cfg["target"]["path"]), "threads": args.threads,
+            "hyper": spec_hyper(cfg, json.loads((ours / "run.json").read_text())["precision"]["draft_autocast"]),
             "seed": cfg["seed"], "out": str(out), "result": str(out / "result.json")}
     (out / "run_spec.json").write_text(json.dumps(spec, indent=1))
     run([args.spec_python, str(ROOT / "benchmarks" / "parity_speculators.py"), str(out / "run_spec.json")],
@@ -183,7 +186,7 @@ def eval_stage(args, export: Path, out: Path) -> dict | None:
         run([sys.executable, "-m", "peagle_train.cli", "evaluate",
              *peagle_args(args, f"head={export}", "eval.engine=vllm", f"eval.num_prompts={args.num_prompts}",
                           f"eval.num_speculative_tokens={args.k}", f"output_dir={out}")],
-            args.out_dir / "logs" / f"eval-{out.name}.log", args.threads)
+            args.out_dir / "logs" / f"eval-{out.parent.name}.log", args.threads)
     res = json.loads(acc.read_text())
     res["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"]) for o in
                          map(json.loads, (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines())]
@@ -210,10 +213,13 @@ def tau_stats(per_prompt: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -> dict:
-    """OUT/results/TRAINER-ALGORITHM-STEPS.json from the finished stages (written once)."""
+    """OUT/results/TRAINER-ALGORITHM-STEPS.json from the finished stages (written once; again when
+    it was written without τ and evaluation is asked for now)."""
     path = args.out_dir / "results" / f"{trainer}-{algorithm}-{steps}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        rec = json.loads(path.read_text())
+        if args.no_eval or rec.get("tau") is not None:
+            return rec
     ours_dir = run_dir(args, "ours", algorithm, steps)
     ours = json.loads((ours_dir / "parity" / "ours.json").read_text())
     if trainer == "ours":
@@ -226,7 +232,8 @@ def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -
         check_rows(ours, spec, str(d))
         tokens, seconds, export, trainable = spec["tokens"], spec["seconds"], Path(spec["checkpoint"]), spec["trainable"]
     fspt = feats["seconds"] / feats["tokens"]
-    rec = {"trainer": trainer, "algorithm": algorithm, "steps": steps, "tokens": tokens, "train_seconds": seconds,
+    rec = {"trainer": trainer, "algorithm": algorithm, "steps": steps, "optimizer_steps": ours["steps"],
+           "tokens": tokens, "train_seconds": seconds,
            "tokens_per_second": tokens / seconds, "features_seconds_per_token": fspt,
            "tokens_per_second_with_features": 1.0 / (seconds / tokens + fspt), "rows_digest_count": len(ours["digests"]),
            "targets_from_finals_equal": ours["targets_equal"], "export": str(export), "trainable": trainable}
@@ -291,10 +298,11 @@ def format_table(records: list[dict], meta: dict) -> str:
     for r in sorted(records, key=lambda r: (r["algorithm"], r["steps"], order[r["trainer"]])):
         pos = (r.get("per_position") or []) + [None] * k
         tau = "—" if r.get("tau") is None else f"{r['tau']:.3f} ± {r['tau_se']:.3f}"
-        lines.append(f"| {r['algorithm']} | {r['trainer']} | {r['steps']} | {r['tokens']:,} | {r['train_seconds']:.0f} | "
+        lines.append(f"| {r['algorithm']} | {r['trainer']} | {r.get('optimizer_steps', r['steps'])} | {r['tokens']:,} | {r['train_seconds']:.0f} | "
                      f"{r['tokens_per_second']:.0f} | {r['tokens_per_second_with_features']:.0f} | {tau} | "
                      + " | ".join(_f(p) for p in pos[:k]) + f" | {_f(r.get('c1'), '.2f')} |")
     for algorithm in sorted({r["algorithm"] for r in records}):
+        lines += trainable_note([r for r in records if r["algorithm"] == algorithm], algorithm)
         rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
         if not rows:
             continue
@@ -303,6 +311,17 @@ def format_table(records: list[dict], meta: dict) -> str:
                   "| seconds | " + " | ".join(f"τ {t}" for t in names) + " |", "|---|" + "---|" * len(names)]
         lines += [f"| {w:.0f} | " + " | ".join(_f(taus.get(t)) for t in names) + " |" for w, taus in rows]
     return "\n".join(lines) + "\n"
+
+
+def trainable_note(records: list[dict], algorithm: str) -> list[str]:
+    """A line naming the parameters that train in one trainer only (each library's own rule), or
+    nothing when both train the same ones (or a record lacks the list)."""
+    sets = {r["trainer"]: set(r["trainable"]) for r in records if r.get("trainable")}
+    if len(sets) < 2 or sets["ours"] == sets["speculators"]:
+        return []
+    only = {t: sorted(sets[t] - sets[u]) for t, u in (("ours", "speculators"), ("speculators", "ours"))}
+    return ["", f"{algorithm}: trained by ours only: {', '.join(only['ours']) or 'none'}; "
+                f"by speculators only: {', '.join(only['speculators']) or 'none'}."]
 
 
 def machine_meta(args, argv: list[str]) -> dict:

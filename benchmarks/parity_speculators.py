@@ -8,15 +8,16 @@ RUN_SPEC.json (written by bench_parity.py): rows (the rows file), config_dir (a 
 directory: our export's config.json, the verifier path blanked), verifier (the target's local HF
 directory), d2t_t2d (a safetensors file with d2t [V_draft] int64 and t2d [V] bool), algorithm
 (peagle | eagle3 | dflash), hyper (lr, weight_decay, warmup_steps, schedule, num_depths,
-down_sample_ratio, down_sample_ratio_min, max_anchors, ttt_decay, loss), threads, seed, out (a folder: the
-checkpoint goes to out/checkpoint/0, speculators' own `save_pretrained` format, which vLLM serves),
-result (the JSON written at the end).
+down_sample_ratio, down_sample_ratio_min, max_anchors, ttt_decay, loss, autocast: bf16 | fp32),
+threads, seed, out (a folder: the checkpoint goes to out/checkpoint/0, speculators' own
+`save_pretrained` format, which vLLM serves), result (the JSON written at the end).
 
 How it trains, as a user of speculators 0.9.0 would on one CPU process: the model is built by its
 own config-only path (`speculators.train.cli._build_from_config_only`: fresh weights from a full
 speculator config, `load_vocab_mappings`, `load_verifier_weights` from the target), the step is
 `speculators.train.trainer.Trainer` (AdamW over all parameters, its scheduler, autocast to
-`hidden_states_dtype` = bf16, grad clip 1.0, one epoch over the given rows, one row per step).
+`hidden_states_dtype`: bf16 when our run's draft autocast is bf16, else fp32 (CPU autocast then
+disables itself), grad clip 1.0, one epoch over the given rows, one row per step).
 What a CPU needs that its CLI does not offer: its Trainer moves the model to the local rank (an
 int, i.e. CUDA), autocasts on "cuda" when no accelerator exists and its step timer calls
 `torch.accelerator.synchronize` (which fails without a GPU), so the local rank is set to "cpu",
@@ -100,7 +101,8 @@ def build_model(spec: dict):
 def call_kwargs(algorithm: str, hyper: dict) -> dict:
     """The forward's keyword arguments, from the model class's own `get_trainer_kwargs` with our
     hyper-parameters (P-EAGLE: K_train, COD r / r_min, max_anchors; EAGLE-3: TTT steps = K_train and
-    the per-step loss decay) and its `eager` loss."""
+    the per-step loss decay), its `eager` loss, and `hyper["extra"]` (the training arguments of its
+    schema that another algorithm reads, e.g. DFlash's block size), which win."""
     from speculators.model import SpeculatorModel
 
     cls = SpeculatorModel.registry[algorithm]
@@ -108,6 +110,7 @@ def call_kwargs(algorithm: str, hyper: dict) -> dict:
               down_sample_ratio=hyper["down_sample_ratio"], down_sample_ratio_min=hyper["down_sample_ratio_min"],
               max_anchors=hyper.get("max_anchors"), ttt_steps=hyper["num_depths"],
               ttt_step_loss_decay=hyper.get("ttt_decay", 1.0))
+    kw.update(hyper.get("extra") or {})
     train_kwargs, _ = cls.get_trainer_kwargs(**kw)
     return train_kwargs
 
@@ -132,7 +135,8 @@ def train(spec: dict) -> dict:
     cfg = TrainerConfig(lr=hyper["lr"], num_epochs=1, save_path=str(out / "checkpoint"), optimizer="adamw",
                         weight_decay=hyper["weight_decay"], scheduler_type=hyper["schedule"],
                         scheduler_warmup_steps=hyper["warmup_steps"], scheduler_total_steps=len(batches),
-                        train_call_kwargs=call_kwargs(spec["algorithm"], hyper), hidden_states_dtype=torch.bfloat16,
+                        train_call_kwargs=call_kwargs(spec["algorithm"], hyper),
+                        hidden_states_dtype=torch.bfloat16 if hyper.get("autocast", "bf16") == "bf16" else torch.float32,
                         log_freq=1, max_steps=len(batches))
     loader = DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: dict(b))
     trainer = Trainer(model, cfg, loader)

@@ -1,15 +1,21 @@
 """Peer parity: our trainer against the speculators library's own trainer, on the same rows and target
 features, at equal hyper-parameters and token-passes, both heads served by vLLM on the same prompts.
 
-    python benchmarks/bench_parity.py --out-dir runs/parity --steps 170 340 --threads 1 [--write-docs]
-    python benchmarks/bench_parity.py --out-dir runs/parity --steps 170 340 --table-only --write-docs
+    python benchmarks/bench_parity.py --out-dir runs/parity --steps 165 330 --threads 1 \
+        --set data.num_conversations=600 [--write-docs]
+    python benchmarks/bench_parity.py --out-dir runs/parity --table-only --write-docs
+
+(600 ShareGPT conversations of the smollm2-135m recipe ≈ 0.34M tokens, 2 epochs ≈ 334 rows of
+2,048 tokens: budgets of ≈ 0.17M and 0.34M token-passes; a budget past the rows there are trains
+on all of them, and the table gives the optimizer steps run.) Needs .venv-speculators
+(`bash scripts/check_speculators.sh`) and vLLM (`bash scripts/install.sh vllm`); run it alone.
 
 Runs (trainer ∈ ours, speculators) × (algorithm ∈ peagle, eagle3; `--algorithms`) × budgets
 (`--steps`: optimizer steps of one packed row of `training.tokens_per_step` tokens each), in order:
 1. features: `peagle features` once (the recipe's target, data and storage) into OUT/features;
 2. ours: `peagle train` on those offline features (benchmarks/parity_ours.py: the same command,
-   recording a digest of every row it trains on and writing those rows afterwards to a rows file);
-3. speculators: its own model class trained by its own `Trainer` on that rows file, in its own
+   recording a digest of every row it trains on and writing those rows afterwards to a rows directory);
+3. speculators: its own model class trained by its own `Trainer` on those rows, in its own
    venv (benchmarks/parity_speculators.py), saved by its own checkpointer;
 4. vLLM: `peagle evaluate eval.engine=vllm` on each export (greedy, batch 1, K = `--k`, the
    recipe's evaluation prompts, first `--num-prompts`).
@@ -45,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,7 +82,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                     help="extra key=value for every peagle command (repeatable), e.g. data.num_conversations=600")
     ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators" / "bin" / "python"))
     ap.add_argument("--no-eval", action="store_true", help="train and export only (no vLLM)")
-    ap.add_argument("--keep-rows", action="store_true", help="keep each run's rows file (GBs at real budgets)")
+    ap.add_argument("--keep-rows", action="store_true", help="keep each run's rows directory (GBs at real budgets)")
     ap.add_argument("--table-only", action="store_true", help="print the table of the finished runs only")
     ap.add_argument("--write-docs", action="store_true", help="also write the table into --out (its section)")
     return ap.parse_args(argv)
@@ -165,7 +172,7 @@ def spec_stage(args, algorithm: str, steps: int) -> Path:
     if (out / "result.json").is_file():
         return out
     cfg = yaml.safe_load((ours / "config.yaml").read_text())
-    spec = {"rows": str(ours / "parity" / "rows.safetensors"), "d2t_t2d": str(ours / "parity" / "d2t_t2d.safetensors"),
+    spec = {"rows": str(ours / "parity" / "rows"), "d2t_t2d": str(ours / "parity" / "d2t_t2d.safetensors"),
             "config_dir": str(config_only_dir(ours, out / "config_only")), "algorithm": algorithm,
             "verifier": model_source(cfg["target"]["path"]), "threads": args.threads,
             "hyper": spec_hyper(cfg, json.loads((ours / "run.json").read_text())["precision"]["draft_autocast"]),
@@ -198,7 +205,7 @@ def check_rows(ours: dict, spec: dict | None, where: str) -> None:
     """Raises SystemExit unless our trainer trained on the rows written for speculators and (when
     given) speculators read exactly those rows: the three digest lists equal."""
     if ours["trained_digests"] != ours["digests"]:
-        raise SystemExit(f"{where}: the rows file differs from the rows our trainer trained on")
+        raise SystemExit(f"{where}: the rows written differ from the rows our trainer trained on")
     if spec is not None and spec["digests"] != ours["digests"]:
         raise SystemExit(f"{where}: speculators read other rows than our trainer trained on")
 
@@ -357,10 +364,10 @@ def main(argv: list[str] | None = None) -> str:
                     spec_stage(args, algorithm, steps)
                 for trainer in args.trainers:
                     result_record(args, trainer, algorithm, steps, feats)
-                rows = run_dir(args, "ours", algorithm, steps) / "parity" / "rows.safetensors"
-                if not args.keep_rows and rows.is_file() and all(
+                rows = run_dir(args, "ours", algorithm, steps) / "parity" / "rows"
+                if not args.keep_rows and rows.is_dir() and all(
                         (args.out_dir / "results" / f"{t}-{algorithm}-{steps}.json").is_file() for t in args.trainers):
-                    rows.unlink()
+                    shutil.rmtree(rows)
     records = [json.loads(p.read_text()) for p in sorted((args.out_dir / "results").glob("*.json"))]
     text = format_table(records, machine_meta(args, argv))
     print(text)

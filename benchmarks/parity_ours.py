@@ -7,8 +7,8 @@ two records added around the trainer, so that the speculators run gets exactly o
   (`parity_speculators.row_digest`); the seconds spent digesting are measured (bench_parity.py
   takes them out of the training time);
 - after `Trainer.fit` has returned (outside its clock), the same rows are built again by the same
-  `Trainer._row` and written to PARITY_DIR/rows.safetensors (the format parity_speculators.py
-  reads), with the target's final hidden states of each position (offline features only:
+  `Trainer._row` and written to PARITY_DIR/rows/ (the format parity_speculators.py reads), with the
+  target's final hidden states of each position (offline features only:
   `OfflineFeatures.document`), and d2t / t2d to PARITY_DIR/d2t_t2d.safetensors;
   PARITY_DIR/ours.json records the digests of both passes, the digest seconds, whether the
   final states give back the row's target logits exactly, and the head's trainable parameters.
@@ -37,7 +37,7 @@ def digest_of(row) -> str:
 
 
 def row_tensors(trainer, g: int) -> dict[str, torch.Tensor]:
-    """Row g of `trainer` as the rows file holds it (parity_speculators.py), built by `Trainer._row`,
+    """Row g of `trainer` as the rows directory holds it (parity_speculators.py), built by `Trainer._row`,
     plus `targets_equal`: whether `logits_from_final` of the stored final states equals the row's
     target logits. Features are stored in bf16 when that is lossless (bf16 shards), else fp32."""
     doc_indices = trainer.batches[g]
@@ -56,18 +56,20 @@ def row_tensors(trainer, g: int) -> dict[str, torch.Tensor]:
 
 
 def write_rows(trainer, steps: int, parity_dir: Path) -> dict:
-    """rows.safetensors and d2t_t2d.safetensors for the first `steps` rows of `trainer`. Returns
-    {"digests", "targets_equal"} of the written rows."""
+    """The rows directory (parity_dir/rows: g.safetensors per row g < `steps`, then index.json) and
+    d2t_t2d.safetensors of `trainer`. Returns {"digests", "targets_equal"} of the written rows."""
     from safetensors.torch import save_file
 
-    tensors, digests, equal = {}, [], True
+    rows_dir = parity_dir / "rows"
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    digests, equal = [], True
     for g in range(steps):
         t = row_tensors(trainer, g)
         equal = equal and bool(t.pop("targets_equal"))
         digests.append(row_digest(t["input_ids"], t["hidden_states"], t["loss_mask"], t["document_ids"],
                                   t["position_ids"]))
-        tensors.update({f"{g}.{k}": v.contiguous() for k, v in t.items()})
-    save_file(tensors, str(parity_dir / "rows.safetensors"), metadata={"rows": str(steps)})
+        save_file({k: v.contiguous() for k, v in t.items()}, str(rows_dir / f"{g}.safetensors"))
+    (rows_dir / "index.json").write_text(json.dumps({"rows": steps}))
     draft = trainer.draft
     save_file({"d2t": draft.d2t.detach().cpu().long().contiguous(), "t2d": draft.t2d.detach().cpu().bool().contiguous()},
               str(parity_dir / "d2t_t2d.safetensors"))
@@ -91,7 +93,7 @@ def install(parity_dir: Path) -> dict:
         if not isinstance(self.features, OfflineFeatures) or (self.training.get("grad_accum") or 1) != 1:
             raise SystemExit("parity_ours.py: needs features.source=offline and training.grad_accum=1")
         res = fit(self)
-        Trainer._row = row  # the rows file is written without digesting twice
+        Trainer._row = row  # the rows are written without digesting twice
         trained = record["digests"][:res["steps"]]  # validation rows (if any) are not training rows
         record.update(write_rows(self, res["steps"], parity_dir))  # digests: those of the written rows
         record.update(trained_digests=trained, steps=res["steps"], tokens=res["tokens"], seconds=res["seconds"],

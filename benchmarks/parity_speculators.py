@@ -4,7 +4,7 @@ Runs in the speculators venv (`scripts/check_speculators.sh` builds one):
 
     .venv-speculators/bin/python benchmarks/parity_speculators.py RUN_SPEC.json
 
-RUN_SPEC.json (written by bench_parity.py): rows (the rows file), config_dir (a config-only
+RUN_SPEC.json (written by bench_parity.py): rows (the rows directory), config_dir (a config-only
 directory: our export's config.json, the verifier path blanked), verifier (the target's local HF
 directory), d2t_t2d (a safetensors file with d2t [V_draft] int64 and t2d [V] bool), algorithm
 (peagle | eagle3 | dflash), hyper (lr, weight_decay, warmup_steps, schedule, num_depths,
@@ -26,13 +26,14 @@ draft attention is `sdpa` and the loss `eager` (its FlexAttention has no CPU bac
 loss needs Triton), as benchmarks/bench_speculators_step.py runs it. Its parameters that train are
 its own rule (e.g. lm_head frozen): the result lists them (`trainable`).
 
-The rows file (safetensors; bench_parity.py writes it from the rows our trainer trained on), per
-row j: `j.input_ids` [n] int64, `j.hidden_states` [n, 3H], `j.verifier_last_hidden_states` [n, H]
+The rows directory (parity_ours.py writes it from the rows our trainer trained on): index.json
+{"rows": N} and j.safetensors for row j < N holding `input_ids` [n] int64, `hidden_states` [n, 3H]
+(bf16 when lossless, else fp32), `verifier_last_hidden_states` [n, H]
 (the target's final hidden states, pre-norm, aligned like the rows: speculators computes its
-targets from them with the target's norm and lm_head rows of the draft vocabulary), `j.loss_mask`
-[n] bool, `j.document_ids` [n] int64, `j.position_ids` [n] int64 (position within the document,
-from 0; speculators' own data pipeline starts them at 1 after its shift, so 1 is added here);
-metadata `rows` = the number of rows. `row_digest` (standard library + torch) is the one digest both
+targets from them with the target's norm and lm_head rows of the draft vocabulary), `loss_mask`
+[n] bool, `document_ids` [n] int64, `position_ids` [n] int64 (position within the document, from 0;
+speculators' own data pipeline starts them at 1 after its shift, so 1 is added here). A row is
+read from disk at its step, inside the training clock, as our trainer reads its offline shards. `row_digest` (standard library + torch) is the one digest both
 sides compute, so bench_parity.py asserts that both trainers saw byte-identical rows.
 """
 
@@ -61,23 +62,40 @@ def row_digest(input_ids, hidden_states, loss_mask, document_ids, position_ids) 
     return h.hexdigest()
 
 
-def load_rows(path: str | Path) -> tuple[list[dict], list[str]]:
-    """(batches, digests) of a rows file: one batch dict per row, as speculators' collate makes
-    them ([1, n] and [1, n, D] tensors, hidden states in float32, loss_mask float, position ids from
-    1, `error_records` 0), and each row's `row_digest`. Raises KeyError for a file without `rows`."""
-    from safetensors import safe_open
+class Rows(torch.utils.data.Dataset):
+    """The rows directory, read one row per item (as speculators' own data loader reads hidden
+    states from disk each step): the batch dict speculators' collate makes ([1, n] and [1, n, D]
+    tensors, hidden states in float32, loss_mask float, position ids from 1, `error_records` 0).
+    Raises FileNotFoundError without index.json."""
 
-    batches, digests = [], []
-    with safe_open(str(path), "pt") as f:
-        n = int(f.metadata()["rows"])
-        for j in range(n):
-            t = {k: f.get_tensor(f"{j}.{k}") for k in (*DIGEST_FIELDS, "verifier_last_hidden_states")}
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        self.n = int(json.loads((self.dir / "index.json").read_text())["rows"])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def tensors(self, j: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.dir / f"{j}.safetensors"))
+
+    def __getitem__(self, j: int) -> dict:
+        t = self.tensors(j)
+        return {"input_ids": t["input_ids"].long()[None], "hidden_states": t["hidden_states"].float()[None],
+                "verifier_last_hidden_states": t["verifier_last_hidden_states"].float()[None],
+                "loss_mask": t["loss_mask"].float()[None], "document_ids": t["document_ids"].long()[None],
+                "position_ids": t["position_ids"].long()[None] + 1, "error_records": 0}
+
+    def digests_and_tokens(self) -> tuple[list[str], int]:
+        """Each row's `row_digest`, and the token-passes (row tokens + one per document, as our
+        trainer counts them), in one pass before training."""
+        digests, tokens = [], 0
+        for j in range(self.n):
+            t = self.tensors(j)
             digests.append(row_digest(*(t[k] for k in DIGEST_FIELDS)))
-            batches.append({"input_ids": t["input_ids"].long()[None], "hidden_states": t["hidden_states"].float()[None],
-                            "verifier_last_hidden_states": t["verifier_last_hidden_states"].float()[None],
-                            "loss_mask": t["loss_mask"].float()[None], "document_ids": t["document_ids"].long()[None],
-                            "position_ids": t["position_ids"].long()[None] + 1, "error_records": 0})
-    return batches, digests
+            tokens += int(t["input_ids"].numel() + t["document_ids"].unique().numel())
+        return digests, tokens
 
 
 def build_model(spec: dict):
@@ -116,7 +134,7 @@ def call_kwargs(algorithm: str, hyper: dict) -> dict:
 
 
 def train(spec: dict) -> dict:
-    """Train on every row of the rows file once with speculators' Trainer; its checkpoint (bf16,
+    """Train on every row of the rows directory once with speculators' Trainer; its checkpoint (bf16,
     config.json + model.safetensors) goes to out/checkpoint/0. Returns the result dict: steps, tokens
     (row tokens + one per document, as our trainer counts), seconds (the Trainer's run alone),
     tokens_per_second, digests, trainable parameter names, losses, checkpoint."""
@@ -125,7 +143,8 @@ def train(spec: dict) -> dict:
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(int(spec.get("threads") or 1))
-    batches, digests = load_rows(spec["rows"])
+    rows = Rows(spec["rows"])
+    digests, tokens = rows.digests_and_tokens()
     model = build_model(spec)
     hyper, losses = spec["hyper"], []
     dist_state._local_rank = "cpu"  # its Trainer moves the model and batches to the local rank (else cuda:0)
@@ -134,11 +153,11 @@ def train(spec: dict) -> dict:
     out = Path(spec["out"])
     cfg = TrainerConfig(lr=hyper["lr"], num_epochs=1, save_path=str(out / "checkpoint"), optimizer="adamw",
                         weight_decay=hyper["weight_decay"], scheduler_type=hyper["schedule"],
-                        scheduler_warmup_steps=hyper["warmup_steps"], scheduler_total_steps=len(batches),
+                        scheduler_warmup_steps=hyper["warmup_steps"], scheduler_total_steps=len(rows),
                         train_call_kwargs=call_kwargs(spec["algorithm"], hyper),
                         hidden_states_dtype=torch.bfloat16 if hyper.get("autocast", "bf16") == "bf16" else torch.float32,
-                        log_freq=1, max_steps=len(batches))
-    loader = DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: dict(b))
+                        log_freq=1, max_steps=len(rows))
+    loader = DataLoader(rows, batch_size=None, shuffle=False, collate_fn=lambda b: dict(b))
     trainer = Trainer(model, cfg, loader)
     trainer.device_type = "cpu"  # bf16 autocast on the CPU, as hidden_states_dtype asks
     step = model.forward
@@ -151,8 +170,7 @@ def train(spec: dict) -> dict:
     t0 = time.perf_counter()
     trainer.run_training()
     seconds = time.perf_counter() - t0
-    tokens = sum(int(b["input_ids"].numel() + b["document_ids"].unique().numel()) for b in batches)
-    return {"trainer": "speculators", "algorithm": spec["algorithm"], "steps": len(batches), "tokens": tokens,
+    return {"trainer": "speculators", "algorithm": spec["algorithm"], "steps": len(rows), "tokens": tokens,
             "seconds": seconds, "tokens_per_second": tokens / seconds, "digests": digests, "losses": losses,
             "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
             "checkpoint": str(out / "checkpoint" / "0"), "speculators_version": _version()}

@@ -114,7 +114,7 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
     commands = COMMANDS_BY_SCHEMA[schema]
     cfg = C.compose(schema, [])
     keys = numeric_keys(schema)
-    assert len(keys) == {"train": 39, "evaluate": 41, "export": 39, "regenerate": 45, "recommend-k": 47}[schema]
+    assert len(keys) == {"train": 42, "evaluate": 44, "export": 42, "regenerate": 50, "recommend-k": 50}[schema]
     codes = {}
     with time_bound(120, f"{len(keys)} keys of {schema}"):
         for key in keys:
@@ -122,9 +122,10 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
                 codes[f"{key}={v}"] = parse_and_check(cfg, commands, f"{key}={v}")
     scalars = [k for k in keys if typing.get_origin(C.schema_keys(C.schema_of(schema))[k]) is not list
                and k not in ("target.aux_layer_ids", "recommend.ks", "recommend.batch_sizes")]
-    # 1 is refused by max_length > min_supervised_tokens 16, zero_stage ∈ {2, 3} and (train) eval K 5 ≤ K_train
+    # 1 is refused by max_length > min_supervised_tokens 16, zero_stage ∈ {2, 3}, (train) eval K 5 ≤ K_train and
+    # warmup_fraction beside the warmup_steps the config sets
     assert [k for k in scalars if codes[f"{k}=1"] != 0] == ["data.max_length"] + \
-        (["draft.num_depths"] if schema == "train" else []) + ["distributed.zero_stage"]
+        (["draft.num_depths"] if schema == "train" else []) + ["training.warmup_fraction", "distributed.zero_stage"]
     # a range is written for every numeric key
     assert [k.name for k in C.schema_entries(C.schema_of(schema)) if k.name in keys and k.range is None] == \
         ["target.aux_layer_ids"]  # its rule is AuxLayers.problem

@@ -738,25 +738,43 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
+def _entry_problems(key: str, value: Any, form: str, required: str, what: str, keys: tuple[str, ...],
+                    example: str) -> tuple[list[str], list[tuple[str, dict, list[str]]]]:
+    """The problems common to a list-of-entries key (`data.mix`, `data.sources`): not a list, an
+    entry that is no mapping, no `required` string (`what` it names), unknown keys (an entry holds
+    `keys`). Returns (problems of the key as a whole, [(where, entry, its problems so far)] of the
+    mapping entries in order, e.g. ("data.mix[0]", {...}, [])); an entry that is no mapping is
+    (where, None, [its problem])."""
+    if value is None or not isinstance(value, list):
+        return ([] if value is None else [f"{key}={_value_text(value)} is not a list of entries. Fix: {example}."]), []
+    entries = []
+    for i, m in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(m, dict):
+            entries.append((where, None, [f"{where}={_value_text(m)} is not an entry {form}. Fix: {example}."]))
+            continue
+        problems = []
+        got = m.get(required)
+        if not isinstance(got, str) or not got.strip():
+            problems.append(f"{where}={_value_text(m)} has no {required} ({what}). Fix: {example}.")
+        extra = sorted(str(k) for k in m if k not in keys)
+        if extra:
+            problems.append(f"{where} has unknown key(s) {', '.join(extra)}; an entry holds {', '.join(keys[:-1])} "
+                            f"and {keys[-1]}. Fix: {example}.")
+        entries.append((where, m, problems))
+    return [], entries
+
+
 def mix_problems(mix: Any) -> list[str]:
     """One sentence per malformed `data.mix` entry: not a {path, weight} mapping (a bare string), no
     path, an unknown key, or a weight that is no number > 0."""
     example = "data.mix=[{path: a.jsonl, weight: 1.0}, {path: b.jsonl, weight: 2.0}]"
-    if mix is None or not isinstance(mix, list):
-        return [] if mix is None else [f"data.mix={_value_text(mix)} is not a list of entries. Fix: {example}."]
-    problems = []
-    for i, m in enumerate(mix):
-        where = f"data.mix[{i}]"
-        if not isinstance(m, dict):
-            problems.append(f"{where}={_value_text(m)} is not an entry {{path: FILE_OR_DIR, weight: W}}. Fix: {example}.")
+    problems, entries = _entry_problems("data.mix", mix, "{path: FILE_OR_DIR, weight: W}", "path",
+                                        "the file or directory to read", ("path", "weight"), example)
+    for where, m, entry_problems in entries:
+        problems += entry_problems
+        if m is None:
             continue
-        path = m.get("path")
-        if not isinstance(path, str) or not path.strip():
-            problems.append(f"{where}={_value_text(m)} has no path (the file or directory to read). Fix: {example}.")
-        extra = sorted(str(k) for k in m if k not in ("path", "weight"))
-        if extra:
-            problems.append(f"{where} has unknown key(s) {', '.join(extra)}; an entry holds path and weight. "
-                            f"Fix: {example}.")
         w = m.get("weight", 1.0)
         if not Range(gt=0).admits(w):
             problems.append(f"{where}.weight={_value_text(w)} must be a number > 0 (the entry's share of the rows, "
@@ -776,22 +794,13 @@ def sources_problems(sources: Any) -> list[str]:
     SOURCE_FORMATS, or columns naming a role its format does not read."""
     example = ("data.sources=[{hub: HuggingFaceH4/ultrachat_200k, split: train_sft, count: 200000}, "
                "{hub: Magpie-Align/Magpie-Llama-3.1-Pro-300K-Filtered, split: train}]")
-    if sources is None or not isinstance(sources, list):
-        return [] if sources is None else [f"data.sources={_value_text(sources)} is not a list of entries. Fix: {example}."]
-    problems = []
-    for i, m in enumerate(sources):
-        where = f"data.sources[{i}]"
-        if not isinstance(m, dict):
-            problems.append(f"{where}={_value_text(m)} is not an entry {{hub: ID, split: S, count: N}}. Fix: {example}.")
+    problems, entries = _entry_problems("data.sources", sources, "{hub: ID, split: S, count: N}", "hub",
+                                        "a hub dataset id or a local file or directory",
+                                        ("hub", "split", "count", "format", "columns"), example)
+    for where, m, entry_problems in entries:
+        problems += entry_problems
+        if m is None:
             continue
-        hub = m.get("hub")
-        if not isinstance(hub, str) or not hub.strip():
-            problems.append(f"{where}={_value_text(m)} has no hub (a hub dataset id or a local file or directory). "
-                            f"Fix: {example}.")
-        extra = sorted(str(k) for k in m if k not in ("hub", "split", "count", "format", "columns"))
-        if extra:
-            problems.append(f"{where} has unknown key(s) {', '.join(extra)}; an entry holds hub, split, count, format "
-                            f"and columns. Fix: {example}.")
         if m.get("split") is not None and not isinstance(m.get("split"), str):
             problems.append(f"{where}.split={_value_text(m.get('split'))} is not a split name. Fix: {where}.split=train "
                             "(the dataset card lists its splits, e.g. train_sft).")

@@ -13,9 +13,9 @@ from peagle_train.serving.backends import EndpointBackend
 from tests.conftest import tiny_llama
 
 
-@pytest.fixture
-def server():
-    """A /v1/chat/completions server on 127.0.0.1 that answers "ans(<last user text>)#<answers so far>"."""
+def chat_server(reply):
+    """A /v1/chat/completions server on 127.0.0.1 answering each request body with reply(messages) =
+    (text, finish_reason): (its base URL, the list of request bodies received), and its shutdown."""
     requests = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -26,11 +26,9 @@ def server():
                 self.send_response(404)
                 self.end_headers()
                 return
-            msgs = body["messages"]
-            k = sum(m["role"] == "assistant" for m in msgs)
-            text = f"ans({msgs[-1]['content']})#{k}" if msgs[-1]["content"] != "say nothing" else ""
+            text, finish = reply(body["messages"])
             out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
-                                           "finish_reason": "stop"}]}).encode()
+                                           "finish_reason": finish}]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(out)))
@@ -42,8 +40,19 @@ def server():
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", requests
-    srv.shutdown()
+    return f"http://127.0.0.1:{srv.server_address[1]}/v1", requests, srv.shutdown
+
+
+@pytest.fixture
+def server():
+    """A /v1/chat/completions server on 127.0.0.1 that answers "ans(<last user text>)#<answers so far>"."""
+    def reply(msgs):
+        k = sum(m["role"] == "assistant" for m in msgs)
+        return (f"ans({msgs[-1]['content']})#{k}" if msgs[-1]["content"] != "say nothing" else ""), "stop"
+
+    url, requests, stop = chat_server(reply)
+    yield url, requests
+    stop()
 
 
 def convs(n):
@@ -281,29 +290,14 @@ def test_resuming_with_other_settings_or_a_damaged_line_is_refused(tmp_path, ser
 def scripted():
     """A /v1/chat/completions server on 127.0.0.1: a prompt "long..." is answered with finish_reason
     "length" (cut), one "dup..." with the answer "same", any other one with "ans(<prompt>)#<answers so far>"."""
-    requests = []
+    def reply(msgs):
+        last = msgs[-1]["content"]
+        text = "same" if last.startswith("dup") else f"ans({last})#{sum(m['role'] == 'assistant' for m in msgs)}"
+        return text, "length" if last.startswith("long") else "stop"
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            requests.append(body)
-            msgs = body["messages"]
-            last = msgs[-1]["content"]
-            text = "same" if last.startswith("dup") else f"ans({last})#{sum(m['role'] == 'assistant' for m in msgs)}"
-            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
-                                           "finish_reason": "length" if last.startswith("long") else "stop"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", requests
-    srv.shutdown()
+    url, requests, stop = chat_server(reply)
+    yield url, requests
+    stop()
 
 
 def two_turns(cid, a, b):

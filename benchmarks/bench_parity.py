@@ -60,7 +60,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators (run as a script)
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
-ALGORITHMS = ("peagle", "eagle3")  # dflash: speculators.models.dflash, when our DFlash objective is ready
+ALGORITHMS = ("peagle", "eagle3", "dflash")
+DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
+# our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
+OURS_EXTRA = {"dflash": ("draft.train_embeddings=none", "draft.train_lm_head=false")}
+UNIFORM_GAMMA = 1e30  # speculators' fixed-exp-decay at this γ: every slot weight exp(-(j-1)/γ) = 1.0 in fp32
 TRAINERS = ("ours", "speculators")
 SPEC_LOSS = {"kl": "kl_div", "ce": "ce", "tv": "tv"}
 SPEC_SCHEDULE = {"cosine": "cosine", "linear": "linear", "constant": "none"}
@@ -74,7 +78,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, required=True, help="run directory (resumable)")
     ap.add_argument("--recipe", default="smollm2-135m", help="recipe of the target, data and hyper-parameters")
     ap.add_argument("--steps", type=int, nargs="+", default=[170, 340], help="budgets: optimizer steps (≥ 2 budgets)")
-    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=[*ALGORITHMS, "dflash"])
+    ap.add_argument("--algorithms", nargs="+", default=list(DEFAULT_ALGORITHMS), choices=ALGORITHMS)
     ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     ap.add_argument("--k", type=int, default=5, help="K served by vLLM")
     ap.add_argument("--num-prompts", type=int, default=40, help="evaluation prompts (the recipe's benchmark)")
@@ -107,12 +111,15 @@ def peagle_args(args, *extra: str) -> list[str]:
 
 
 def features_stage(args) -> dict:
-    """`peagle features` into OUT/features, once. Returns its generation_summary.json (tokens,
-    seconds of the feature pass)."""
+    """`peagle features` into OUT/features, once, for the target layers of `--algorithms` (DFlash alone:
+    its default layers; else P-EAGLE's, which a DFlash run then reads only with target.aux_layer_ids set
+    to them). Returns its generation_summary.json (tokens, seconds of the feature pass)."""
     d = args.out_dir / "features"
     summary = d / "generation_summary.json"
+    algorithm = "dflash" if set(args.algorithms) == {"dflash"} else "peagle"
     if not summary.is_file():
-        run([sys.executable, "-m", "peagle_train.cli", "features", *peagle_args(args, f"features.dir={d}",
+        run([sys.executable, "-m", "peagle_train.cli", "features", *peagle_args(args, f"algorithm={algorithm}",
+                                                                                f"features.dir={d}",
                                                                                 f"output_dir={args.out_dir / 'features-run'}")],
             args.out_dir / "logs" / "features.log", args.threads)
     return json.loads(summary.read_text())
@@ -132,23 +139,51 @@ def ours_stage(args, algorithm: str, steps: int) -> Path:
                           f"features.dir={args.out_dir / 'features'}", f"training.max_steps={steps}",
                           "training.max_minutes=null", "training.save_every=null", "training.val_conversations=0",
                           "training.grad_accum=1", "training.resume=false", "eval.enabled=false",
-                          "export.enabled=true", f"output_dir={out}")],
+                          "export.enabled=true", f"output_dir={out}", *OURS_EXTRA.get(algorithm, ()))],
             args.out_dir / "logs" / f"ours-{algorithm}-{steps}.log", args.threads)
     return out
 
 
-def spec_hyper(cfg: dict, autocast: str) -> dict:
+def spec_hyper(cfg: dict, autocast: str, algorithm: str = "peagle") -> dict:
     """The speculators run's hyper-parameters from our run's resolved config (config.yaml) and its
-    draft autocast (run.json: bf16 | fp32). Raises SystemExit for a schedule or loss speculators
-    has no counterpart of."""
+    draft autocast (run.json: bf16 | fp32); for DFlash also its training arguments (`dflash_extra`).
+    Raises SystemExit for a schedule or loss speculators has no counterpart of."""
     t = cfg["training"]
     if t["schedule"] not in SPEC_SCHEDULE or t["loss"] not in SPEC_LOSS:
         raise SystemExit(f"training.schedule={t['schedule']} / training.loss={t['loss']}: speculators has no "
                          f"counterpart; use one of {sorted(SPEC_SCHEDULE)} / {sorted(SPEC_LOSS)}")
-    return {"lr": t["lr"], "weight_decay": t["weight_decay"], "warmup_steps": t["warmup_steps"],
-            "schedule": SPEC_SCHEDULE[t["schedule"]], "loss": SPEC_LOSS[t["loss"]], "num_depths": cfg["draft"]["num_depths"],
-            "down_sample_ratio": t["down_sample_ratio"], "down_sample_ratio_min": t["down_sample_ratio_min"],
-            "max_anchors": t["max_anchors"], "ttt_decay": t["ttt_decay"], "autocast": autocast}
+    hyper = {"lr": t["lr"], "weight_decay": t["weight_decay"], "warmup_steps": t["warmup_steps"],
+             "schedule": SPEC_SCHEDULE[t["schedule"]], "loss": SPEC_LOSS[t["loss"]], "num_depths": cfg["draft"]["num_depths"],
+             "down_sample_ratio": t["down_sample_ratio"], "down_sample_ratio_min": t["down_sample_ratio_min"],
+             "max_anchors": t["max_anchors"], "ttt_decay": t["ttt_decay"], "autocast": autocast}
+    if algorithm == "dflash":
+        hyper["extra"] = dflash_extra(cfg)
+    return hyper
+
+
+def dflash_extra(cfg: dict) -> dict:
+    """speculators' DFlash training arguments (its `get_trainer_kwargs`) equal to our run's config:
+    max_anchors (ours null = every anchor: the row's tokens, more than a row has), slot weights
+    uniform → fixed-exp-decay at γ = UNIFORM_GAMMA (every weight 1), exp_decay → fixed-exp-decay at
+    training.slot_decay_gamma (null: `paper_gamma` of the block K + 1), dpace → dpace at
+    training.dpace_alpha. Raises SystemExit for draft.block_causal (speculators' DFlash attends
+    non-causally within a block on every full-attention layer) and for dpace without training.loss=ce
+    (its D-PACE confidence is exp(-CE); ours is the head's probability of the target's token, equal
+    under CE only)."""
+    from peagle_train.algorithms.dflash import paper_gamma
+
+    t, d = cfg["training"], cfg["draft"]
+    if d.get("block_causal"):
+        raise SystemExit("draft.block_causal=true: speculators' DFlash has no causal block on full-attention "
+                         "layers; run the parity with draft.block_causal=false")
+    kind = str(t.get("slot_weights") or "uniform")
+    if kind == "dpace" and t["loss"] != "ce":
+        raise SystemExit(f"training.slot_weights=dpace with training.loss={t['loss']}: speculators' D-PACE reads "
+                         "its confidence from the CE loss; use training.loss=ce")
+    gamma = (UNIFORM_GAMMA if kind == "uniform" else t.get("slot_decay_gamma") or paper_gamma(d["num_depths"] + 1))
+    return {"max_anchors": t["max_anchors"] or t["tokens_per_step"],
+            "per_position_loss_weight": "dpace" if kind == "dpace" else "fixed-exp-decay",
+            "dflash_decay_gamma": float(gamma), "dpace_alpha": float(t.get("dpace_alpha", 0.5))}
 
 
 def config_only_dir(ours: Path, dest: Path) -> Path:
@@ -175,7 +210,8 @@ def spec_stage(args, algorithm: str, steps: int) -> Path:
     spec = {"rows": str(ours / "parity" / "rows"), "d2t_t2d": str(ours / "parity" / "d2t_t2d.safetensors"),
             "config_dir": str(config_only_dir(ours, out / "config_only")), "algorithm": algorithm,
             "verifier": model_source(cfg["target"]["path"]), "threads": args.threads,
-            "hyper": spec_hyper(cfg, json.loads((ours / "run.json").read_text())["precision"]["draft_autocast"]),
+            "hyper": spec_hyper(cfg, json.loads((ours / "run.json").read_text())["precision"]["draft_autocast"],
+                               algorithm),
             "seed": cfg["seed"], "out": str(out), "result": str(out / "result.json")}
     (out / "run_spec.json").write_text(json.dumps(spec, indent=1))
     run([args.spec_python, str(ROOT / "benchmarks" / "parity_speculators.py"), str(out / "run_spec.json")],
@@ -237,7 +273,7 @@ def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -
         d = run_dir(args, trainer, algorithm, steps)
         spec = json.loads((d / "result.json").read_text())
         check_rows(ours, spec, str(d))
-        tokens, seconds, export, trainable = spec["tokens"], spec["seconds"], Path(spec["checkpoint"]), spec["trainable"]
+        tokens, seconds, export, trainable = spec["tokens"], spec["seconds"], Path(spec.get("export", spec["checkpoint"])), spec["trainable"]
     fspt = feats["seconds"] / feats["tokens"]
     rec = {"trainer": trainer, "algorithm": algorithm, "steps": steps, "optimizer_steps": ours["steps"],
            "tokens": tokens, "train_seconds": seconds,

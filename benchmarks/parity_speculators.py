@@ -8,9 +8,11 @@ RUN_SPEC.json (written by bench_parity.py): rows (the rows directory), config_di
 directory: our export's config.json, the verifier path blanked), verifier (the target's local HF
 directory), d2t_t2d (a safetensors file with d2t [V_draft] int64 and t2d [V] bool), algorithm
 (peagle | eagle3 | dflash), hyper (lr, weight_decay, warmup_steps, schedule, num_depths,
-down_sample_ratio, down_sample_ratio_min, max_anchors, ttt_decay, loss, autocast: bf16 | fp32),
+down_sample_ratio, down_sample_ratio_min, max_anchors, ttt_decay, loss, autocast: bf16 | fp32, and
+extra: DFlash's max_anchors, per_position_loss_weight, dflash_decay_gamma, dpace_alpha),
 threads, seed, out (a folder: the checkpoint goes to out/checkpoint/0, speculators' own
-`save_pretrained` format, which vLLM serves), result (the JSON written at the end).
+`save_pretrained` format, which vLLM serves; DFlash's completed copy in out/export: `served_export`),
+result (the JSON written at the end).
 
 How it trains, as a user of speculators 0.9.0 would on one CPU process: the model is built by its
 own config-only path (`speculators.train.cli._build_from_config_only`: fresh weights from a full
@@ -35,6 +37,21 @@ targets from them with the target's norm and lm_head rows of the draft vocabular
 speculators' own data pipeline starts them at 1 after its shift, so 1 is added here). A row is
 read from disk at its step, inside the training clock, as our trainer reads its offline shards. `row_digest` (standard library + torch) is the one digest both
 sides compute, so bench_parity.py asserts that both trainers saw byte-identical rows.
+
+DFlash reads the same stored rows re-laid into speculators' own layout (`dflash_layout`, after the
+digest), so that its blocks are ours. Ours (peagle_train/algorithms/dflash.py): row position i holds
+x_{i+1} and g_i; the block anchored at row position a has the anchor token x_{a+1} at position
+pos_ids[a] + 1, sees the context g_c of row positions c ≤ a of its document, and slot j = 1..K learns
+the target distribution of row position a + j - 1 (the one from final state f_{a+j}, predicting
+x_{a+j+1}), loss-valid where valid[a + j - 1]. speculators' (models/dflash/core.py): the anchor p holds
+input_ids[p] at position_ids[p], sees hidden_states of base positions < p of its document, slot
+s = 1..block_size-1 learns verifier_last_hidden_states[p + s - 1] through the target's norm and
+lm_head, loss-valid where loss_mask[p + s]; anchors are drawn where loss_mask[p]. So speculators'
+anchor p = a + 1 is our block when, within each document, input_ids'[i] = input_ids[i - 1] (x_i),
+verifier_last_hidden_states'[i] = the stored row's [i - 1] (f_i), loss_mask'[i] = loss_mask[i - 2]
+(the mask of the token x_i), the first two positions of a document False (no anchor without a
+context token of its own document; x_1 is never a label in our rows); hidden_states, document_ids and
+position_ids unchanged (RoPE sees only differences, so positions from 1 give the same scores).
 """
 
 from __future__ import annotations
@@ -62,15 +79,36 @@ def row_digest(input_ids, hidden_states, loss_mask, document_ids, position_ids) 
     return h.hexdigest()
 
 
+def shift_in_document(x: torch.Tensor, document_ids: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """x [n, ...] moved `by` ≥ 1 positions later within each document: out[i] = x[i - by] where row
+    position i - by lies in i's document, else `fill`. document_ids: [n] (contiguous documents)."""
+    out = torch.full_like(x, fill)
+    out[by:] = x[:-by]
+    same = torch.zeros(x.shape[0], dtype=torch.bool)
+    same[by:] = document_ids[by:] == document_ids[:-by]
+    return torch.where(same.view(-1, *[1] * (x.dim() - 1)), out, torch.full_like(x, fill))
+
+
+def dflash_layout(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One stored row (the rows directory's tensors, our layout) in speculators' DFlash layout (module
+    docstring): input_ids and verifier_last_hidden_states one position later within each document,
+    loss_mask two (the vacated positions: token 0, zero states, False); the rest unchanged."""
+    doc = t["document_ids"].long()
+    return {**t, "input_ids": shift_in_document(t["input_ids"].long(), doc, 1, 0),
+            "verifier_last_hidden_states": shift_in_document(t["verifier_last_hidden_states"], doc, 1, 0.0),
+            "loss_mask": shift_in_document(t["loss_mask"].bool(), doc, 2, False)}
+
+
 class Rows(torch.utils.data.Dataset):
     """The rows directory, read one row per item (as speculators' own data loader reads hidden
     states from disk each step): the batch dict speculators' collate makes ([1, n] and [1, n, D]
-    tensors, hidden states in float32, loss_mask float, position ids from 1, `error_records` 0).
-    Raises FileNotFoundError without index.json."""
+    tensors, hidden states in float32, loss_mask float, position ids from 1, `error_records` 0),
+    for `algorithm` "dflash" re-laid by `dflash_layout`. Raises FileNotFoundError without index.json."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, algorithm: str = "peagle"):
         self.dir = Path(path)
         self.n = int(json.loads((self.dir / "index.json").read_text())["rows"])
+        self.layout = dflash_layout if algorithm == "dflash" else (lambda t: t)
 
     def __len__(self) -> int:
         return self.n
@@ -81,7 +119,7 @@ class Rows(torch.utils.data.Dataset):
         return load_file(str(self.dir / f"{j}.safetensors"))
 
     def __getitem__(self, j: int) -> dict:
-        t = self.tensors(j)
+        t = self.layout(self.tensors(j))
         return {"input_ids": t["input_ids"].long()[None], "hidden_states": t["hidden_states"].float()[None],
                 "verifier_last_hidden_states": t["verifier_last_hidden_states"].float()[None],
                 "loss_mask": t["loss_mask"].float()[None], "document_ids": t["document_ids"].long()[None],
@@ -143,7 +181,7 @@ def train(spec: dict) -> dict:
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(int(spec.get("threads") or 1))
-    rows = Rows(spec["rows"])
+    rows = Rows(spec["rows"], spec["algorithm"])
     digests, tokens = rows.digests_and_tokens()
     model = build_model(spec)
     hyper, losses = spec["hyper"], []
@@ -173,7 +211,31 @@ def train(spec: dict) -> dict:
     return {"trainer": "speculators", "algorithm": spec["algorithm"], "steps": len(rows), "tokens": tokens,
             "seconds": seconds, "tokens_per_second": tokens / seconds, "digests": digests, "losses": losses,
             "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
-            "checkpoint": str(out / "checkpoint" / "0"), "speculators_version": _version()}
+            "checkpoint": str(out / "checkpoint" / "0"), "speculators_version": _version(),
+            "export": str(served_export(model, out / "checkpoint" / "0", out / "export"))}
+
+
+def served_export(model, checkpoint: Path, dest: Path) -> Path:
+    """The export that is served and read back: speculators' checkpoint itself, or for DFlash a copy
+    (dest) with the tensors its save leaves to the runtime added: embed_tokens.weight and, for the full
+    vocabulary, lm_head.weight, the target's own (the model's frozen copies, never trained), in the
+    checkpoint's float dtype. vLLM would take those from the target; our loader and validator read
+    them from the export. Returns the directory to serve."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(checkpoint / "model.safetensors"))
+    missing = {k: p for k, p in (("embed_tokens.weight", model.embed_tokens.weight),
+                                 ("lm_head.weight", model.lm_head.weight)) if k not in sd}
+    if model.config.speculators_model_type != "dflash" or not missing:
+        return checkpoint
+    dtype = sd["fc.weight"].dtype
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(checkpoint / "config.json", dest / "config.json")
+    sd.update({k: p.detach().to("cpu", dtype).contiguous() for k, p in missing.items()})
+    save_file(sd, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
 
 
 def _version() -> str:

@@ -65,24 +65,73 @@ def _conversations(path: Path, n: int = 12) -> Path:
     return path
 
 
-@pytest.mark.skipif(_spec_venv_problem() is not None, reason=str(_spec_venv_problem()))
-def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path, chatml_tokenizer, monkeypatch):
-    from peagle_train.draft.head_files import load_head
-    from peagle_train.serving.vllm_engine import speculative_config
+def test_dflash_layout_by_hand():
+    from parity_speculators import dflash_layout
 
+    # two documents of 4 and 3 row positions; ours: row position i holds x_{i+1} (tokens 11.. / 21..)
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    t = {"input_ids": torch.tensor([11, 12, 13, 14, 21, 22, 23]), "document_ids": doc,
+         "loss_mask": torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool),
+         "verifier_last_hidden_states": torch.arange(7.0)[:, None].repeat(1, 2),
+         "hidden_states": torch.randn(7, 6), "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2])}
+    r = dflash_layout(t)
+    assert r["input_ids"].tolist() == [0, 11, 12, 13, 0, 21, 22]            # x_i at row position i
+    assert r["verifier_last_hidden_states"][:, 0].tolist() == [0, 0, 1, 2, 0, 4, 5]  # f_i at i
+    assert r["loss_mask"].tolist() == [False, False, True, True, False, False, True]
+    assert r["hidden_states"] is t["hidden_states"] and r["position_ids"] is t["position_ids"]
+    # our anchor a = 1 (token 12 = x_2, context g_0 g_1, slot 1's label row 1, valid[1]) is its anchor
+    # p = 2: token input_ids'[2] = 12, context base positions 0, 1; slot 1 reads f'[2] = row 1's, mask'[3]
+    assert r["input_ids"][2] == t["input_ids"][1]
+    assert torch.equal(r["verifier_last_hidden_states"][2], t["verifier_last_hidden_states"][1])
+    assert r["loss_mask"][3] == t["loss_mask"][1]
+
+
+def test_dflash_hyper_parameters_map_to_speculators():
+    cfg = {"training": {"loss": "ce", "slot_weights": "exp_decay", "slot_decay_gamma": None, "dpace_alpha": 0.5,
+                        "max_anchors": None, "tokens_per_step": 2048},
+           "draft": {"num_depths": 15, "block_causal": False}}
+    assert bench_parity.dflash_extra(cfg) == {"max_anchors": 2048, "per_position_loss_weight": "fixed-exp-decay",
+                                              "dflash_decay_gamma": 7.0, "dpace_alpha": 0.5}  # block 16: γ 7
+    cfg["training"].update(slot_weights="uniform", max_anchors=512)
+    ex = bench_parity.dflash_extra(cfg)
+    assert ex["max_anchors"] == 512 and ex["per_position_loss_weight"] == "fixed-exp-decay"
+    assert math.exp(-14 / ex["dflash_decay_gamma"]) == 1.0  # its slot 15 weighs as its slot 1
+    cfg["training"].update(slot_weights="dpace", dpace_alpha=0.3)
+    ex = bench_parity.dflash_extra(cfg)
+    assert ex["per_position_loss_weight"] == "dpace" and ex["dpace_alpha"] == 0.3
+    cfg["training"]["loss"] = "kl"
+    with pytest.raises(SystemExit, match="loss=ce"):
+        bench_parity.dflash_extra(cfg)
+    cfg["training"]["loss"], cfg["draft"]["block_causal"] = "ce", True
+    with pytest.raises(SystemExit, match="block_causal"):
+        bench_parity.dflash_extra(cfg)
+
+
+def _parity_argv(tmp_path, chatml_tokenizer, monkeypatch, algorithms, *sets) -> tuple[Path, list[str]]:
+    """(the run directory, bench_parity's argv) on a tiny random target and 12 conversations."""
     target = tmp_path / "target"
     tiny_llama(vocab_size=512, layers=8).save_pretrained(str(target))
     chatml_tokenizer.save_pretrained(str(target))
     data = _conversations(tmp_path / "conv.jsonl")
     monkeypatch.setenv("PEAGLE_DATA_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "parity"
-    argv = ["--out-dir", str(out), "--steps", "2", "--algorithms", "peagle", "eagle3", "--threads", "1",
+    argv = ["--out-dir", str(out), "--steps", "2", "--algorithms", *algorithms, "--threads", "1",
             "--no-eval", "--keep-rows", "--spec-python", str(SPEC_PYTHON)]
     for s in (f"target.path={target}", "target.name_or_path=test/tiny-llama", f"data.path={data}",
-              "data.num_conversations=null", "data.draft_vocab_size=64", "data.num_proc=1", "data.max_length=128",
+              "data.num_conversations=null", "data.num_proc=1", "data.max_length=128",
               "draft.num_layers=1", "draft.num_depths=3", "training.tokens_per_step=128", "training.epochs=1",
-              "training.warmup_steps=1", "training.max_anchors=null", "precision=fp32", "features.storage=float32"):
+              "training.warmup_steps=1", "precision=fp32", "features.storage=float32", *sets):
         argv += ["--set", s]
+    return out, argv
+
+
+@pytest.mark.skipif(_spec_venv_problem() is not None, reason=str(_spec_venv_problem()))
+def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path, chatml_tokenizer, monkeypatch):
+    from peagle_train.draft.head_files import load_head
+    from peagle_train.serving.vllm_engine import speculative_config
+
+    out, argv = _parity_argv(tmp_path, chatml_tokenizer, monkeypatch, ("peagle", "eagle3"),
+                             "data.draft_vocab_size=64", "training.max_anchors=null")
     bench_parity.main(argv)
     for algorithm in ("peagle", "eagle3"):
         for steps in (2,):
@@ -107,3 +156,50 @@ def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path,
     # a second call resumes: every stage is done, only the table is made (from the JSONs)
     table = bench_parity.main(argv)
     assert "| peagle | ours | 2 |" in table and "| eagle3 | speculators | 2 |" in table
+
+
+@pytest.mark.skipif(_spec_venv_problem() is not None, reason=str(_spec_venv_problem()))
+def test_dflash_both_trainers_get_identical_rows_and_speculators_export_loads(tmp_path, chatml_tokenizer, monkeypatch):
+    """DFlash as the paper trains it (full vocabulary, the target's embedding and LM head frozen, CE with
+    exp-decayed slot weights, a few anchors): speculators' DFlashDraftModel built from our export's
+    config, trained on our rows re-laid into its layout; its save loads in our loader and is a vLLM
+    dflash export."""
+    from peagle_train.draft.head_files import load_head
+    from peagle_train.export.speculators import validate_export
+    from peagle_train.serving.vllm_engine import speculative_config
+
+    out, argv = _parity_argv(tmp_path, chatml_tokenizer, monkeypatch, ("dflash",), "data.draft_vocab_size=512",
+                             "training.max_anchors=8", "training.loss=ce", "training.slot_weights=exp_decay")
+    bench_parity.main(argv)
+    ours = json.loads((out / "runs" / "ours-dflash-2" / "parity" / "ours.json").read_text())
+    spec = json.loads((out / "runs" / "speculators-dflash-2" / "result.json").read_text())
+    assert len(ours["digests"]) == 2 and ours["trained_digests"] == ours["digests"] == spec["digests"]
+    assert ours["targets_equal"] and spec["steps"] == 2 and spec["tokens"] == ours["tokens"]
+    assert all(math.isfinite(x) and x > 0 for x in spec["losses"]) and len(spec["losses"]) == 2
+    run_spec = json.loads((out / "runs" / "speculators-dflash-2" / "run_spec.json").read_text())
+    assert run_spec["hyper"]["extra"] == {"max_anchors": 8, "per_position_loss_weight": "fixed-exp-decay",
+                                          "dflash_decay_gamma": 4.0, "dpace_alpha": 0.5}  # block 4: the paper's γ 4
+    assert run_spec["hyper"]["loss"] == "ce"
+    # both train neither the embedding nor the LM head (the target's, shared)
+    for names in (ours["trainable"], spec["trainable"]):
+        assert names and not any(n.startswith(("embed_tokens", "lm_head")) for n in names), names
+    # speculators' save leaves the embedding and LM head to the runtime; the served copy adds the target's
+    from safetensors.torch import load_file
+
+    ckpt, export = load_file(str(Path(spec["checkpoint"]) / "model.safetensors")), Path(spec["export"])
+    served, tgt = load_file(str(export / "model.safetensors")), load_file(str(tmp_path / "target" / "model.safetensors"))
+    assert set(served) - set(ckpt) == {"embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(ckpt[k], served[k]) for k in ckpt)
+    assert torch.equal(served["embed_tokens.weight"], tgt["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert torch.equal(served["lm_head.weight"], tgt.get("lm_head.weight", tgt["model.embed_tokens.weight"]).to(torch.bfloat16))
+    validate_export(export)  # a vLLM dflash export by our validator
+    draft, _ = load_head(export)  # our loader reads speculators' own save
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and draft.config.algorithm == "dflash"
+    assert speculative_config(export, 2)["method"] == "dflash"
+    ours_cfg = json.loads((out / "runs" / "ours-dflash-2" / "export" / "config.json").read_text())
+    for key in ("draft_vocab_size", "aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
+        assert cfg.get(key) == ours_cfg.get(key), key
+    assert cfg["block_size"] == 4 and cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    recs = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")]
+    assert {r["trainer"] for r in recs} == {"ours", "speculators"} and all(r["tokens_per_second"] > 0 for r in recs)

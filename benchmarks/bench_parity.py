@@ -9,8 +9,16 @@ features, at equal hyper-parameters and token-passes, both heads served by vLLM 
 2,048 tokens: budgets of ≈ 0.17M and 0.34M token-passes; a budget past the rows there are trains
 on all of them, and the table gives the optimizer steps run.) Needs .venv-speculators
 (`bash scripts/check_speculators.sh`) and vLLM (`bash scripts/install.sh vllm`); run it alone.
+DFlash as the paper trains it (5 target layers, block 16, the full vocabulary, CE with exp-decayed
+slot weights, 512 anchors), on its own run directory (its features are of its own target layers,
+its table its own section of the docs):
 
-Runs (trainer ∈ ours, speculators) × (algorithm ∈ peagle, eagle3; `--algorithms`) × budgets
+    python benchmarks/bench_parity.py --out-dir runs/parity-dflash --algorithms dflash --steps 165 330 \
+        --threads 1 --set data.num_conversations=600 --set data.draft_vocab_size=49152 \
+        --set draft.num_depths=15 --set training.max_anchors=512 --set training.loss=ce \
+        --set training.slot_weights=exp_decay [--write-docs]
+
+Runs (trainer ∈ ours, speculators) × (algorithm ∈ peagle, eagle3, dflash; `--algorithms`) × budgets
 (`--steps`: optimizer steps of one packed row of `training.tokens_per_step` tokens each), in order:
 1. features: `peagle features` once (the recipe's target, data and storage) into OUT/features;
 2. ours: `peagle train` on those offline features (benchmarks/parity_ours.py: the same command,
@@ -38,6 +46,24 @@ its torch default 0.9/0.999), which parameters train (each library's rule: `trai
 its attention (`sdpa` with a dense mask) and loss (`eager`) on a CPU, its packed-axis position
 ids for P-EAGLE, its EAGLE-3 TTT loss decay (ours: training.ttt_decay, passed as its
 ttt_step_loss_decay).
+DFlash (speculators.models.dflash `DFlashDraftModel`, built from our export's config.json, whose
+block_size is our draft.num_depths + 1). Equal besides the above: the blocks (our rows re-laid into
+its layout, parity_speculators.py `dflash_layout`: its anchor p = our anchor a + 1 holds the same
+token at the same position, sees the same context and scores the same targets under the same masks
+within the anchor's document), max_anchors (ours null: the row's tokens), the loss (ours
+training.loss, its loss_fn) and its slot weights (exp_decay γ = its fixed-exp-decay
+dflash_decay_gamma, ours null = the paper's γ for the block; dpace = its dpace at dpace_alpha, with
+CE only; uniform = its fixed-exp-decay at γ 1e30, every weight 1.0), normalised by the valid slots of
+the row in both, the block non-causal (draft.block_causal=true is refused), the target's embedding
+and LM head, shared and frozen (our run gets draft.train_embeddings=none draft.train_lm_head=false).
+Not equal for DFlash (`NOT_EQUAL`): the anchor candidates (ours: every row position with a loss-valid
+slot in its document, so the prompt's last token too; its `select_anchors`: positions whose anchor
+token is itself loss-valid, none in the row's last block_size positions; our row's last position has
+no counterpart), the anchors drawn (same count, different generators; it pads to max_anchors blocks
+that carry no loss), slots past the anchor's document (ours: no loss; it scores them against the
+next document's targets where those are loss-valid: its mask knows no document of the label), and
+its save, which leaves the embedding and (full vocabulary) the LM head to the runtime: the served
+export is its checkpoint with the target's two added (parity_speculators.py `served_export`).
 tokens/s: row tokens plus one per document per second of training (ours: its own clock less the
 digest time; speculators: its `Trainer.run_training`); "with features" adds the feature pass's
 seconds per token to both (the features are made once and read by both). τ at equal wall-clock:
@@ -60,12 +86,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators (run as a script)
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
+HEADING_DFLASH = "## Peer parity, DFlash: our trainer against speculators' (benchmarks/bench_parity.py)"
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
 # our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
 OURS_EXTRA = {"dflash": ("draft.train_embeddings=none", "draft.train_lm_head=false")}
 UNIFORM_GAMMA = 1e30  # speculators' fixed-exp-decay at this γ: every slot weight exp(-(j-1)/γ) = 1.0 in fp32
 TRAINERS = ("ours", "speculators")
+NOT_EQUAL = {  # per algorithm, the line under the table (the module docstring says each in full)
+    "dflash": "dflash not equal: anchor candidates (ours: any position with a loss-valid slot; speculators: "
+              "loss-valid anchor tokens, none in the row's last block), the anchors drawn, slots past the "
+              "anchor's document (scored by speculators only); common: init, betas, cosine end, attention kernel.",
+}
 SPEC_LOSS = {"kl": "kl_div", "ce": "ce", "tv": "tv"}
 SPEC_SCHEDULE = {"cosine": "cosine", "linear": "linear", "constant": "none"}
 
@@ -327,10 +359,10 @@ def _f(x, fmt: str = ".3f") -> str:
 
 
 def format_table(records: list[dict], meta: dict) -> str:
-    """The markdown section (HEADING first): the machine line, the per-run table (τ ± s.e.,
+    """The markdown section (`heading_of` first): the machine line, the per-run table (τ ± s.e.,
     P(≥i), c1, tokens/s) and τ at equal wall-clock per algorithm."""
     k = max((len(r.get("per_position") or []) for r in records), default=0)
-    lines = [HEADING, "", f"`{meta['command']}`, {meta['date']}: {meta['cpu']} (bf16 unit: {meta['bf16']}), "
+    lines = [heading_of(records), "", f"`{meta['command']}`, {meta['date']}: {meta['cpu']} (bf16 unit: {meta['bf16']}), "
              f"load average {meta['load']}; speculators {meta.get('speculators') or '?'}, vLLM "
              f"{meta.get('vllm') or '?'}. Same rows (digests equal), features made once; τ from vLLM's counters "
              "(greedy, batch 1), s.e. clustered by prompt; c1 = P(≥2) / P(≥1).", "",
@@ -346,6 +378,7 @@ def format_table(records: list[dict], meta: dict) -> str:
                      + " | ".join(_f(p) for p in pos[:k]) + f" | {_f(r.get('c1'), '.2f')} |")
     for algorithm in sorted({r["algorithm"] for r in records}):
         lines += trainable_note([r for r in records if r["algorithm"] == algorithm], algorithm)
+        lines += ["", NOT_EQUAL[algorithm]] if algorithm in NOT_EQUAL else []
         rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
         if not rows:
             continue
@@ -354,6 +387,12 @@ def format_table(records: list[dict], meta: dict) -> str:
                   "| seconds | " + " | ".join(f"τ {t}" for t in names) + " |", "|---|" + "---|" * len(names)]
         lines += [f"| {w:.0f} | " + " | ".join(_f(taus.get(t)) for t in names) + " |" for w, taus in rows]
     return "\n".join(lines) + "\n"
+
+
+def heading_of(records: list[dict]) -> str:
+    """The section's heading: HEADING_DFLASH for a run directory of DFlash alone (its own section, so
+    that the P-EAGLE / EAGLE-3 table beside it stays), else HEADING."""
+    return HEADING_DFLASH if records and {r["algorithm"] for r in records} == {"dflash"} else HEADING
 
 
 def trainable_note(records: list[dict], algorithm: str) -> list[str]:
@@ -410,7 +449,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.write_docs and not args.no_docs:
         from bench_tables import write_section
 
-        print(f"written to {write_section(HEADING, text, args.out)}")
+        print(f"written to {write_section(heading_of(records), text, args.out)}")
     return text
 
 

@@ -176,6 +176,29 @@ def test_dflash_both_trainers_get_identical_rows_and_speculators_export_loads(tm
     assert len(ours["digests"]) == 2 and ours["trained_digests"] == ours["digests"] == spec["digests"]
     assert ours["targets_equal"] and spec["steps"] == 2 and spec["tokens"] == ours["tokens"]
     assert all(math.isfinite(x) and x > 0 for x in spec["losses"]) and len(spec["losses"]) == 2
+    # on the stored rows: speculators' anchor p = a + 1 holds our block at anchor a (token, slot targets, masks
+    # within the anchor's document); its context (base positions < p) is ours (row positions ≤ a)
+    from parity_speculators import Rows, dflash_layout
+    from peagle_train.algorithms.dflash import dflash_blocks
+
+    rows, K = Rows(out / "runs" / "ours-dflash-2" / "parity" / "rows"), 3
+    for j in range(len(rows)):
+        t = rows.tensors(j)
+        r, n, doc = dflash_layout(t), t["input_ids"].numel(), t["document_ids"]
+        b = dflash_blocks(t["loss_mask"], doc, K, None)
+        checked = 0
+        for a, labels, valid in zip(b.anchors.tolist(), b.labels.tolist(), b.valid.tolist()):
+            p = a + 1
+            if p >= n:
+                continue
+            assert r["input_ids"][p] == t["input_ids"][a] and doc[p] == doc[a]
+            assert r["position_ids"][p] == t["position_ids"][a] + 1  # ours: the anchor at pos_ids[a] + 1
+            for s, (lab, ok) in enumerate(zip(labels, valid), start=1):
+                if p + s < n and doc[p + s] == doc[a]:
+                    assert torch.equal(r["verifier_last_hidden_states"][p + s - 1], t["verifier_last_hidden_states"][lab])
+                    assert bool(r["loss_mask"][p + s]) == ok
+                    checked += 1
+        assert checked > 0
     run_spec = json.loads((out / "runs" / "speculators-dflash-2" / "run_spec.json").read_text())
     assert run_spec["hyper"]["extra"] == {"max_anchors": 8, "per_position_loss_weight": "fixed-exp-decay",
                                           "dflash_decay_gamma": 4.0, "dpace_alpha": 0.5}  # block 4: the paper's γ 4
@@ -203,3 +226,6 @@ def test_dflash_both_trainers_get_identical_rows_and_speculators_export_loads(tm
     assert cfg["block_size"] == 4 and cfg["transformer_layer_config"]["num_hidden_layers"] == 1
     recs = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")]
     assert {r["trainer"] for r in recs} == {"ours", "speculators"} and all(r["tokens_per_second"] > 0 for r in recs)
+    table = bench_parity.main(argv)  # resumes: the table only, in DFlash's own section
+    assert table.startswith(bench_parity.HEADING_DFLASH) and "| dflash | speculators | 2 |" in table
+    assert bench_parity.NOT_EQUAL["dflash"] in table

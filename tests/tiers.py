@@ -14,16 +14,17 @@ TIERS = {
     "unit": (
         "test_alignment", "test_amx_attention", "test_aux_numbering", "test_bad_input_data", "test_bad_input_fuzz",
         "test_benchmarks", "test_cod", "test_cod_attention", "test_config", "test_data", "test_decoding",
-        "test_dflash", "test_docs_paths", "test_eagle3", "test_engine", "test_export", "test_extras", "test_head",
+        "test_dflash", "test_dflash_recipe", "test_docs_paths", "test_eagle3", "test_engine", "test_export", "test_extras", "test_head",
         "test_layout", "test_packed_linear", "test_plan", "test_precision", "test_precision_training",
-        "test_provenance", "test_recipe_knobs", "test_recommend_k", "test_shared", "test_templates", "test_tiers",
+        "test_provenance", "test_recipe_knobs", "test_recommend_k", "test_shared", "test_sources", "test_templates",
+        "test_tiers",
         "test_training",
     ),
     "integration": (
         "test_ablation_report", "test_bad_input_cli", "test_bad_input_files", "test_cli", "test_cuda",
-        "test_distributed", "test_engines", "test_evaluate", "test_export_cli", "test_gpu_semantics",
+        "test_distributed", "test_engines", "test_evaluate", "test_export_cli", "test_gpu_data_plan", "test_gpu_semantics",
         "test_io_faults", "test_logging", "test_loop", "test_offline_features", "test_package_data",
-        "test_packed_features", "test_recipes", "test_regenerate", "test_resume", "test_scale", "test_scaling",
+        "test_packed_features", "test_parity", "test_recipes", "test_regenerate", "test_resume", "test_scale", "test_scaling",
         "test_settings_fuzz", "test_stage_config", "test_target_load", "test_train_embeddings",
     ),
     "e2e": (

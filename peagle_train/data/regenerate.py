@@ -173,26 +173,8 @@ def read_dropped(out_path: str | Path) -> dict[str, str]:
     """{id: reason} of the conversations a run on `out_path` dropped (`dropped_path`); {} without
     one. A torn last line (a kill mid-write) is cut off the file: its conversation is redone."""
     path = dropped_path(out_path)
-    if not path.is_file():
-        return {}
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    out = {}
-    for n, line in enumerate(data[:end].splitlines(), 1):
-        if line.strip():
-            try:
-                r = json.loads(line)
-                out[str(r["id"])] = r["reason"]
-            except (ValueError, KeyError, TypeError) as e:
-                from ..errors import CorruptFileError
-
-                raise CorruptFileError(f"{path}, line {n}: not a dropped conversation ({type(e).__name__}): the file "
-                                       "is damaged. Fix: remove that line (its conversation is regenerated), then "
-                                       "rerun.") from e
-    return out
+    fix = "remove that line (its conversation is regenerated), then rerun"
+    return {str(r["id"]): r["reason"] for r in _complete_lines(path, "a dropped conversation", fix, ("id", "reason"))[0]}
 
 
 def _digest(obj) -> bytes:
@@ -225,6 +207,37 @@ class _Seen:
         return dup
 
 
+def _complete_lines(path: Path, what: str, fix: str, keys: tuple[str, ...]) -> tuple[list[dict], bool]:
+    """(The JSON lines of `path`, each reduced to `keys`; whether a torn last line was cut): ([], False)
+    without the file. A torn last line (a kill mid-write: no newline) is cut off the file and logged.
+
+    Raises:
+        CorruptFileError: a complete line that is not `what` (bad JSON, a key missing), naming the
+            file, the line and `fix`."""
+    from ..errors import CorruptFileError
+
+    if not path.is_file():
+        return [], False
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+        logger.warning(f"{path}: its last line was cut off ({len(data) - end} bytes without a newline: a run "
+                       "stopped while writing it); dropped, its conversation is regenerated")
+    records = []
+    for n, line in enumerate(data[:end].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            records.append({k: r[k] for k in keys})
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"{path}, line {n}: not {what} ({type(e).__name__}: {str(e)[:120]}): the file is "
+                                   f"damaged. Fix: {fix}.") from e
+    return records, end < len(data)
+
+
 def done_ids(out_path: Path, stats: RegenerateStats | None = None, fix: str = "") -> set[str]:
     """Ids already in the output JSONL. A torn last line (a kill mid-write) is cut off the file,
     logged and counted in `stats.torn_lines_dropped`.
@@ -233,30 +246,11 @@ def done_ids(out_path: Path, stats: RegenerateStats | None = None, fix: str = ""
         CorruptFileError: a complete line that is not a conversation with an id (a damaged file),
             naming the file, the line and `fix`.
     """
-    from ..errors import CorruptFileError
-
-    if not out_path.is_file():
-        return set()
-    data = out_path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(out_path, "r+b") as f:
-            f.truncate(end)
-        logger.warning(f"{out_path}: its last line was cut off ({len(data) - end} bytes without a newline: a run "
-                       "stopped while writing it); dropped, its conversation is regenerated")
-        if stats is not None:
-            stats.torn_lines_dropped += 1
-    ids = set()
-    for n, line in enumerate(data[:end].split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            ids.add(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptFileError(f"{out_path}, line {n}: not a regenerated conversation ({type(e).__name__}: "
-                                   f"{str(e)[:120]}): the file is damaged. Fix: {fix or 'remove that line (or the file), then rerun'}."
-                                   ) from e
-    return ids
+    records, torn = _complete_lines(out_path, "a regenerated conversation",
+                                    fix or "remove that line (or the file), then rerun", ("id",))
+    if torn and stats is not None:
+        stats.torn_lines_dropped += 1
+    return {str(r["id"]) for r in records}
 
 
 def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | None, fix: str) -> None:

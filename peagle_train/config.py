@@ -298,6 +298,9 @@ class DraftSchema:
     gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
     mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden", gt=0)
     block_causal: bool = opt(False, "dflash: the block attends to itself causally (else all of it, DFlash's default)")
+    sliding_window: Optional[int] = opt(None, "dflash: sliding-window draft layers: a query at position q sees "
+                                              "keys at positions > q - W (vLLM's window, served with "
+                                              "layer_types sliding_attention); null = full attention", ge=1)
     train_embeddings: Optional[TrainEmbeddings] = opt(None, "rows of embed_tokens that train: all | mask_row (the "
                                                             "mask token's row only; the target's rows frozen, no "
                                                             "gradient or optimizer state for them); null = mask_row "

@@ -201,7 +201,8 @@ def make_plan(cfg) -> Plan:
     hf, source = target_config(cfg.target)
     tp = target_parameters(hf)
     flags = dict(norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
-                 gradient_checkpointing=dcfg.gradient_checkpointing, block_causal=dcfg.get("block_causal", False))
+                 gradient_checkpointing=dcfg.gradient_checkpointing, block_causal=dcfg.get("block_causal", False),
+                 sliding_window=dcfg.get("sliding_window", None))
     flags.update(_train_embeddings(dcfg, algorithm))
     draft_cfg = draft_config_for(hf, dcfg.num_layers, dcfg.num_depths, min(cfg.data.draft_vocab_size, hf.vocab_size),
                                  algorithm, cfg.target.get("aux_layer_ids"), **flags)

@@ -22,12 +22,13 @@ from .reference_decoder import target_generate
 from .test_training import random_row
 
 
-def make_dflash(target_model, K=4, layers=2, seed=0, causal=False):
+def make_dflash(target_model, K=4, layers=2, seed=0, causal=False, window=None):
     torch.manual_seed(seed)
     t = FeatureTarget(target_model)
     ids = torch.arange(0, 128, 2)
     cfg = DraftConfig.from_target(target_model.config, num_layers=layers, draft_vocab_size=64, mask_token_id=127,
-                                  num_depths=K, aux_layer_ids=t.aux_layer_ids, algorithm="dflash", block_causal=causal)
+                                  num_depths=K, aux_layer_ids=t.aux_layer_ids, algorithm="dflash", block_causal=causal,
+                                  sliding_window=window)
     d = make_draft_head(cfg).eval()
     assert isinstance(d, DFlashDraft)
     d.init_from_target(target_model, ids, ids - torch.arange(64), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
@@ -56,6 +57,28 @@ def test_mask_by_hand():
     causal = dflash_mask(torch.tensor([1, 3]), doc, 1, causal=True)
     want[0, 6] = want[2, 8] = False     # the anchor entry no longer sees the slot after it
     assert torch.equal(causal, want)
+
+
+def test_sliding_window_mask_by_hand():
+    """Documents [0, 0, 1, 1, 1] at positions [0, 1, 0, 1, 2]; blocks at anchors 1 and 4, K = 1.
+    Window 3: slot s of the block at anchor a sits at q = pos[a] + 1 + s and sees context at
+    positions > q - 3. Window 1, causal: each entry sees only itself (every context position is
+    at least 1 behind the anchor's query)."""
+    doc, pos = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 1, 0, 1, 2])
+    m = dflash_mask(torch.tensor([1, 4]), doc, 1, window=3, pos_ids=pos)
+    want = torch.tensor([
+        # c0 c1 c2 c3 c4 | b0 b0 | b1 b1
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],   # anchor 1, q = 2: c0 (2 - 0 < 3) and c1
+        [0, 1, 0, 0, 0, 1, 1, 0, 0],   # its slot, q = 3: c0 is 3 behind
+        [0, 0, 0, 1, 1, 0, 0, 1, 1],   # anchor 4, q = 3: c2 (position 0) is 3 behind
+        [0, 0, 0, 0, 1, 0, 0, 1, 1],   # its slot, q = 4: only c4 (position 2)
+    ], dtype=torch.bool)
+    assert torch.equal(m, want)
+    one = dflash_mask(torch.tensor([1, 4]), doc, 1, causal=True, window=1, pos_ids=pos)
+    assert torch.equal(one, torch.cat([torch.zeros(4, 5, dtype=torch.bool),
+                                       torch.eye(4, dtype=torch.bool)], 1))
+    with pytest.raises(ValueError, match="pos_ids"):
+        dflash_mask(torch.tensor([1]), doc, 1, window=3)
 
 
 def test_blocks_by_hand():
@@ -92,10 +115,11 @@ def _rope(x, pos, theta, d):
 
 
 def reference_block_logits(d: DFlashDraft, context: torch.Tensor, context_pos: torch.Tensor, block: torch.Tensor,
-                           block_pos: torch.Tensor, causal: bool = False) -> torch.Tensor:
+                           block_pos: torch.Tensor, causal: bool = False, window: int | None = None) -> torch.Tensor:
     """One block, no mask tensor: the context entries [S, 3H] at context_pos [S] and the block
     tokens [N] at block_pos [N], every layer's attention a plain softmax over exactly the keys the
-    block may see. Returns logits [N, V_draft]."""
+    block may see (with `window`, only keys at positions > the query's - window). Returns logits
+    [N, V_draft]."""
     c = d.config
     eps, theta, hd, nh, kvh = c.rms_norm_eps, c.rope_parameters["rope_theta"], c.head_dim, c.num_attention_heads, \
         c.num_key_value_heads
@@ -111,12 +135,15 @@ def reference_block_logits(d: DFlashDraft, context: torch.Tensor, context_pos: t
         vb, vc = (x @ a.v_proj.weight.T).view(N, kvh, hd), (ctx @ a.v_proj.weight.T).view(S, kvh, hd)
         k, v = torch.cat([kc, kb]), torch.cat([vc, vb])
         out = torch.empty(N, nh, hd)
+        kpos = torch.cat([context_pos, block_pos])
         for i in range(N):
-            keys = S + (i + 1 if causal else N)
+            keys = torch.arange(S + N) < S + (i + 1 if causal else N)
+            if window is not None:
+                keys &= (block_pos[i] - kpos) < window
             for head in range(nh):
                 g = head // (nh // kvh)
-                w = torch.softmax(k[:keys, g] @ q[i, head] / math.sqrt(hd), 0)
-                out[i, head] = w @ v[:keys, g]
+                w = torch.softmax(k[keys, g] @ q[i, head] / math.sqrt(hd), 0)
+                out[i, head] = w @ v[keys, g]
         h = h + out.reshape(N, nh * hd) @ a.o_proj.weight.T
         m = layer.mlp
         y = _rms(h, layer.post_attention_layernorm.weight, eps)
@@ -124,17 +151,21 @@ def reference_block_logits(d: DFlashDraft, context: torch.Tensor, context_pos: t
     return _rms(h, d.norm.weight, eps) @ d.lm_head.weight.T
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_training_forward_equals_per_block_reference(target_model, causal):
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 5), (True, 2)])
+def test_training_forward_equals_per_block_reference(target_model, causal, window):
     """Every block of the batched, masked training forward over a packed row of 3 documents gives
-    the logits of the reference run on that block alone (its document's context ≤ anchor), 1e-5."""
+    the logits of the reference run on that block alone (its document's context ≤ anchor, within
+    the sliding window), 1e-5."""
     K = 3
-    _, d = make_dflash(target_model, K=K, causal=causal)
+    _, d = make_dflash(target_model, K=K, causal=causal, window=window)
     row = random_row(target_model, seed=2)
     blocks = dflash_blocks(row.valid, row.doc_ids, K, 12, torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = dflash_forward(d, row, blocks, K)
     assert logits.shape == (12, K, 64)
+    if window is not None:  # the window hides context that the full mask shows
+        windowed = dflash_mask(blocks.anchors, row.doc_ids, K, causal, window, row.pos_ids)
+        assert int(windowed.sum()) < int(dflash_mask(blocks.anchors, row.doc_ids, K, causal).sum())
     seen_docs = set()
     for b, a in enumerate(blocks.anchors.tolist()):
         doc = row.doc_ids == row.doc_ids[a]
@@ -142,7 +173,7 @@ def test_training_forward_equals_per_block_reference(target_model, causal):
         tokens = torch.tensor([int(row.tokens[a])] + [127] * K)
         pos = int(row.pos_ids[a]) + 1 + torch.arange(K + 1)
         with torch.no_grad():
-            ref = reference_block_logits(d, row.features[ctx], row.pos_ids[ctx], tokens, pos, causal)
+            ref = reference_block_logits(d, row.features[ctx], row.pos_ids[ctx], tokens, pos, causal, window)
         torch.testing.assert_close(logits[b], ref[1:], rtol=1e-5, atol=1e-5)
         seen_docs.add(int(row.doc_ids[a]))
     assert len(seen_docs) >= 2   # blocks of more than one document were checked
@@ -182,11 +213,13 @@ def test_gradients_equal_the_per_block_reference(target_model):
 
 # ---- training equals decoding ---------------------------------------------------------------------
 
-def test_propose_equals_training_forward(target_model):
+@pytest.mark.parametrize("window", [None, 4])
+def test_propose_equals_training_forward(target_model, window):
     """The decoder's `propose` over pairs 0..a (cached in two chunks through a SlotCache, and in one
-    call without a cache) drafts from the logits the training forward gives the block at anchor a."""
+    call without a cache) drafts from the logits the training forward gives the block at anchor a,
+    with full attention and with a sliding window shorter than the context."""
     K = 3
-    t, d = make_dflash(target_model, K=K)
+    t, d = make_dflash(target_model, K=K, window=window)
     ids = torch.randint(0, 128, (1, 22), generator=torch.Generator().manual_seed(5))
     out = t(ids)
     n = 21
@@ -212,15 +245,19 @@ def test_propose_equals_training_forward(target_model):
     assert first.tokens.shape == (1, K)
 
 
-def test_engine_decoding_is_lossless_batched(target_model):
+@pytest.mark.parametrize("window", [None, 3])
+def test_engine_decoding_is_lossless_batched(target_model, window):
     """Greedy decoding with a DFlash head through the one decoding engine gives the target's own
-    tokens, batch of 3 prompts of different lengths, one draft forward per step."""
-    t, d = make_dflash(target_model, K=4)
+    tokens, batch of 3 prompts of different lengths, one draft forward per step; with a sliding
+    window, each row drafts in the batch (padding, holes, compaction) what it drafts alone."""
+    t, d = make_dflash(target_model, K=4, window=window)
     prompts = [[7, 1, 88, 42, 3, 3], [5, 9], [100, 2, 17, 17, 64, 1, 3, 8, 8]]
     res = generate(t, d, prompts, 4, 30, set())
     for p, r in zip(prompts, res):
         assert r.tokens == target_generate(t, p, 30, set()).tokens
         assert r.draft_forwards == len(r.accepted)
+        if window is not None:
+            assert r.accepted == generate(t, d, [p], 4, 30, set())[0].accepted
 
 
 def test_dflash_learns_and_validation_equals_the_step(target_model):

@@ -227,3 +227,40 @@ def test_a_full_vocabulary_dflash_export_has_no_vocabulary_map(tmp_path):
     assert set(back.state_dict()) == set(head.state_dict())
     for k, v in head.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+
+
+# ---- sliding-window draft layers ------------------------------------------------------------------
+
+def test_a_sliding_window_head_exports_what_vllm_reads(tmp_path, target_model):
+    """config.json of a head with `sliding_window` 6: every layer "sliding_attention" with window 6
+    in the keys transformers' Qwen3Config (which vLLM builds the draft layers from) reads, the
+    block's causality in `sliding_window_non_causal` (vLLM's dflash_config.causal); the export reads
+    back as the same head, window included. P-EAGLE and EAGLE-3 refuse a window; a layer config that
+    mixes sliding and full layers is refused by name."""
+    from transformers import Qwen3Config
+
+    from peagle_train.draft import DraftConfig
+    from peagle_train.draft.head_config import sliding_window_of
+    from peagle_train.draft.head_files import load_export
+    from peagle_train.export.speculators import validate_export, write_export
+
+    _, d = make_dflash(target_model, K=4, causal=True, window=6)
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="org/target", verifier_architectures=["L"],
+                       dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    lc = cfg["transformer_layer_config"]
+    assert lc["layer_types"] == ["sliding_attention"] * 2 and lc["sliding_window"] == 6
+    assert cfg["sliding_window_non_causal"] is False
+    built = Qwen3Config(**{k: v for k, v in lc.items() if k != "model_type"})
+    assert built.sliding_window == 6 and built.layer_types == ["sliding_attention", "sliding_attention"]
+    validate_export(out, reference=d)
+    back = load_export(out)
+    assert back.config.sliding_window == 6 and back.config.block_causal is True
+    full = DraftConfig.from_speculators({**cfg, "transformer_layer_config": {**lc, "layer_types": ["full_attention"] * 2}})
+    assert full.sliding_window is None
+    with pytest.raises(ValueError, match="every layer sliding"):
+        sliding_window_of({**lc, "layer_types": ["sliding_attention", "full_attention"]})
+    for algorithm in ("peagle", "eagle3"):
+        with pytest.raises(ValueError, match="only a dflash head has sliding-window layers"):
+            DraftConfig.from_target(target_model.config, num_layers=1, draft_vocab_size=64, mask_token_id=127,
+                                    num_depths=4, aux_layer_ids=[2, 4, 5], algorithm=algorithm, sliding_window=6)

@@ -42,19 +42,25 @@ def _peagle(*args, timeout=900):
 # over the full vocabulary (SmolLM2: 49,152 ids), CE with exp(-(j-1)/7) slot weights, its 5 target layers
 DFLASH_PAPER = ["draft.num_depths=15", "draft.train_embeddings=none", "draft.train_lm_head=false",
                 "data.draft_vocab_size=49152", "training.loss=ce", "training.slot_weights=exp_decay"]
+# speculators' DFlash layers: a causal block, every layer a sliding window (16 here: shorter than the
+# evaluation's contexts, so the window cuts)
+SLIDING = ["draft.block_causal=true", "draft.sliding_window=16"]
+HEADS = {"peagle": ("peagle", ["training.max_steps=24"]), "eagle3": ("eagle3", ["training.max_steps=24"]),
+         "dflash": ("dflash", DFLASH_PAPER + ["training.max_anchors=64", "training.max_steps=30"]),
+         "dflash_sliding": ("dflash", DFLASH_PAPER + SLIDING + ["training.max_anchors=64", "training.max_steps=30"])}
 
 
-@pytest.fixture(scope="module", params=["peagle", "eagle3", "dflash"])
+@pytest.fixture(scope="module", params=list(HEADS))
 def trained_head(tmp_path_factory, request):
     """A SmolLM2 head trained for 24 steps (≈ 30 s on 2 cores): depth-0 acceptance ≈ 0.1 (P-EAGLE,
     parallel drafting in vLLM) or ≈ 0.08 (EAGLE-3, sequential); a DFlash head (vLLM's dflash
     method) as the DFlash paper trains it, for 30 steps: a block of 16 (served at K = 5), the
-    target's embedding and LM head frozen over its full vocabulary, CE with exp-decayed slot weights."""
+    target's embedding and LM head frozen over its full vocabulary, CE with exp-decayed slot weights;
+    the same with a causal block and sliding-window layers."""
     _vllm_python()
     out = tmp_path_factory.mktemp("vllm") / request.param
-    extra = (DFLASH_PAPER + ["training.max_anchors=64", "training.max_steps=30"] if request.param == "dflash"
-             else ["training.max_steps=24"])
-    _peagle("train", "recipe=smollm2-135m-demo", f"algorithm={request.param}", f"output_dir={out}",
+    algorithm, extra = HEADS[request.param]
+    _peagle("train", "recipe=smollm2-135m-demo", f"algorithm={algorithm}", f"output_dir={out}",
             "data.num_conversations=60", "eval.enabled=false", *extra)
     return out
 
@@ -82,11 +88,14 @@ def test_vllm_serves_the_head_at_the_reference_tau(trained_head, tmp_path):
         assert abs(a - b) <= 0.02
     assert vllm["acceptance_length"] == pytest.approx(1 + vllm["num_accepted_tokens"] / vllm["num_drafts"])
     cfg = json.loads((trained_head / "export" / "config.json").read_text())
-    assert cfg["speculators_model_type"] == trained_head.name and cfg["aux_layer_numbering"] == "hidden_states"
-    if trained_head.name == "dflash":  # served at K = 5 from a block of 16; no vocabulary map (the full vocabulary)
+    assert cfg["speculators_model_type"] == HEADS[trained_head.name][0] and cfg["aux_layer_numbering"] == "hidden_states"
+    if cfg["speculators_model_type"] == "dflash":  # served at K = 5 from a block of 16; no vocabulary map
         assert cfg["block_size"] == 16 and cfg["draft_vocab_size"] == 49152
         assert cfg["aux_hidden_state_layer_ids"] == [2, 9, 15, 21, 28]
         assert not {"d2t", "t2d"} & set(load_file(str(trained_head / "export" / "model.safetensors")))
+        sliding = trained_head.name == "dflash_sliding"
+        assert cfg["transformer_layer_config"].get("sliding_window") == (16 if sliding else None)
+        assert cfg["sliding_window_non_causal"] is not sliding
     assert "| vLLM 0.32" in (out / "eval" / "engines.md").read_text() and "vLLM 0.32" in proc.stderr + proc.stdout
 
 

@@ -4,7 +4,8 @@ forward over the row's shared context, the loss over every slot's target distrib
 A block anchored at row position a (draft/dflash.py module docstring): the anchor token tokens[a]
 at position pos_ids[a] + 1 and K mask tokens after it; its queries see the context of row
 positions ≤ a of the same document and the block's own K + 1 entries (all of them, or those up to
-themselves with `block_causal`), never another block. Slot j = 1..K is scored against the target
+themselves with `block_causal`; with `sliding_window` W, only keys less than W positions behind
+the query, as vLLM's sliding-window layers), never another block. Slot j = 1..K is scored against the target
 distribution of row position a + j - 1 (the token x_{a+j+1} of the document), so slot 1 learns what
 P-EAGLE's depth 0 learns and slot j what its depth j - 1 learns; metrics use depth = j - 1.
 
@@ -66,12 +67,16 @@ def with_a_block(blocks: DFlashBlocks, K: int) -> DFlashBlocks:
                         torch.zeros(1, K, dtype=torch.bool))
 
 
-def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bool = False) -> torch.Tensor:
+def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bool = False,
+                window: int | None = None, pos_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[N(K+1), n + N(K+1)] bool (True = attend): the queries of the blocks at `anchors` [N] over
     the keys [the row's n context entries, then every block's K + 1 entries, block-major].
 
     Query (block b, slot s) sees context c iff doc_ids[c] == doc_ids[anchors[b]] and c ≤ anchors[b];
-    and block entry (b', s') iff b' == b (and s' ≤ s when `causal`). doc_ids: [n]."""
+    and block entry (b', s') iff b' == b (and s' ≤ s when `causal`). doc_ids: [n].
+    With `window` W (sliding-window layers, vLLM's rule per query): query (b, s) sits at position
+    q = pos_ids[anchors[b]] + 1 + s and sees only keys at positions > q - W: context c at
+    pos_ids[c], block entry s' at q - s + s'. pos_ids: [n], needed with a window (ValueError)."""
     dev = doc_ids.device
     a = anchors.to(dev)
     N, n, B = a.numel(), doc_ids.numel(), K + 1
@@ -79,9 +84,15 @@ def dflash_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, K: int, causal: bo
     ctx = (doc_ids[None, :] == doc_ids[qa][:, None]) & (torch.arange(n, device=dev)[None, :] <= qa[:, None])
     blk = torch.arange(N, device=dev).repeat_interleave(B)
     inner = blk[:, None] == blk[None, :]
+    slot = torch.arange(B, device=dev).repeat(N)
     if causal:
-        slot = torch.arange(B, device=dev).repeat(N)
         inner &= slot[None, :] <= slot[:, None]
+    if window is not None:
+        if pos_ids is None:
+            raise ValueError("dflash_mask: a sliding window needs the row's pos_ids")
+        q = pos_ids.to(dev)[qa] + 1 + slot                                      # [N(K+1)] query positions
+        ctx &= (q[:, None] - pos_ids.to(dev)[None, :]) < window
+        inner &= (slot[:, None] - slot[None, :]) < window
     return torch.cat([ctx, inner], 1)
 
 
@@ -151,7 +162,7 @@ def dflash_forward(draft, row: PackedRow, blocks: DFlashBlocks, K: int) -> torch
     tokens = torch.full((N, K + 1), cfg.mask_token_id, dtype=row.tokens.dtype, device=dev)
     tokens[:, 0] = row.tokens[a]
     pos = row.pos_ids[a][:, None] + 1 + torch.arange(K + 1, device=dev)
-    mask = dflash_mask(a, row.doc_ids, K, cfg.block_causal)
+    mask = dflash_mask(a, row.doc_ids, K, cfg.block_causal, cfg.sliding_window, row.pos_ids)
     logits = draft(row.features[None], row.pos_ids[None], tokens.reshape(1, -1), pos.reshape(1, -1), mask[None])
     return logits[0].view(N, K + 1, -1)[:, 1:]
 

@@ -9,7 +9,8 @@ input. For a verified prefix x_0..x_{p-1} with target features g_0..g_{p-1}:
                  m = `mask_token_id`) at positions p .. p+K, embedded by `embed_tokens`
     layers[i]    Qwen3-style decoder layers (q_norm/k_norm per head) whose queries attend to the
                  visible context and to the block itself, non-causally (or causally with
-                 `block_causal`)
+                 `block_causal`); with `sliding_window` W a query at position q sees only keys at
+                 positions > q - W (vLLM's sliding-window layers)
     norm, lm_head final RMSNorm, Linear(H → V_draft); slot j = 1..K predicts x_{p+j}
     d2t, t2d      draft-vocabulary buffers (data.vocab.DraftVocab)
 Module names follow vLLM's DFlash loader (it prefixes every name but lm_head with `model.`).
@@ -108,6 +109,18 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def block_visibility(K: int, cfg: DraftConfig, device) -> torch.Tensor:
+    """[K+1, K+1] bool: which block entries each block query sees: all (non-causal), those up to
+    itself (`block_causal`), and with `sliding_window` W only those fewer than W slots behind."""
+    s = torch.arange(K + 1, device=device)
+    vis = torch.ones(K + 1, K + 1, dtype=torch.bool, device=device)
+    if cfg.block_causal:
+        vis &= s[None, :] <= s[:, None]
+    if cfg.sliding_window is not None:
+        vis &= (s[:, None] - s[None, :]) < cfg.sliding_window
+    return vis
+
+
 class DFlashDraft(DraftHead):
     """The DFlash draft head. See the module docstring for its layout."""
 
@@ -159,6 +172,23 @@ class DFlashDraft(DraftHead):
         ctx = self.context_states(features, context_position_ids)
         return self.logits(self.block_hidden(tokens, position_ids, ctx, mask))
 
+    def context_visibility(self, seen: torch.Tensor, last_pos: torch.Tensor, K: int) -> torch.Tensor:
+        """[B, K+1, S] bool: what each of the block's K + 1 queries sees of the S context entries,
+        given `seen` [B, S] bool, the entries the last real pair sees (its row's pairs 0..p-1, in
+        order: entry positions are their ranks), and that pair's position `last_pos` [B] (= p - 1).
+        With `sliding_window` W, query s (position p + s) sees entries at positions > p + s - W.
+        Raises ValueError when a row's visible entries are not its pairs 0..p-1."""
+        vis = seen[:, None, :].expand(-1, K + 1, -1)
+        W = self.config.sliding_window
+        if W is None:
+            return vis
+        rank = seen.long().cumsum(-1) - 1                                        # [B, S] entry positions
+        if not torch.equal(rank[:, -1], last_pos):
+            raise ValueError(f"DFlash sliding window: the last pair sees {(rank[:, -1] + 1).tolist()} entries but "
+                             f"sits at positions {last_pos.tolist()}; a windowed head needs each row's pairs 0..p-1")
+        q = last_pos[:, None] + 1 + torch.arange(K + 1, device=seen.device)  # [B, K+1]
+        return vis & ((q[:, :, None] - rank[:, None, :]) < W)
+
     @torch.no_grad()
     def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
         """K draft tokens per row from one forward over the block [x_p, m × K] (vLLM's DFlash
@@ -172,7 +202,8 @@ class DFlashDraft(DraftHead):
         (k, v) [B, kv_heads, S, head_dim], or None. pick: draft logits [B, K, V_draft] → indices
         [B, K] (default argmax).
         The anchor sits at position (last pair's) + 1 and slot j at + 1 + j; the block attends to
-        itself non-causally (causally with `block_causal`).
+        itself non-causally (causally with `block_causal`); with `sliding_window`, `context_visibility`
+        and `block_visibility` keep each query's keys within its window.
         Returns a Proposal: target ids [B, K], their draft logits [B, K, V_draft], the cache of the
         context (S + M entries) and 1 draft forward.
         """
@@ -190,10 +221,8 @@ class DFlashDraft(DraftHead):
         block = torch.cat([tokens[:, -1:], torch.full((B, K), self.config.mask_token_id, dtype=tokens.dtype,
                                                       device=dev)], 1)
         pos = position_ids[:, -1:] + 1 + torch.arange(K + 1, device=dev)
-        inner = torch.ones(K + 1, K + 1, dtype=torch.bool, device=dev)
-        if self.config.block_causal:
-            inner = inner.tril()
-        vis = torch.cat([mask[:, -1:].expand(-1, K + 1, -1), inner.expand(B, -1, -1)], 2)
+        vis = torch.cat([self.context_visibility(mask[:, -1], position_ids[:, -1], K),
+                         block_visibility(K, self.config, dev).expand(B, -1, -1)], 2)
         logits = self.logits(self.block_hidden(block, pos, kv, vis))[:, 1:]
         idx = logits.argmax(-1) if pick is None else pick(logits)
         return Proposal(self.draft_to_target(idx), logits, keep, 1)

@@ -28,6 +28,21 @@ _LAYER_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "
                "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
 
 
+def sliding_window_of(layer_cfg: dict) -> int | None:
+    """The window of transformer_layer_config `layer_cfg`'s sliding layers (`layer_types`
+    "sliding_attention", window `sliding_window`); None when no layer slides. Raises ValueError for
+    layers that mix sliding and full attention (a head here has all or none) or a missing window."""
+    types = layer_cfg.get("layer_types") or []
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None
+    if not all(sliding) or not layer_cfg.get("sliding_window"):
+        raise ValueError(f"transformer_layer_config: layer_types {types} with sliding_window="
+                         f"{layer_cfg.get('sliding_window')}: a head here has every layer sliding, with a window, "
+                         "or none")
+    return int(layer_cfg["sliding_window"])
+
+
 @dataclass
 class DraftConfig:
     """Sizes and choices of a draft head, as draft_config.json (`to_dict`) holds them; `from_target`
@@ -43,7 +58,7 @@ class DraftConfig:
     aux_ids_key: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"  # config.json's name of the aux ids
     # the sizes and choices that must agree for a head's weights to continue in another run
     # (draft/head_files.py `init_from_head`; num_depths, gradient_checkpointing, max_position_embeddings,
-    # train_embeddings, train_lm_head and block_causal may change)
+    # train_embeddings, train_lm_head, block_causal and sliding_window may change)
     WEIGHT_KEYS: ClassVar[tuple[str, ...]] = (
         "algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
@@ -76,6 +91,9 @@ class DraftConfig:
     gradient_checkpointing: bool = False
     algorithm: str = "peagle"       # peagle (parallel drafting) | eagle3 (sequential, the baseline) | dflash
     block_causal: bool = False      # dflash: the block attends to itself causally (vLLM: dflash_config.causal)
+    # dflash: every draft layer attends within a sliding window: a query at position q sees keys at
+    # positions > q - sliding_window (vLLM's window); None = full attention
+    sliding_window: int | None = None
     # which rows of embed_tokens train: "all", or "mask_row" (the target's rows frozen, the mask
     # token's row trainable: draft/embedding.py); "all" is what a file without the key was trained with
     train_embeddings: str = "all"
@@ -233,6 +251,7 @@ class DraftConfig:
             fc_norm=cfg.get("fc_norm", False),
             norm_before_residual=cfg.get("norm_before_residual", False), model_type=lc.get("model_type", "llama"),
             qk_norm=cfg.get("qk_norm", False), block_causal=not cfg.get("sliding_window_non_causal", True),
+            sliding_window=sliding_window_of(lc) if algorithm == "dflash" else None,
         )
 
 
@@ -244,10 +263,14 @@ class PEagleConfig(DraftConfig):
     algorithm: str = "peagle"
 
     def algorithm_problems(self) -> list[str]:
+        problems = []
         if self.aux_layer_ids and len(self.aux_layer_ids) != 3:
-            return [f"aux_layer_ids={list(self.aux_layer_ids)}: a {self.algorithm} head reads 3 aux layers "
-                    "(only a dflash head reads another number)"]
-        return []
+            problems.append(f"aux_layer_ids={list(self.aux_layer_ids)}: a {self.algorithm} head reads 3 aux layers "
+                            "(only a dflash head reads another number)")
+        if self.sliding_window is not None:
+            problems.append(f"draft.sliding_window={self.sliding_window}: only a dflash head has sliding-window "
+                            "layers. Fix: draft.sliding_window=null")
+        return problems
 
     def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str],
                        dtype: torch.dtype) -> dict:
@@ -310,13 +333,28 @@ class DFlashConfig(DraftConfig):
         self.qk_norm = True  # vLLM's DFlash layers always norm q and k per head (Qwen3's)
         super().__post_init__()
 
+    def algorithm_problems(self) -> list[str]:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            return [f"draft.sliding_window={self.sliding_window} must be ≥ 1 (or null: full attention)"]
+        return []
+
+    def layer_config(self) -> dict:
+        """Qwen3-style transformer_layer_config; with `sliding_window`, every layer a sliding one as
+        transformers' Qwen3Config and vLLM's DFlash read it (use_sliding_window, sliding_window,
+        max_window_layers 0, layer_types all "sliding_attention")."""
+        layer_cfg = super().layer_config()
+        layer_cfg["model_type"] = "qwen3"
+        if self.sliding_window is not None:
+            layer_cfg.update(use_sliding_window=True, sliding_window=self.sliding_window, max_window_layers=0,
+                             layer_types=["sliding_attention"] * self.num_hidden_layers)
+        return layer_cfg
+
     def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str],
                        dtype: torch.dtype) -> dict:
         """config.json of a DFlash export: the keys vLLM's `update_dflash` reads (draft_vocab_size,
         target_hidden_size, mask_token_id, aux_hidden_state_layer_ids, sliding_window_non_causal) and
         Qwen3-style layers."""
         layer_cfg = self.layer_config()
-        layer_cfg["model_type"] = "qwen3"
         return {
             "architectures": ["DFlashDraftModel"],
             "speculators_model_type": "dflash",

@@ -49,7 +49,7 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
         mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
         norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
         gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
-        block_causal=bool(getattr(dcfg, "block_causal", False)),
+        block_causal=bool(getattr(dcfg, "block_causal", False)), sliding_window=getattr(dcfg, "sliding_window", None),
         train_embeddings=train_embeddings_of(getattr(dcfg, "train_embeddings", None), algorithm),
         train_lm_head=bool(getattr(dcfg, "train_lm_head", True)),
     )

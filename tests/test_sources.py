@@ -143,3 +143,19 @@ def test_the_regenerate_stage_reads_the_sources(stand_ins):
                                               "magpie_stand_in/train"}
     cfg.data.num_conversations = 3
     assert [i for i, _ in conversations(cfg)[0]] == ids[:3]  # the shuffled mix, its first num_conversations
+
+
+def test_the_regenerated_manifest_records_its_input(stand_ins):
+    """The settings a regeneration records in its output's manifest (and a rerun must match) name its
+    input: the sources as given, or the data file."""
+    from peagle_train.cli.regenerate import run_settings
+    from peagle_train.config import compose
+
+    sharegpt, ultrachat, _ = stand_ins
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": None, "source": "generation_config"}
+    cfg = compose("regenerate", [f"data.sources=[{{hub: '{sharegpt}'}}, {{hub: '{ultrachat}', split: train_sft, count: 2}}]"])
+    s = run_settings(cfg, "org/target", sampling)
+    assert s["input"] == {"sources": [{"hub": str(sharegpt)}, {"hub": str(ultrachat), "split": "train_sft", "count": 2}]}
+    assert s["temperature"] == 0.7 and "source" not in s and s["regenerated_by"] == "org/target"
+    plain = run_settings(compose("regenerate", ["data.path=/data/chats.jsonl"]), "org/target", sampling)
+    assert plain["input"] == {"path": "/data/chats.jsonl"}

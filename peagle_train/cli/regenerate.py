@@ -161,6 +161,19 @@ def _command_line(output: str) -> str | None:
     return " ".join(["peagle regenerate", *map(shlex.quote, task)])
 
 
+def run_settings(cfg, regenerated_by: str, sampling: dict) -> dict:
+    """What a regeneration's answers depend on, recorded in its output's manifest (a rerun with other
+    settings is refused): the model and backend, `sampling` (its "source" left out), the seed, the
+    limits, the template's kwargs and the input (`{"sources": data.sources}` or `{"path": data.path}`)."""
+    r = cfg.regenerate
+    given = {"sources": OmegaConf.to_container(cfg.data.sources, resolve=True)} if cfg.data.sources \
+        else {"path": str(cfg.data.path)}
+    return {"regenerated_by": regenerated_by, "backend": str(r.backend),
+            **{k: v for k, v in sampling.items() if k != "source"}, "seed": int(cfg.seed),
+            "max_new_tokens": int(r.max_new_tokens), "max_turns": r.max_turns, "drop_cut": bool(r.drop_cut),
+            "template_kwargs": OmegaConf.to_container(cfg.data.template_kwargs, resolve=True) or {}, "input": given}
+
+
 @cli_main(config_path=str(CONF_DIR), config_name="regenerate", version_base="1.3", resume=RESUME_REGENERATE)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
@@ -175,10 +188,7 @@ def main(cfg: DictConfig) -> dict:
             sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "source": s.source}
         else:  # endpoint: what is not set is the server's default
             sampling = {k: "server default" if r[k] is None else r[k] for k in ("temperature", "top_p", "top_k")}
-        settings = {"regenerated_by": str(by), "backend": str(r.backend),
-                    **{k: v for k, v in sampling.items() if k != "source"}, "seed": int(cfg.seed),
-                    "max_new_tokens": int(r.max_new_tokens), "max_turns": r.max_turns, "drop_cut": bool(r.drop_cut),
-                    "template_kwargs": OmegaConf.to_container(cfg.data.template_kwargs, resolve=True) or {}}
+        settings = run_settings(cfg, str(by), sampling)
         logger.info(f"regenerating with {sampling}, seed {cfg.seed}, batches of {batch_size_of(r)} conversations")
         stats = regenerate(convs, backend, r.output, batch_size=batch_size_of(r), max_turns=r.max_turns,
                            extra={"regenerated_by": str(by)}, settings=settings, command=_command_line(str(r.output)),

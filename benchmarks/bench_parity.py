@@ -26,7 +26,8 @@ Runs (trainer ∈ ours, speculators) × (algorithm ∈ peagle, eagle3, dflash; `
 3. speculators: its own model class trained by its own `Trainer` on those rows, in its own
    venv (benchmarks/parity_speculators.py), saved by its own checkpointer;
 4. vLLM: `peagle evaluate eval.engine=vllm` on each export (greedy, batch 1, K = `--k`, the
-   recipe's evaluation prompts, first `--num-prompts`).
+   recipe's evaluation prompts, first `--num-prompts`); the target-alone outputs of the lossless
+   check are made once and kept in OUT/vllm-target (`eval.vllm_target_outputs`).
 Each run writes OUT/results/TRAINER-ALGORITHM-STEPS.json; a finished stage is not run again, so a
 stopped benchmark resumes. The table is made from the JSONs alone (`--table-only`).
 
@@ -260,7 +261,8 @@ def eval_stage(args, export: Path, out: Path) -> dict | None:
     if not acc.is_file():
         run([sys.executable, "-m", "peagle_train.cli", "evaluate",
              *peagle_args(args, f"head={export}", "eval.engine=vllm", f"eval.num_prompts={args.num_prompts}",
-                          f"eval.num_speculative_tokens={args.k}", f"output_dir={out}")],
+                          f"eval.num_speculative_tokens={args.k}", f"output_dir={out}",
+                          f"eval.vllm_target_outputs={args.out_dir / 'vllm-target'}")],
             args.out_dir / "logs" / f"eval-{out.parent.name}.log", args.threads)
     res = json.loads(acc.read_text())
     res["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"]) for o in
@@ -337,15 +339,16 @@ def tau_at(points: list[tuple[float, float]], tokens: float) -> float | None:
     return pts[0][1]
 
 
-def equal_wall_clock(records: list[dict]) -> list[tuple[float, dict]]:
+def equal_wall_clock(records: list[dict], key: str = "trainer") -> list[tuple[float, dict]]:
     """For one algorithm's records: at each wall-clock that some run took (features counted, at its
     trainer's throughput over all its runs: Σ token-passes / Σ seconds), each trainer's τ at the
-    token-passes it reaches in that time (`tau_at`; None outside its budgets).
-    Returns [(seconds, {trainer: τ or None})] sorted by seconds."""
+    token-passes it reaches in that time (`tau_at`; None outside its budgets). `key`="algorithm"
+    compares one trainer's heads of several algorithms instead.
+    Returns [(seconds, {trainer (or algorithm): τ or None})] sorted by seconds."""
     by: dict[str, list[dict]] = {}
     for r in records:
         if r.get("tau") is not None:
-            by.setdefault(r["trainer"], []).append(r)
+            by.setdefault(r[key], []).append(r)
     rate = {t: sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["tokens_per_second_with_features"] for r in rs)
             for t, rs in by.items()}
     walls = sorted({r["tokens"] / rate[t] for t, rs in by.items() for r in rs})

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parity_speculators import row_digest  # noqa: E402  (the one digest both sides compute)
 
+from peagle_train.features.rows import TargetLogitsAt  # noqa: E402
 from peagle_train.features.shards import OfflineFeatures  # noqa: E402
 from peagle_train.training.trainer import Trainer  # noqa: E402
 
@@ -43,8 +44,11 @@ def row_tensors(trainer, g: int) -> dict[str, torch.Tensor]:
     doc_indices = trainer.batches[g]
     row, _ = trainer._row(doc_indices)
     finals = torch.cat([trainer.features.document(i)[2][1:] for i in doc_indices])
-    with trainer.target_amp:
-        same = torch.equal(trainer.target.logits_from_final(finals, trainer.draft_ids), row.target_logits)
+    if isinstance(row.target_logits, TargetLogitsAt):  # computed from these very states where indexed
+        same = torch.equal(row.target_logits.finals, finals)
+    else:
+        with trainer.target_amp:
+            same = torch.equal(trainer.target.logits_from_final(finals, trainer.draft_ids), row.target_logits)
     feats = row.features.float()
     if torch.equal(feats.bfloat16().float(), feats):
         feats = feats.bfloat16()

@@ -3,6 +3,8 @@
     python experiments/compare_drafters.py command=bench out=runs/cmp/bench.json     # costs, machine idle
     python experiments/compare_drafters.py command=report run_dir=runs/cmp bench=runs/cmp/bench.json
         [budgets=[48,96,192]] [speed_eval=runs/cmp/speed/eval/acceptance.json] [out=docs/RESULTS.md]
+    python experiments/compare_drafters.py command=parity parity_dirs=[runs/parity,runs/parity-dflash] \
+        [out=docs/BENCHMARKS.md]
 
 `bench` times, side by side in one process on this machine (SmolLM2-135M sizes: H 576, 9 heads,
 3 KV heads, vocabulary 49,152, draft vocabulary 8,192; random weights and features, since speed
@@ -18,6 +20,11 @@ training runs and eval/step_N evaluations with the three heads) and writes the s
 budget, τ at equal wall-clock (each head's power-law fit at the token-passes its measured training
 throughput reaches in the same time), drafting time against K and, from a batch-1 evaluation,
 the speed-up over the target alone.
+`parity` compares our heads of benchmarks/bench_parity.py run directories (one directory per
+algorithm, since DFlash reads its own target layers): each trained on the same packed rows and served
+by vLLM on the same prompts; it writes the section "## P-EAGLE, DFlash and EAGLE-3 in vLLM, on the
+same rows" (τ ± s.e. and P(≥2) per budget, paired differences with P-EAGLE, τ at equal wall-clock from
+each head's measured training throughput with target features counted) and drafters_vllm.png.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from peagle_train.runtime import cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## P-EAGLE, DFlash and EAGLE-3 at equal budgets"
+HEADING_PARITY = "## P-EAGLE, DFlash and EAGLE-3 in vLLM, on the same rows"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
                rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, target_hidden_size=576,
@@ -52,12 +60,13 @@ ORDER = ("peagle", "dflash", "eagle3")
 
 @dataclass
 class Args:
-    command: str = MISSING  # bench | report
+    command: str = MISSING  # bench | report | parity
     out: str = ""           # bench: the JSON written; report: the markdown file (default docs/RESULTS.md)
     run_dir: str = ""       # report: the comparison's run directory
     bench: str = ""         # report: the JSON of `bench`
     budgets: list[int] = field(default_factory=lambda: [48, 96, 192])
     speed_eval: str = ""    # report: acceptance.json of a batch-1 evaluation of the three heads (optional)
+    parity_dirs: list[str] = field(default_factory=list)  # parity: bench_parity run directories (our heads)
     threads: int = 0        # bench: torch threads (0 = all cores)
 
 
@@ -281,13 +290,142 @@ def report(a: Args) -> str:
     return text
 
 
+# ------------------------------------------------------------------------ parity: our heads in vLLM
+def parity_records(dirs: list[str]) -> list[dict]:
+    """Every finished run of our trainer (OUT/results/ours-ALGORITHM-STEPS.json with τ) in the
+    benchmarks/bench_parity.py run directories `dirs`, each with `per_prompt` [(accepted, drafts)] read
+    from its vLLM outputs and `run_dir`. Raises SystemExit naming the directory when one holds no
+    such run, or when two directories hold the same algorithm (which of them would be compared?)."""
+    out, seen = [], {}
+    for d in map(Path, dirs):
+        recs = [json.loads(p.read_text()) for p in sorted((d / "results").glob("ours-*.json"))]
+        recs = [r for r in recs if r.get("tau") is not None]
+        if not recs:
+            raise SystemExit(f"{d}: no evaluated run of ours (results/ours-*.json with tau). Fix: run "
+                             f"`python benchmarks/bench_parity.py --out-dir {d} ...` without --no-eval first")
+        for r in recs:
+            if seen.setdefault(r["algorithm"], d) != d:
+                raise SystemExit(f"{d} and {seen[r['algorithm']]} both hold {r['algorithm']} runs. "
+                                 "Fix: name one directory per algorithm in parity_dirs")
+            outputs = d / "runs" / f"ours-{r['algorithm']}-{r['steps']}" / "vllm" / "eval" / "vllm_outputs.jsonl"
+            r["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"])
+                               for o in map(json.loads, outputs.read_text().splitlines())]
+            r["run_dir"] = str(d)
+            out.append(r)
+    return out
+
+
+def parity_budget_lines(recs: list[dict]) -> list[str]:
+    """The table per budget (τ ± s.e. and P(≥2) per algorithm) and each algorithm's paired difference
+    with P-EAGLE on the same prompts (`paired_ratio_stderr`; "within noise" inside two s.e.)."""
+    from peagle_train.evaluation.report import paired_ratio_stderr
+    from scaling import NAMES
+
+    algos = [x for x in ORDER if any(r["algorithm"] == x for r in recs)]
+    at = {(r["algorithm"], r["steps"]): r for r in recs}
+    lines = ["| steps | token-passes | " + " | ".join(f"{NAMES[x]} τ ± s.e." for x in algos) + " | "
+             + " | ".join(f"{NAMES[x]} P(≥2)" for x in algos) + " |", "|---|---|" + "---|" * (2 * len(algos))]
+    pairs = []
+    for s in sorted({r["steps"] for r in recs}):
+        rs = [at.get((x, s)) for x in algos]
+        tokens = sorted({f"{r['tokens']:,}" for r in rs if r})
+        lines.append(f"| {s} | {' / '.join(tokens)} | " + " | ".join(
+            "—" if r is None else f"{r['tau']:.3f} ± {r['tau_se']:.3f}" for r in rs) + " | " + " | ".join(
+            "—" if r is None or len(r["per_position"]) < 2 else f"{r['per_position'][1]:.3f}" for r in rs) + " |")
+        base = at.get(("peagle", s))
+        for x in algos[1:]:
+            other = at.get((x, s))
+            if base is None or other is None or len(base["per_prompt"]) != len(other["per_prompt"]):
+                continue
+            (a, d), (b, e) = zip(*base["per_prompt"]), zip(*other["per_prompt"])
+            diff, se = base["tau"] - other["tau"], paired_ratio_stderr(list(a), list(d), list(b), list(e))
+            verdict = "within noise" if abs(diff) <= 2 * se else ("P-EAGLE ahead" if diff > 0 else f"{NAMES[x]} ahead")
+            pairs.append(f"- {s} steps: P-EAGLE − {NAMES[x]} = {diff:+.3f} ± {se:.3f} ({verdict}).")
+    return lines + ([""] + pairs if pairs else [])
+
+
+def parity_plot(recs: list[dict], path: Path) -> Path:
+    """τ ± s.e. against token-passes, and against training minutes (features counted), one line per
+    algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from scaling import NAMES
+
+    colors = {"peagle": "tab:blue", "eagle3": "tab:orange", "dflash": "tab:green"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for a in ORDER:
+        rs = sorted((r for r in recs if r["algorithm"] == a), key=lambda r: r["tokens"])
+        if not rs:
+            continue
+        minutes = [r["tokens"] / r["tokens_per_second_with_features"] / 60 for r in rs]
+        for ax, xs in zip(axes, ([r["tokens"] for r in rs], minutes)):
+            ax.errorbar(xs, [r["tau"] for r in rs], yerr=[r["tau_se"] for r in rs], fmt="o-", capsize=3,
+                        color=colors[a], label=NAMES[a])
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("token-passes")
+    axes[1].set_xlabel("training minutes, target features counted")
+    for ax in axes:
+        ax.set_ylabel("τ in vLLM (K = 5)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parity(a: Args) -> str:
+    """The section HEADING_PARITY (into `out`, default docs/BENCHMARKS.md) from our runs of the
+    bench_parity run directories `parity_dirs`: τ per budget, paired differences, τ at equal
+    wall-clock (bench_parity.equal_wall_clock by algorithm), throughput, and the plot drafters_vllm.png."""
+    from bench_parity import equal_wall_clock
+    from scaling import NAMES
+
+    recs = parity_records(list(a.parity_dirs))
+    algos = [x for x in ORDER if any(r["algorithm"] == x for r in recs)]
+    r0 = recs[0]
+    lines = [HEADING_PARITY, "",
+             f"Our heads, each trained by `benchmarks/bench_parity.py` on the same packed rows of the same "
+             f"conversations (each algorithm on its own target layers' features), served by vLLM {r0['vllm_version']} "
+             f"({r0['precision']}, greedy, batch 1, K = {r0['k']}, the first {r0['num_prompts']} MT-Bench first turns); "
+             f"run directories {', '.join(f'`{d}`' for d in a.parity_dirs)}; written by `python "
+             f"experiments/compare_drafters.py command=parity parity_dirs=[{','.join(a.parity_dirs)}]` on {cpu_model()}.",
+             "", *parity_budget_lines(recs), ""]
+    rows = equal_wall_clock(recs, key="algorithm")
+    lines += ["τ at equal wall-clock (features counted; each algorithm at its measured tokens/s over its runs, "
+              "linear in log(token-passes) between its budgets; — = outside them):", "",
+              "| minutes | " + " | ".join(NAMES[x] for x in algos) + " |", "|---|" + "---|" * len(algos)]
+    lines += [f"| {w / 60:.1f} | " + " | ".join("—" if t.get(x) is None else f"{t[x]:.3f}" for x in algos) + " |"
+              for w, t in rows]
+    lines += ["", "| head | training tokens/s | target features s per 1k tokens | tokens/s with features |",
+              "|---|---|---|---|"]
+    for x in algos:
+        rs = [r for r in recs if r["algorithm"] == x]
+        secs = sum(r["train_seconds"] for r in rs)
+        tps = sum(r["tokens"] for r in rs) / secs
+        lines.append(f"| {NAMES[x]} | {tps:.0f} | {1000 * rs[0]['features_seconds_per_token']:.2f} | "
+                     f"{1.0 / (1.0 / tps + rs[0]['features_seconds_per_token']):.0f} |")
+    out = Path(a.out or ROOT / "docs" / "BENCHMARKS.md")
+    png = parity_plot(recs, out.with_name("drafters_vllm.png"))
+    lines += ["", f"![τ in vLLM against token-passes and against training minutes]({png.name})"]
+    text = "\n".join(lines)
+    print(text)
+    write_section(HEADING_PARITY, text, out)
+    return text
+
+
 def main(argv):
     a = parse_pairs(argv, Args, __doc__)
     if a.command == "bench":
         return bench(a)
     if a.command == "report":
         return report(a)
-    raise SystemExit(f"command={a.command!r}: must be bench or report")
+    if a.command == "parity":
+        return parity(a)
+    raise SystemExit(f"command={a.command!r}: must be bench, report or parity")
 
 
 if __name__ == "__main__":

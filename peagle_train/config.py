@@ -432,6 +432,10 @@ class EvaluateEvalConfig(EvalConfig):
     vllm_python: Optional[str] = opt(None, "python of the environment with vLLM; null = $PEAGLE_VLLM_PYTHON, this "
                                            "python if it imports vllm, else ~/.cache/peagle_train/vllm-venv "
                                            "(bash scripts/install.sh vllm)")
+    vllm_target_outputs: Optional[str] = opt(None, "vllm: a directory that keeps vLLM's outputs without the head "
+                                                   "(the lossless check) per request; a later evaluation of the same "
+                                                   "target, prompts, tokens, precision and threads reuses them and "
+                                                   "gives no speed-up; null = run the target every time")
 
 
 @dataclass
@@ -840,6 +844,15 @@ def train_embeddings_problem(value: Any, algorithm: Any) -> str | None:
             "would train. Fix: draft.train_embeddings=all, or null (the algorithm's default).")
 
 
+def sliding_window_problem(window: Any, algorithm: Any) -> str | None:
+    """None unless draft.sliding_window=`window` is set for a head of `algorithm` other than dflash (the
+    only head with sliding-window layers); then why, and the fix."""
+    if window is None or str(algorithm) == "dflash":
+        return None
+    return (f"draft.sliding_window={window} with algorithm={algorithm}: only a dflash head has sliding-window "
+            "layers. Fix: draft.sliding_window=null, or algorithm=dflash.")
+
+
 def k_beyond_k_train_problem(K: int, num_depths: int, head: str) -> str | None:
     """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
     K > K_train is refused and the fix."""
@@ -888,8 +901,8 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     (`opt(..., ge=1)`, `range_problem`), and the rules between keys: data.mix entries
     (`mix_problems`); target.aux_layer_ids 3 (DFlash: 1 or more) distinct, ascending, non-negative ids (the range [0, N)
     is checked once the target is loaded, target/aux_layers.py `AuxLayers.resolve`); no
-    draft.train_embeddings=mask_row on an eagle3 head; data.max_length above
-    data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
+    draft.train_embeddings=mask_row on an eagle3 head; draft.sliding_window on a dflash head only;
+    data.max_length above data.min_supervised_tokens; and for train (evaluation on, no dry run) eval.num_speculative_tokens
     ≤ draft.num_depths. A value that does not resolve is left to Hydra."""
     from omegaconf import OmegaConf
 
@@ -909,6 +922,8 @@ def config_problems(cfg, command: str = "train") -> list[str]:
         if (m := AuxLayers.problem(ids, None, count=AuxLayers.count(get("algorithm") or "peagle"))):
             problems.append(m)
     if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
+        problems.append(m)
+    if (m := sliding_window_problem(get("draft.sliding_window"), get("algorithm") or "peagle")):
         problems.append(m)
     frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
     if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:

@@ -483,3 +483,48 @@ def test_damaged_results_log_is_refused_and_a_torn_line_counted(tmp_path, caplog
         _quick_eval(t, d, out)
     assert "no results.meta.json (old, new): moved to" in caplog.text and "decoded 4 results, reused 0" in caplog.text
     assert (out / "results.stale.jsonl").read_bytes() == good
+
+
+def test_vllm_target_alone_outputs_are_kept_and_reused_for_the_same_request_only(tmp_path, monkeypatch):
+    """eval.vllm_target_outputs: the run without the head happens once per request (target, prompts,
+    tokens, threads, vLLM version); a reuse still checks losslessness against those outputs, names
+    the file, and gives no speed-up."""
+    from peagle_train.serving import vllm_engine
+
+    calls = []
+
+    def fake_worker(request, python, log_path, threads=None, timeout_s=None):
+        calls.append("head" if "speculative_config" in request else "target")
+        outs = [{"token_ids": [5, 6, 7] if i or calls[-1] == "target" else [5, 6, 9], "num_drafts": 2,
+                 "num_accepted_tokens": 1} for i in range(len(request["prompts"]))]
+        return {"vllm_version": fake_worker.version, "outputs": outs, "new_tokens": 1000,
+                "generate_seconds": 1.0, "load_seconds": 0.5,
+                "metrics": {"num_drafts": 2 * len(outs), "num_accepted_tokens": len(outs), "accepted_per_pos": [len(outs)]}}
+
+    fake_worker.version = "0.32.0"
+    monkeypatch.setattr(vllm_engine, "run_worker", fake_worker)
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    keep = tmp_path / "keep"
+
+    def run(prompts=([1, 2], [3]), threads=1, name="a"):
+        return vllm_engine.evaluate_with_vllm("target", export, [list(p) for p in prompts], K=2, max_new_tokens=3,
+                                              stop_token_ids=[0], precision="fp32", out_dir=tmp_path / name,
+                                              python="py", threads=threads, target_outputs_dir=keep)
+
+    first = run()
+    assert calls == ["head", "target"] and "target_alone_reused" not in first and first["speedup"] == 1.0
+    assert len(list(keep.glob("target-*.json"))) == 1
+    second = run(name="b")
+    assert calls == ["head", "target", "head"]  # the target alone was not run again
+    assert second["target_alone_reused"] == str(next(keep.glob("target-*.json")))
+    assert second["speedup"] is None and "reused" in second["speedup_not_measured"]
+    # the first prompt's answer with the head differs from the target's in both runs: the check still counts it
+    assert first["lossless_mismatches"] == second["lossless_mismatches"] == 1
+    run(threads=2, name="c")            # another thread count: another request
+    run(prompts=([1, 2],), name="d")    # other prompts
+    fake_worker.version = "0.33.0"      # another vLLM: the kept outputs are not its own
+    run(name="e")
+    assert calls == ["head", "target", "head"] + ["head", "target"] * 3
+    assert len(list(keep.glob("target-*.json"))) == 3

@@ -229,3 +229,46 @@ def test_dflash_both_trainers_get_identical_rows_and_speculators_export_loads(tm
     table = bench_parity.main(argv)  # resumes: the table only, in DFlash's own section
     assert table.startswith(bench_parity.HEADING_DFLASH) and "| dflash | speculators | 2 |" in table
     assert bench_parity.NOT_EQUAL["dflash"] in table
+
+
+def _parity_dir(root: Path, algorithm: str, runs: dict) -> Path:
+    """A bench_parity run directory holding our runs of `algorithm`: {steps: (tokens, tokens/s with
+    features, per-prompt [(accepted, drafts)], P(≥1..2))}."""
+    for steps, (tokens, rate, per_prompt, pos) in runs.items():
+        tau, se = bench_parity.tau_stats(per_prompt)
+        rec = {"trainer": "ours", "algorithm": algorithm, "steps": steps, "tokens": tokens, "train_seconds": tokens / rate,
+               "tokens_per_second": rate, "features_seconds_per_token": 0.0, "tokens_per_second_with_features": rate,
+               "tau": tau, "tau_se": se, "per_position": pos, "num_prompts": len(per_prompt), "k": 5,
+               "vllm_version": "0.32.0", "precision": "fp32"}
+        (root / "results").mkdir(parents=True, exist_ok=True)
+        (root / "results" / f"ours-{algorithm}-{steps}.json").write_text(json.dumps(rec))
+        ev = root / "runs" / f"ours-{algorithm}-{steps}" / "vllm" / "eval"
+        ev.mkdir(parents=True)
+        (ev / "vllm_outputs.jsonl").write_text("".join(json.dumps({"num_accepted_tokens": a, "num_drafts": d}) + "\n"
+                                                       for a, d in per_prompt))
+    return root
+
+
+def test_drafters_compared_in_vllm_from_parity_runs_by_hand(tmp_path):
+    import compare_drafters  # experiments/
+
+    pe = _parity_dir(tmp_path / "pe", "peagle", {10: (1000, 100.0, [(3, 10), (1, 10), (2, 5)], [0.3, 0.05]),
+                                                  20: (4000, 100.0, [(4, 10), (2, 10), (2, 5)], [0.4, 0.1])})
+    df = _parity_dir(tmp_path / "df", "dflash", {10: (1000, 200.0, [(1, 10), (1, 10), (1, 5)], [0.1, 0.0]),
+                                                  20: (4000, 200.0, [(2, 10), (1, 10), (1, 5)], [0.2, 0.0])})
+    out = tmp_path / "B.md"
+    text = compare_drafters.main(["command=parity", f"parity_dirs=[{pe},{df}]", f"out={out}"])
+    # 10 steps: P-EAGLE τ 1 + 6/25 = 1.24, DFlash 1 + 3/25 = 1.12. Paired u_i = (a_i − 0.24 d_i)/25 − (b_i − 0.12 e_i)/25:
+    # (0.6 − (−0.2))/25, (−1.4 − (−0.2))/25, (0.8 − 0.4)/25 = 0.032, −0.048, 0.016; Σu² = 0.003584
+    se10 = math.sqrt(3 / 2 * 0.003584)
+    assert f"- 10 steps: P-EAGLE − DFlash = +0.120 ± {se10:.3f} (within noise)." in text
+    assert "| 10 | 1,000 | 1.240 ± " in text and " | 0.050 | 0.000 |" in text
+    # equal wall-clock: P-EAGLE 100 tokens/s, DFlash 200; at 20 s (2,000 token-passes for P-EAGLE: τ between 1.24
+    # and 1.32 at the log-midpoint = 1.28; DFlash 4,000: its 20-step τ 1 + 4/25 = 1.16)
+    assert "| 0.3 | 1.280 | 1.160 |" in text
+    assert "| 0.1 | — | 1.120 |" in text  # 5 s: P-EAGLE's 500 token-passes are below its first budget
+    assert (tmp_path / "drafters_vllm.png").stat().st_size > 0 and out.read_text().startswith("# Benchmarks")
+    with pytest.raises(SystemExit, match="both hold peagle runs"):
+        compare_drafters.parity_records([str(pe), str(pe)])
+    with pytest.raises(SystemExit, match="no evaluated run of ours"):
+        compare_drafters.parity_records([str(tmp_path / "empty")])

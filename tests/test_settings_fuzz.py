@@ -122,10 +122,11 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
                 codes[f"{key}={v}"] = parse_and_check(cfg, commands, f"{key}={v}")
     scalars = [k for k in keys if typing.get_origin(C.schema_keys(C.schema_of(schema))[k]) is not list
                and k not in ("target.aux_layer_ids", "recommend.ks", "recommend.batch_sizes")]
-    # 1 is refused by max_length > min_supervised_tokens 16, zero_stage ∈ {2, 3}, (train) eval K 5 ≤ K_train and
-    # warmup_fraction beside the warmup_steps the config sets
+    # 1 is refused by max_length > min_supervised_tokens 16, zero_stage ∈ {2, 3}, (train) eval K 5 ≤ K_train,
+    # warmup_fraction beside the warmup_steps the config sets and a sliding window on the default P-EAGLE head
     assert [k for k in scalars if codes[f"{k}=1"] != 0] == ["data.max_length"] + \
-        (["draft.num_depths"] if schema == "train" else []) + ["training.warmup_fraction", "distributed.zero_stage"]
+        (["draft.num_depths"] if schema == "train" else []) + ["draft.sliding_window", "training.warmup_fraction",
+                                                               "distributed.zero_stage"]
     # a range is written for every numeric key
     assert [k.name for k in C.schema_entries(C.schema_of(schema)) if k.name in keys and k.range is None] == \
         ["target.aux_layer_ids"]  # its rule is AuxLayers.problem
@@ -237,6 +238,9 @@ CASES = [
      "recommend.memory_limit_gb=0.0 is out of range: it must be a number > 0, or null (free GPU memory / available "
      "host memory); null, not 0, means free GPU memory / available host memory. Fix: recommend.memory_limit_gb=null (the default: free GPU memory / available host memory) or "
      "a number > 0."),
+    ("train", "draft.sliding_window=16",
+     "draft.sliding_window=16 with algorithm=peagle: only a dflash head has sliding-window layers. "
+     "Fix: draft.sliding_window=null, or algorithm=dflash."),
     ("export", "data.max_length=8",
      "data.max_length=8 is not above data.min_supervised_tokens=16: a row of 8 tokens (prompt included) never "
      "holds 16 answer tokens, so every row would be dropped. Fix: data.max_length=512 or lower "
@@ -298,6 +302,13 @@ def test_every_malformed_mix_entry_is_named(override, messages):
 def test_aux_layer_ids_checked_at_parse(ids, message):
     assert problems("train", f"target.aux_layer_ids={ids}") == [message]
     assert problems("train", "target.aux_layer_ids=[2,15,27]") == []  # the range [0, N) needs the target
+
+
+def test_a_sliding_window_is_a_dflash_heads_alone():
+    assert problems("train", "algorithm=dflash", "draft.sliding_window=16") == []
+    assert problems("train", "algorithm=eagle3", "draft.sliding_window=16") == [
+        "draft.sliding_window=16 with algorithm=eagle3: only a dflash head has sliding-window layers. "
+        "Fix: draft.sliding_window=null, or algorithm=dflash."]
 
 
 def test_aux_layer_ids_out_of_the_targets_range_when_it_is_loaded():

@@ -16,6 +16,9 @@ class Objective:
     """
 
     name = "base"
+    # True: the objective reads the target logits of few positions of a row, once per step, so an
+    # offline source computes only those (features/rows.py `TargetLogitsAt`)
+    lazy_target_logits = False
 
     def __init__(self, training, num_depths: int):
         self.training, self.num_depths = training, int(num_depths)

@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..draft.peagle import DraftConfig
 from ..features.rows import PackedRow
-from .loss import LOSSES, depth_counts, weighted_loss_sum
+from .loss import LOSSES, chain_counts, weighted_loss_sum
 from .base import Objective
 from .peagle import global_loss_norm
 
@@ -163,8 +164,10 @@ def dflash_forward(draft, row: PackedRow, blocks: DFlashBlocks, K: int) -> torch
     tokens[:, 0] = row.tokens[a]
     pos = row.pos_ids[a][:, None] + 1 + torch.arange(K + 1, device=dev)
     mask = dflash_mask(a, row.doc_ids, K, cfg.block_causal, cfg.sliding_window, row.pos_ids)
-    logits = draft(row.features[None], row.pos_ids[None], tokens.reshape(1, -1), pos.reshape(1, -1), mask[None])
-    return logits[0].view(N, K + 1, -1)[:, 1:]
+    slots = torch.arange(N * (K + 1), device=dev).view(N, K + 1)[:, 1:].reshape(-1)  # the anchors get no logits
+    logits = draft(row.features[None], row.pos_ids[None], tokens.reshape(1, -1), pos.reshape(1, -1), mask[None],
+                   logits_at=slots)
+    return logits.view(N, K, -1)  # a view of the batch of one (indexing [0] would zero-fill its gradient)
 
 
 def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: int, count: float,
@@ -175,19 +178,28 @@ def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: 
     logits = dflash_forward(draft, row, blocks, K)
     N = logits.shape[0]
     lab, lmask = blocks.labels.to(dev).reshape(-1), blocks.valid.to(dev).reshape(-1)
-    flat, tl = logits.reshape(N * K, -1), row.target_logits[lab]
+    flat = logits.reshape(N * K, -1)
+    # overlapping blocks share labels: the target logits of each labelled position once
+    # (a lazy row computes only these), their argmax for CE, the metrics and D-PACE
+    at, inv = lab.unique(return_inverse=True)
+    t_at = row.target_logits[at]
     with torch.no_grad():
+        t_ids = t_at.max(-1).indices[inv]                          # max().indices: argmax, first on ties
         a = torch.arange(N, device=dev).repeat_interleave(K)      # block index as the chain's anchor
         d = torch.arange(K, device=dev).repeat(N)
-        counts = depth_counts(flat, tl, a, d, lmask, K).cpu()
-    if weighting is None or weighting.kind == "uniform":
-        return LOSSES[loss_name](flat, tl, lmask) / count, counts
-    with torch.no_grad():
+        counts = chain_counts(flat.max(-1).indices == t_ids, a, d, lmask, K).cpu()
         conf = None
-        if weighting.kind == "dpace":  # q = the head's probability of the target's token
+        if weighting is not None and weighting.kind == "dpace":  # q = the head's probability of the target's token
             x = flat.float()
-            conf = (x.gather(1, tl.argmax(-1, keepdim=True))[:, 0] - torch.logsumexp(x, -1)).exp().view(N, K)
-        w = slot_weights(weighting.kind, lmask.view(N, K), conf, weighting.gamma, weighting.alpha).reshape(-1)
+            conf = (x.gather(1, t_ids[:, None])[:, 0] - torch.logsumexp(x, -1)).exp().view(N, K)
+        kind = "uniform" if weighting is None else weighting.kind
+        w = slot_weights(kind, lmask.view(N, K), conf, None if weighting is None else weighting.gamma,
+                         0.5 if weighting is None else weighting.alpha).reshape(-1)
+    if loss_name == "ce":  # every slot in one call, invalid ones at weight 0: no copies of the valid rows
+        return (F.cross_entropy(flat.float(), t_ids, reduction="none") * w).sum() / count, counts
+    tl = t_at[inv]
+    if kind == "uniform":
+        return LOSSES[loss_name](flat, tl, lmask) / count, counts
     return weighted_loss_sum(loss_name, flat, tl, w) / count, counts
 
 
@@ -197,6 +209,7 @@ class DFlashObjective(Objective):
     slots of all micro-rows of all processes (`global_loss_norm`, as P-EAGLE)."""
 
     name = "dflash"
+    lazy_target_logits = True  # one lookup per row, of the blocks' labels
 
     def sample(self, row: PackedRow, generator: torch.Generator) -> DFlashBlocks:
         t = self.training

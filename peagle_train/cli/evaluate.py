@@ -155,7 +155,7 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
     result = evaluate_with_vllm(model_source(cfg.target.path), export_dir, ids, K=int(cfg.eval.num_speculative_tokens),
                                 max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos),
                                 precision=str(cfg.precision), out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
-                                threads=cfg.threads)
+                                threads=cfg.threads, target_outputs_dir=cfg.eval.get("vllm_target_outputs"))
     logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
                 "(%d mismatches, %s)", result["vllm_version"], result["acceptance_length"],
                 result["acceptance_length_stderr"], result["num_speculative_tokens"], result["num_prompts"],

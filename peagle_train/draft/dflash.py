@@ -162,15 +162,18 @@ class DFlashDraft(DraftHead):
                 h = layer(h, cos, sin, kv, mask)
         return h
 
-    def forward(self, features, context_position_ids, tokens, position_ids, mask):
+    def forward(self, features, context_position_ids, tokens, position_ids, mask, logits_at=None):
         """Draft logits over the draft vocabulary for a set of blocks over one shared context.
 
         features [B, S, 3H] and context_position_ids [B, S]: the context; tokens [B, N] int64 and
         position_ids [B, N]: the blocks (anchor tokens and mask tokens); mask [B, N, S+N] bool
-        (algorithms/dflash.py `dflash_mask`) or a BlockMask. Returns logits [B, N, V_draft].
+        (algorithms/dflash.py `dflash_mask`) or a BlockMask; logits_at [M] int64: the block entries
+        whose logits are wanted (training skips the anchors'), None for all. Returns logits
+        [B, N, V_draft] ([B, M, V_draft] with logits_at).
         """
         ctx = self.context_states(features, context_position_ids)
-        return self.logits(self.block_hidden(tokens, position_ids, ctx, mask))
+        h = self.block_hidden(tokens, position_ids, ctx, mask)
+        return self.logits(h if logits_at is None else h[:, logits_at])
 
     def context_visibility(self, seen: torch.Tensor, last_pos: torch.Tensor, K: int) -> torch.Tensor:
         """[B, K+1, S] bool: what each of the block's K + 1 queries sees of the S context entries,

@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaConfig
 
 from .embedding import TRAIN_EMBEDDINGS
+from ..config import sliding_window_problem
 from ..target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
 
 SPECULATORS_VERSION = "0.9.0"
@@ -267,9 +268,8 @@ class PEagleConfig(DraftConfig):
         if self.aux_layer_ids and len(self.aux_layer_ids) != 3:
             problems.append(f"aux_layer_ids={list(self.aux_layer_ids)}: a {self.algorithm} head reads 3 aux layers "
                             "(only a dflash head reads another number)")
-        if self.sliding_window is not None:
-            problems.append(f"draft.sliding_window={self.sliding_window}: only a dflash head has sliding-window "
-                            "layers. Fix: draft.sliding_window=null")
+        if (m := sliding_window_problem(self.sliding_window, self.algorithm)):
+            problems.append(m)
         return problems
 
     def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str],

@@ -20,10 +20,12 @@ class PackedRowSource:
     target: FeatureTarget
 
     def packed_row(self, doc_indices: list[int] | None, docs: list[tuple[list[int], list[int]]],
-                   draft_ids: torch.Tensor) -> PackedRow:
+                   draft_ids: torch.Tensor, lazy_targets=None) -> PackedRow:
         """The packed row of these documents. doc_indices: their data row indices (offline sources
         look their shards up by them); docs: their (input_ids, loss_mask); draft_ids [V_draft]:
-        the target ids of the draft vocabulary (target logits are restricted to them)."""
+        the target ids of the draft vocabulary (target logits are restricted to them);
+        lazy_targets: None, or the target's autocast context under which a source that stores final
+        states computes target logits only where the objective indexes them (`TargetLogitsAt`)."""
         raise NotImplementedError
 
 
@@ -34,7 +36,8 @@ class OnlineFeatures(PackedRowSource):
     def __init__(self, target: FeatureTarget):
         self.target = target
 
-    def packed_row(self, doc_indices, docs, draft_ids) -> PackedRow:
+    def packed_row(self, doc_indices, docs, draft_ids, lazy_targets=None) -> PackedRow:
+        # the forward gives the logits with the features: nothing to save by computing them later
         dev = self.target.model.device
         ids = [torch.tensor(x, device=dev) for x, _ in docs]
         outs = self.target.forward_documents(ids, draft_ids=draft_ids)

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,15 +14,36 @@ from ..errors import ConfigError
 from ..target.capture import align_for_draft
 
 
+class TargetLogitsAt:
+    """A packed row's target logits over the draft vocabulary, computed only at the positions an
+    objective indexes (DFlash reads its anchored blocks' labels, a fraction of the row) from the
+    row's stored final states, with no gradient and under `amp` (the target's autocast).
+
+    finals: [n, H] the pre-norm final states aligned as target_logits would be (position i holds the
+    state whose logits are the target distribution of position i); head: [m, H] → fp32 [m, V_draft]
+    (`FeatureTarget.logits_from_final` over the draft vocabulary). `self[idx]` (idx an index tensor or
+    slice of positions) equals the materialised target_logits[idx]."""
+
+    def __init__(self, finals: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], amp=None):
+        self.finals, self.head, self.amp = finals, head, amp
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        with torch.no_grad(), (self.amp if self.amp is not None else contextlib.nullcontext()):
+            return self.head(self.finals[idx])
+
+    def __len__(self) -> int:
+        return self.finals.shape[0]
+
+
 @dataclass
 class PackedRow:
     """One packed training row of n aligned positions (several documents, no cross-document
     attention). tokens [n], valid [n] bool, doc_ids [n], pos_ids [n] (position within its document),
-    features [n, 3H], target_logits [n, V_draft]."""
+    features [n, 3H], target_logits [n, V_draft] (or a `TargetLogitsAt`, indexed the same way)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
-    target_logits: torch.Tensor
+    target_logits: torch.Tensor | TargetLogitsAt
     valid: torch.Tensor
     doc_ids: torch.Tensor
     pos_ids: torch.Tensor

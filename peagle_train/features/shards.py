@@ -39,7 +39,7 @@ from ..errors import ConfigError, CorruptFileError, UserError, io_cause, io_fail
 from ..io import atomic_write_json
 from ..target.capture import FeatureTarget
 from .online import PackedRowSource
-from .rows import PackedRow, pack_row
+from .rows import PackedRow, TargetLogitsAt, pack_row
 
 logger = logging.getLogger(__name__)
 
@@ -621,11 +621,15 @@ class OfflineFeatures(PackedRowSource):
         ids = f.get_slice("input_ids")[s:e].long().to(w.device)
         return ids, parts["aux"], parts["final"]
 
-    def packed_row(self, doc_indices: list[int], docs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor) -> PackedRow:
+    def packed_row(self, doc_indices: list[int], docs: list[tuple[list[int], list[int]]], draft_ids: torch.Tensor,
+                   lazy_targets=None) -> PackedRow:
         """The `PackedRow` of these data rows, as `OnlineFeatures` builds it from the target.
 
-        doc_indices: data row indices; docs: their (input_ids, loss_mask). Raises FeatureShardError
-        if a row's tokens differ from the stored ones (names the shard) or features are not finite."""
+        doc_indices: data row indices; docs: their (input_ids, loss_mask). lazy_targets: None, or the
+        target's autocast context (a nullcontext for none): the row's target_logits is then a
+        `TargetLogitsAt` over its final states, computed where the objective indexes it. Raises
+        FeatureShardError if a row's tokens differ from the stored ones (names the shard) or
+        features are not finite."""
         dev = self.target.model.device
         parts = []
         for i, (ids, mask) in zip(doc_indices, docs):
@@ -634,8 +638,13 @@ class OfflineFeatures(PackedRowSource):
                 k = i // self.docs_per_shard
                 raise FeatureShardError(f"{self.dir / shard_name(k)}: data row {i} has token ids that differ from the "
                                         "shard's (check: token ids). Fix: regenerate the features for this data.")
-            parts.append((ids_t, torch.tensor(mask, device=dev), aux, self.target.logits_from_final(final, draft_ids)))
-        return pack_row(parts)
+            targets = final if lazy_targets is not None else self.target.logits_from_final(final, draft_ids)
+            parts.append((ids_t, torch.tensor(mask, device=dev), aux, targets))
+        row = pack_row(parts)
+        if lazy_targets is not None:  # pack_row aligned and concatenated the final states as it would the logits
+            row.target_logits = TargetLogitsAt(row.target_logits, lambda x: self.target.logits_from_final(x, draft_ids),
+                                               lazy_targets)
+        return row
 
 
 def process_share() -> tuple[int, int]:

@@ -18,6 +18,7 @@ job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the e
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -224,13 +225,37 @@ def speculative_config(export_dir: str | Path, K: int) -> dict:
     return spec
 
 
+def target_alone(request: dict, python: str, log_path: Path, threads: int | None, vllm_version: str,
+                 keep_dir: str | Path | None) -> tuple[dict, Path | None]:
+    """vLLM's response to the generate `request` without a head (`run_worker`), and None; or, with
+    `keep_dir`, the response kept there from an earlier run of the very same request (target,
+    prompts, tokens, dtype, stop ids, model length), vLLM python and threads under `vllm_version`,
+    and its path. A new response is kept there (keep_dir/target-<sha256 of the request>.json)."""
+    if keep_dir is None:
+        return run_worker(request, python, log_path, threads), None
+    key = json.dumps({**request, "python": str(python), "threads": threads}, sort_keys=True)
+    path = Path(keep_dir) / f"target-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        if kept.get("vllm_version") == vllm_version and len(kept.get("outputs", [])) == len(request["prompts"]):
+            return kept, path
+    plain = run_worker(request, python, log_path, threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(plain))
+    return plain, None
+
+
 def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[list[int]], *, K: int,
                        max_new_tokens: int, stop_token_ids: list[int], precision: str, out_dir: str | Path,
-                       python: str, threads: int | None = None, max_model_len: int | None = None) -> dict:
+                       python: str, threads: int | None = None, max_model_len: int | None = None,
+                       target_outputs_dir: str | Path | None = None) -> dict:
     """τ of an export as vLLM serves it, on the given prompt token ids (greedy, batch 1).
 
     Runs vLLM twice (with the head; without it, for the lossless check), one prompt at a time so that
-    each prompt's counters are known (τ's standard error). precision: auto | fp32 | bf16 (`vllm_dtype`).
+    each prompt's counters are known (τ's standard error). With `target_outputs_dir`, the run without
+    the head is reused from an earlier evaluation of the same request there (`target_alone`); the
+    result then names it (`target_alone_reused`) and gives no speed-up, since that run's time is not
+    this run's. precision: auto | fp32 | bf16 (`vllm_dtype`).
     Writes out_dir/acceptance_vllm.json and returns its dict: acceptance_length (τ = 1 + accepted /
     drafts), acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts),
     num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
@@ -250,7 +275,8 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     t0 = time.perf_counter()
     spec = run_worker({**base, "speculative_config": speculative_config(export_dir, K)}, python,
                       out_dir / "vllm_head.log", threads)
-    plain = run_worker(base, python, out_dir / "vllm_target.log", threads)
+    plain, reused = target_alone(base, python, out_dir / "vllm_target.log", threads, spec["vllm_version"],
+                                 target_outputs_dir)
     m = spec["metrics"]
     drafts, acc = m["num_drafts"], m["num_accepted_tokens"]
     per_pos = [a / drafts if drafts else 0.0 for a in (m["accepted_per_pos"] + [0] * K)[:K]]
@@ -275,6 +301,10 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     result["speedup"], why = speedup_or_reason(result["tokens_per_second"], spec["new_tokens"],
                                                result["target_only_tokens_per_second"], plain["new_tokens"],
                                                "vLLM with the head")
+    if reused is not None:
+        result["target_alone_reused"] = str(reused)
+        result["speedup"], why = None, (f"the target-alone run was reused from {reused} (eval.vllm_target_outputs), "
+                                        "so its time is not this run's")
     if why:
         result["speedup_not_measured"] = why
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -252,9 +252,20 @@ class FeatureTarget:
         w = self.model.get_output_embeddings().weight
         return self._head(self.decoder.norm(final.to(w.dtype)), draft_ids)
 
+    def _draft_rows(self, weight: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        """weight[draft_ids]: the lm_head rows of the draft vocabulary, gathered once for the same
+        weight and draft-ids tensors (the same objects, unchanged since: their version counters)
+        instead of at every call (a full vocabulary's rows are 100+ MB)."""
+        cached = getattr(self, "_draft_rows_cache", None)
+        if cached is None or cached[0] is not weight or cached[1] is not draft_ids or \
+                cached[2] != (weight._version, draft_ids._version):
+            cached = (weight, draft_ids, (weight._version, draft_ids._version), weight.detach()[draft_ids])
+            self._draft_rows_cache = cached
+        return cached[3]
+
     def _head(self, normed: torch.Tensor, draft_ids: torch.Tensor | None, float_logits: bool = True) -> torch.Tensor:
         module = self.model.get_output_embeddings()  # an nn.Linear, or a plug-in's swap of it (accel/cpu)
-        logits = module(normed) if draft_ids is None else normed @ module.weight[draft_ids].T
+        logits = module(normed) if draft_ids is None else normed @ self._draft_rows(module.weight, draft_ids).T
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

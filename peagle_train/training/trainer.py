@@ -280,8 +280,9 @@ class Trainer:
 
     def _row(self, doc_indices: list[int]):
         docs = [(self.rows[i]["input_ids"], self.rows[i]["loss_mask"]) for i in doc_indices]
+        lazy = self.target_amp if self.objective.lazy_target_logits else None
         with self.target_amp:
-            row = self.features.packed_row(doc_indices, docs, self.draft_ids)
+            row = self.features.packed_row(doc_indices, docs, self.draft_ids, lazy_targets=lazy)
         if self.training.get("mask_oov_targets"):
             row = mask_out_of_vocab(row, self.in_draft_vocab)
         return row, len(docs)

@@ -268,7 +268,8 @@ def test_drafters_compared_in_vllm_from_parity_runs_by_hand(tmp_path):
     assert "| 0.3 | 1.280 | 1.160 |" in text
     assert "| 0.1 | — | 1.120 |" in text  # 5 s: P-EAGLE's 500 token-passes are below its first budget
     assert (tmp_path / "drafters_vllm.png").stat().st_size > 0 and out.read_text().startswith("# Benchmarks")
+    again = _parity_dir(tmp_path / "again", "peagle", {10: (1000, 100.0, [(3, 10), (1, 10)], [0.3, 0.05])})
     with pytest.raises(SystemExit, match="both hold peagle runs"):
-        compare_drafters.parity_records([str(pe), str(pe)])
+        compare_drafters.parity_records([str(pe), str(again)])
     with pytest.raises(SystemExit, match="no evaluated run of ours"):
         compare_drafters.parity_records([str(tmp_path / "empty")])

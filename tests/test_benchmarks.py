@@ -41,7 +41,7 @@ def test_every_benchmark_script_has_the_shared_options():
     a = bench_arguments(argparse.ArgumentParser(), Path("d.md")).parse_args(["--out", "o.md", "--no-docs", "--threads", "3"])
     assert (a.out, a.no_docs, a.threads) == (Path("o.md"), True, 3)
     scripts = sorted(p for p in (REPO_ROOT / "benchmarks").glob("bench_*.py") if p.name != "bench_tables.py")
-    assert len(scripts) == 14  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
+    assert len(scripts) == 15  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
     for path in scripts:
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)

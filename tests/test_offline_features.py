@@ -360,3 +360,28 @@ def test_an_engine_prepares_the_shards_a_job_at_a_time(tmp_path, setup):
     for k in range(3):
         name = f"shard-0000{k}.safetensors"
         assert (tmp_path / "eng" / name).read_bytes() == (d / name).read_bytes()
+
+
+def test_draft_vocabulary_rows_of_the_lm_head_follow_the_weight_and_the_ids(target_model):
+    """logits_from_final gathers the lm_head rows of the draft vocabulary once, and again when the
+    ids or the weight change (in place, or .data swapped): always equal to the plain expression."""
+    t = FeatureTarget(target_model, [1, 3, 5])
+    final = torch.randn(4, target_model.config.hidden_size)
+    w = target_model.get_output_embeddings().weight
+
+    def plain(ids):
+        with torch.no_grad():
+            return (t.decoder.norm(final) @ w[ids].T).float()
+
+    ids = torch.arange(0, 128, 2)
+    with torch.no_grad():
+        assert torch.equal(t.logits_from_final(final, ids), plain(ids))
+        cached = t._draft_rows_cache[3]
+        assert torch.equal(t.logits_from_final(final, ids), plain(ids)) and t._draft_rows_cache[3] is cached
+        other = torch.arange(1, 128, 2)
+        assert torch.equal(t.logits_from_final(final, other), plain(other))
+        old = w.detach().clone()
+        w.mul_(2.0)                                                  # in place
+        assert torch.equal(t.logits_from_final(final, other), plain(other))
+        w.data = old                                                 # storage swapped
+        assert torch.equal(t.logits_from_final(final, other), plain(other))

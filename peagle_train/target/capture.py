@@ -254,12 +254,12 @@ class FeatureTarget:
 
     def _draft_rows(self, weight: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
         """weight[draft_ids]: the lm_head rows of the draft vocabulary, gathered once for the same
-        weight and draft-ids tensors (the same objects, unchanged since: their version counters)
-        instead of at every call (a full vocabulary's rows are 100+ MB)."""
+        weight and draft-ids tensors (the same objects on the same storage, unchanged since: their
+        version counters) instead of at every call (a full vocabulary's rows are 100+ MB)."""
+        state = (weight._version, weight.data_ptr(), draft_ids._version, draft_ids.data_ptr())
         cached = getattr(self, "_draft_rows_cache", None)
-        if cached is None or cached[0] is not weight or cached[1] is not draft_ids or \
-                cached[2] != (weight._version, draft_ids._version):
-            cached = (weight, draft_ids, (weight._version, draft_ids._version), weight.detach()[draft_ids])
+        if cached is None or cached[0] is not weight or cached[1] is not draft_ids or cached[2] != state:
+            cached = (weight, draft_ids, state, weight.detach()[draft_ids])
             self._draft_rows_cache = cached
         return cached[3]
 

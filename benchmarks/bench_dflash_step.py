@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from bench_tables import bench_arguments, machine_line, publish
-
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## DFlash training step: ours beside speculators' (benchmarks/bench_dflash_step.py)"
 N, H, V, K, LAYERS = 2048, 576, 49152, 15, [1, 7, 13, 19, 25]
@@ -113,6 +111,14 @@ def theirs(spec: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--speculators-step"]:  # inside speculators' venv, which has no peagle_train
+        spec = json.loads(argv[1])
+        torch.set_num_threads(spec["threads"])
+        print(json.dumps({"seconds": theirs(spec)}))
+        return ""
+    from bench_tables import bench_arguments, machine_line, publish
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md", 2)
     ap.add_argument("--anchors", type=int, nargs="+", default=[64, 512])
@@ -121,19 +127,16 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--maps", type=Path, default=ROOT / "runs/parity-dflash/runs/ours-dflash-82/parity/d2t_t2d.safetensors")
     ap.add_argument("--verifier", default=str(Path.home() / ".cache/peagle_train/SmolLM2-135M-Instruct.Q4_1-aeda3f047358496d"))
     ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators" / "bin" / "python"))
-    ap.add_argument("--speculators-step", help=argparse.SUPPRESS)  # JSON spec: run inside speculators' venv
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.speculators_step:
-        print(json.dumps({"seconds": theirs(json.loads(args.speculators_step))}))
-        return ""
     load0 = os.getloadavg()[0]
     rows = []
     for a in args.anchors:
         mine = ours(a)
-        spec = {"anchors": a, "config_dir": str(args.config_dir), "d2t_t2d": str(args.maps), "verifier": args.verifier}
-        out = subprocess.run([args.spec_python, __file__, "--threads", str(args.threads), "--speculators-step",
-                              json.dumps(spec)], capture_output=True, text=True, check=True)
+        spec = {"anchors": a, "config_dir": str(args.config_dir), "d2t_t2d": str(args.maps), "verifier": args.verifier,
+                "threads": args.threads}
+        out = subprocess.run([args.spec_python, __file__, "--speculators-step", json.dumps(spec)],
+                             capture_output=True, text=True, check=True)
         other = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
         rows.append(f"| {a} | {a * K:,} | {mine:.2f} | {N / mine:.0f} | {other:.2f} | {N / other:.0f} | {other / mine:.2f}× |")
     text = "\n".join([

@@ -190,7 +190,14 @@ def plot(points, fits, drafting, path: Path) -> Path:
     ax2.set_xlabel("K (draft tokens per step)")
     ax2.set_ylabel("ms per drafting step, batch 1")
     ax2.set_title("drafting time against K", fontsize=10)
-    for ax in (ax1, ax2):
+    return _saved(fig, (ax1, ax2), path)
+
+
+def _saved(fig, axes, path: Path) -> Path:
+    """`fig` with a grid and legend on each of `axes`, written to `path` (PNG) and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -369,12 +376,7 @@ def parity_plot(recs: list[dict], path: Path) -> Path:
     axes[1].set_xlabel("training minutes, target features counted")
     for ax in axes:
         ax.set_ylabel("τ in vLLM (K = 5)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, axes, path)
 
 
 def parity(a: Args) -> str:

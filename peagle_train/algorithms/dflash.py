@@ -175,6 +175,7 @@ def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: 
     """(Σ over valid slots of weight · loss / count, counts [4, K]) of `dflash_forward`, the weights
     `weighting`'s (None: uniform, every valid slot 1); counts by depth j - 1."""
     dev = row.tokens.device
+    weighting = weighting or SlotWeighting()
     logits = dflash_forward(draft, row, blocks, K)
     N = logits.shape[0]
     lab, lmask = blocks.labels.to(dev).reshape(-1), blocks.valid.to(dev).reshape(-1)
@@ -189,16 +190,14 @@ def dflash_loss(draft, row: PackedRow, blocks: DFlashBlocks, loss_name: str, K: 
         d = torch.arange(K, device=dev).repeat(N)
         counts = chain_counts(flat.max(-1).indices == t_ids, a, d, lmask, K).cpu()
         conf = None
-        if weighting is not None and weighting.kind == "dpace":  # q = the head's probability of the target's token
+        if weighting.kind == "dpace":  # q = the head's probability of the target's token
             x = flat.float()
             conf = (x.gather(1, t_ids[:, None])[:, 0] - torch.logsumexp(x, -1)).exp().view(N, K)
-        kind = "uniform" if weighting is None else weighting.kind
-        w = slot_weights(kind, lmask.view(N, K), conf, None if weighting is None else weighting.gamma,
-                         0.5 if weighting is None else weighting.alpha).reshape(-1)
+        w = slot_weights(weighting.kind, lmask.view(N, K), conf, weighting.gamma, weighting.alpha).reshape(-1)
     if loss_name == "ce":  # every slot in one call, invalid ones at weight 0: no copies of the valid rows
         return (F.cross_entropy(flat.float(), t_ids, reduction="none") * w).sum() / count, counts
     tl = t_at[inv]
-    if kind == "uniform":
+    if weighting.kind == "uniform":
         return LOSSES[loss_name](flat, tl, lmask) / count, counts
     return weighted_loss_sum(loss_name, flat, tl, w) / count, counts
 

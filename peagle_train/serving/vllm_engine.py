@@ -298,10 +298,11 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
         "engine_load_seconds": spec["load_seconds"], "wall_seconds": time.perf_counter() - t0,
         "export": str(export_dir), "target": str(target_dir),
     }
-    result["speedup"], why = speedup_or_reason(result["tokens_per_second"], spec["new_tokens"],
-                                               result["target_only_tokens_per_second"], plain["new_tokens"],
-                                               "vLLM with the head")
-    if reused is not None:
+    if reused is None:
+        result["speedup"], why = speedup_or_reason(result["tokens_per_second"], spec["new_tokens"],
+                                                   result["target_only_tokens_per_second"], plain["new_tokens"],
+                                                   "vLLM with the head")
+    else:
         result["target_alone_reused"] = str(reused)
         result["speedup"], why = None, (f"the target-alone run was reused from {reused} (eval.vllm_target_outputs), "
                                         "so its time is not this run's")

@@ -24,7 +24,8 @@ the speed-up over the target alone.
 algorithm, since DFlash reads its own target layers): each trained on the same packed rows and served
 by vLLM on the same prompts; it writes the section "## P-EAGLE, DFlash and EAGLE-3 in vLLM, on the
 same rows" (τ ± s.e. and P(≥2) per budget, paired differences with P-EAGLE, τ at equal wall-clock from
-each head's measured training throughput with target features counted) and drafters_vllm.png.
+each head's measured training throughput with target features counted, each head's power-law fit of
+τ − 1 on token-passes and where it would be level with P-EAGLE's) and drafters_vllm.png.
 """
 
 from __future__ import annotations
@@ -351,9 +352,60 @@ def parity_budget_lines(recs: list[dict]) -> list[str]:
     return lines + ([""] + pairs if pairs else [])
 
 
+def level_with(base, other) -> float | None:
+    """Token-passes T at which two power-law fits (scaling.Fit, τ − 1 = c·T^α) give the same τ:
+    c_b·T^α_b = c_o·T^α_o, so T = (c_b / c_o)^(1 / (α_o − α_b)); None when they are parallel
+    (equal α) and so never level."""
+    if math.isclose(base.alpha, other.alpha, rel_tol=0.0, abs_tol=1e-12):
+        return None
+    return (base.c / other.c) ** (1.0 / (other.alpha - base.alpha))
+
+
+def parity_fits(recs: list[dict]) -> dict:
+    """{algorithm: (scaling.Fit, fewest token-passes, most)} over each algorithm's evaluated budgets
+    with τ > 1, for the algorithms with at least two of them."""
+    from scaling import Point, fit
+
+    fits = {}
+    for x in ORDER:
+        pts = [Point(x, r["steps"], r["tokens"], r["tau"], [], None, r["tokens_per_second"])
+               for r in recs if r["algorithm"] == x and r["tau"] > 1.0]
+        if len(pts) >= 2:
+            fits[x] = (fit(pts), min(p.tokens for p in pts), max(p.tokens for p in pts))
+    return fits
+
+
+def parity_fit_lines(recs: list[dict]) -> list[str]:
+    """Per algorithm with ≥ 2 evaluated budgets: the power law τ − 1 = c·T^α over its points
+    (scaling.fit), and where it would be level with P-EAGLE's fit (`level_with`), marked as an
+    extrapolation when that lies outside the budgets both measured, and which leads beyond it (the
+    larger α)."""
+    from scaling import NAMES
+
+    fits = parity_fits(recs)
+    if not fits:
+        return []
+    lines = ["| head | fit τ − 1 = c·T^α | R² | budgets | level with P-EAGLE at | ahead beyond that |",
+             "|---|---|---|---|---|---|"]
+    for x, (f, lo, hi) in fits.items():
+        cells = [NAMES[x], f"c = {f.c:.3g}, α = {f.alpha:.3f}", f"{f.r2:.3f}", f"{lo:,}–{hi:,}"]
+        if x == "peagle" or "peagle" not in fits:
+            cells += ["—", "—"]
+        else:
+            base, blo, bhi = fits["peagle"]
+            t = level_with(base, f)
+            inside = t is not None and max(lo, blo) * (1 - 1e-9) <= t <= min(hi, bhi) * (1 + 1e-9)
+            cells += ["never (parallel fits)" if t is None else
+                      f"{t / 1e6:.2f}M token-passes" + ("" if inside else " (extrapolated)"),
+                      "—" if t is None else NAMES[x] if f.alpha > base.alpha else "P-EAGLE"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def parity_plot(recs: list[dict], path: Path) -> Path:
     """τ ± s.e. against token-passes, and against training minutes (features counted), one line per
-    algorithm."""
+    algorithm; on the first, each head's power-law fit (`parity_fits`) dashed, drawn out to the last
+    budget or to where it is level with P-EAGLE's fit (`level_with`, below 1e9 token-passes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,8 +423,15 @@ def parity_plot(recs: list[dict], path: Path) -> Path:
         for ax, xs in zip(axes, ([r["tokens"] for r in rs], minutes)):
             ax.errorbar(xs, [r["tau"] for r in rs], yerr=[r["tau_se"] for r in rs], fmt="o-", capsize=3,
                         color=colors[a], label=NAMES[a])
+    fits = parity_fits(recs)
+    base = fits.get("peagle")
+    levels = [level_with(base[0], f) for x, (f, _, _) in fits.items() if base and x != "peagle"]
+    hi = max([r["tokens"] for r in recs] + [t for t in levels if t is not None and t < 1e9])
+    for a, (f, lo, _) in fits.items():
+        xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+        axes[0].plot(xs, [f.tau(x) for x in xs], "--", color=colors[a], alpha=0.6, linewidth=1)
     axes[0].set_xscale("log")
-    axes[0].set_xlabel("token-passes")
+    axes[0].set_xlabel("token-passes (dashed: each head's fit τ − 1 = c·T^α)")
     axes[1].set_xlabel("training minutes, target features counted")
     for ax in axes:
         ax.set_ylabel("τ in vLLM (K = 5)")
@@ -402,6 +461,9 @@ def parity(a: Args) -> str:
               "| minutes | " + " | ".join(NAMES[x] for x in algos) + " |", "|---|" + "---|" * len(algos)]
     lines += [f"| {w / 60:.1f} | " + " | ".join("—" if t.get(x) is None else f"{t[x]:.3f}" for x in algos) + " |"
               for w, t in rows]
+    fits = parity_fit_lines(recs)
+    lines += ["", "Each head's τ − 1 as a power of its token-passes T, fitted over its budgets (a crossing outside "
+              "the budgets both heads measured is an extrapolation, not a measurement):", "", *fits] if fits else []
     lines += ["", "| head | training tokens/s | target features s per 1k tokens | tokens/s with features |",
               "|---|---|---|---|"]
     for x in algos:

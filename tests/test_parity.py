@@ -267,9 +267,37 @@ def test_drafters_compared_in_vllm_from_parity_runs_by_hand(tmp_path):
     # and 1.32 at the log-midpoint = 1.28; DFlash 4,000: its 20-step τ 1 + 4/25 = 1.16)
     assert "| 0.3 | 1.280 | 1.160 |" in text
     assert "| 0.1 | — | 1.120 |" in text  # 5 s: P-EAGLE's 500 token-passes are below its first budget
+    # fits over two points: τ − 1 from 0.24 to 0.32 (P-EAGLE), 0.12 to 0.16 (DFlash) over 4× the token-passes:
+    # α = ln(4/3) / ln 4 for both, so the fits are parallel and never level
+    alpha = math.log(0.32 / 0.24) / math.log(4.0)
+    assert f"| P-EAGLE | c = {0.24 / 1000 ** alpha:.3g}, α = {alpha:.3f} | 1.000 | 1,000–4,000 | — | — |" in text
+    assert f"| DFlash | c = {0.12 / 1000 ** alpha:.3g}, α = {alpha:.3f} | 1.000 | 1,000–4,000 | never (parallel fits) | — |" in text
     assert (tmp_path / "drafters_vllm.png").stat().st_size > 0 and out.read_text().startswith("# Benchmarks")
     again = _parity_dir(tmp_path / "again", "peagle", {10: (1000, 100.0, [(3, 10), (1, 10)], [0.3, 0.05])})
     with pytest.raises(SystemExit, match="both hold peagle runs"):
         compare_drafters.parity_records([str(pe), str(again)])
     with pytest.raises(SystemExit, match="no evaluated run of ours"):
         compare_drafters.parity_records([str(tmp_path / "empty")])
+
+
+def test_power_law_fits_level_by_hand():
+    import compare_drafters  # experiments/
+    from scaling import Fit
+
+    # 0.01·T^0.3 = 0.001·T^0.5  ⇔  T^0.2 = 10  ⇔  T = 10^5
+    assert compare_drafters.level_with(Fit("peagle", 0.01, 0.3, 1.0), Fit("dflash", 0.001, 0.5, 1.0)) == pytest.approx(1e5)
+    assert compare_drafters.level_with(Fit("peagle", 0.01, 0.3, 1.0), Fit("dflash", 0.001, 0.3, 1.0)) is None
+
+    def rec(algorithm, tokens, tau):
+        return {"algorithm": algorithm, "steps": tokens // 1000, "tokens": tokens, "tau": tau, "tokens_per_second": 1.0}
+
+    # P-EAGLE τ − 1: 0.1 → 0.2 over 4× (α 0.5, c = 0.1 / 1000); DFlash 0.05 → 0.2 over 4× (α 1, c = 5e-8):
+    # level where 1e-4·T^0.5 = 5e-8·T, T = (2000)² = 4M, its last budget, and DFlash ahead beyond it
+    peagle = [rec("peagle", 1_000_000, 1.1), rec("peagle", 4_000_000, 1.2)]
+    lines = compare_drafters.parity_fit_lines(peagle + [rec("dflash", 1_000_000, 1.05), rec("dflash", 4_000_000, 1.2)])
+    assert "| DFlash | c = 5e-08, α = 1.000 | 1.000 | 1,000,000–4,000,000 | 4.00M token-passes | DFlash |" in lines
+    # DFlash 0.025 → 0.05 over 2× (α 1, c = 2.5e-8): level at (1e-4 / 2.5e-8)² = 16M, past every budget
+    lines = compare_drafters.parity_fit_lines(peagle + [rec("dflash", 1_000_000, 1.025), rec("dflash", 2_000_000, 1.05)])
+    assert "| DFlash | c = 2.5e-08, α = 1.000 | 1.000 | 1,000,000–2,000,000 | 16.00M token-passes (extrapolated) | DFlash |" in lines
+    # one budget only: no fit for that head
+    assert not any(x.startswith("| EAGLE-3") for x in compare_drafters.parity_fit_lines(peagle + [rec("eagle3", 1_000_000, 1.1)]))

@@ -383,7 +383,7 @@ def format_table(records: list[dict], meta: dict) -> str:
         lines += trainable_note([r for r in records if r["algorithm"] == algorithm], algorithm)
         lines += ["", NOT_EQUAL[algorithm]] if algorithm in NOT_EQUAL else []
         rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
-        if not rows:
+        if not rows or len(rows[0][1]) < 2:  # one trainer's runs: nothing to compare at equal wall-clock
             continue
         names = sorted(rows[0][1], key=order.get)
         lines += ["", f"τ at equal wall-clock, {algorithm} (features counted; — = outside that trainer's budgets):", "",

@@ -405,7 +405,8 @@ def parity_fit_lines(recs: list[dict]) -> list[str]:
 def parity_plot(recs: list[dict], path: Path) -> Path:
     """τ ± s.e. against token-passes, and against training minutes (features counted), one line per
     algorithm; on the first, each head's power-law fit (`parity_fits`) dashed, drawn out to the last
-    budget or to where it is level with P-EAGLE's fit (`level_with`, below 1e9 token-passes)."""
+    budget or to where it is level with P-EAGLE's fit (`level_with`) when that is within 10× the last
+    budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -426,7 +427,8 @@ def parity_plot(recs: list[dict], path: Path) -> Path:
     fits = parity_fits(recs)
     base = fits.get("peagle")
     levels = [level_with(base[0], f) for x, (f, _, _) in fits.items() if base and x != "peagle"]
-    hi = max([r["tokens"] for r in recs] + [t for t in levels if t is not None and t < 1e9])
+    last = max(r["tokens"] for r in recs)
+    hi = max([last] + [t for t in levels if t is not None and t <= 10 * last])
     for a, (f, lo, _) in fits.items():
         xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
         axes[0].plot(xs, [f.tau(x) for x in xs], "--", color=colors[a], alpha=0.6, linewidth=1)

@@ -54,6 +54,12 @@ def test_equal_wall_clock_by_hand():
     assert rows[8.0]["ours"] == pytest.approx(1.4) and rows[8.0]["speculators"] == pytest.approx(1.2)
     assert rows[16.0]["ours"] is None and rows[16.0]["speculators"] == pytest.approx(1.3)
     assert rows[2.0]["speculators"] is None  # 1,000 token-passes: below its first budget
+    # the table: a wall-clock comparison for an algorithm both trainers ran, none for one that ours ran alone
+    base = {"steps": 1, "train_seconds": 1.0, "tokens_per_second": 1.0, "tau_se": 0.01, "per_position": [0.1], "c1": 0.1}
+    table = bench_parity.format_table(
+        [{**base, **r, "algorithm": "peagle"} for r in recs] + [{**base, **recs[0], "algorithm": "eagle3"}],
+        {"command": "c", "date": "d", "cpu": "cpu", "bf16": "none", "load": "0"})
+    assert "τ at equal wall-clock, peagle" in table and "τ at equal wall-clock, eagle3" not in table
 
 
 def _conversations(path: Path, n: int = 12) -> Path:

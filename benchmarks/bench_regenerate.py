@@ -2,13 +2,16 @@
 Prints a table and writes the "Regeneration throughput" section of docs/BENCHMARKS.md.
 
     python benchmarks/bench_regenerate.py [--batches 16 64 256] [--backends hf vllm] [--modes greedy sampled]
-        [--new-tokens 128] [--temperature 0.7] [--forward-batch 8] [--forward-len 512] [--threads N]
+        [--new-tokens 128] [--temperature 0.7] [--forward-batch 8] [--forward-len 512] [--max-prompt-tokens 512]
+        [--rows FILE] [--threads N]
         [--out FILE | --no-docs]
     python benchmarks/bench_regenerate.py --threads 1 --batches 2 --backends hf --new-tokens 4 \
         --forward-batch 1 --forward-len 16 --decode-steps 2 --no-docs          # a smoke run (seconds)
 
 The target is the default config's (SmolLM2-135M, `pkg:smollm2`), the prompts the first user turns of
-the default data (ShareGPT, shuffled with seed 0, sorted by length as `peagle regenerate` sorts them).
+the default data (ShareGPT, shuffled with seed 0, sorted by length as `peagle regenerate` sorts them),
+those over --max-prompt-tokens skipped for both backends (the in-process engine pads a batch to its
+longest prompt: at batch 256 ShareGPT's longest first turns need more than 24 GiB).
 Each (backend, mode, batch B) row is one backend call on B first turns, built as `peagle regenerate`
 builds it (cli/regenerate.py `backend_from_config`): hf = the in-process target (greedy: the
 package's batched engine, finished rows leaving the batch; sampled: HF `generate` with one seeded
@@ -35,6 +38,7 @@ before and after. Nothing else should run meanwhile.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import time
@@ -58,13 +62,17 @@ def lscpu_model() -> str:
     return cpu_model()
 
 
-def first_turns(n: int, tok) -> list[list[dict]]:
+def first_turns(n: int, tok, max_prompt_tokens: int | None = None) -> list[list[dict]]:
     """The first user turn (after any system turn) of n conversations of the default data, as
-    `peagle regenerate` orders them."""
+    `peagle regenerate` orders them, skipping first turns over max_prompt_tokens as
+    regenerate.max_prompt_tokens does (drawn from 4n conversations)."""
     from peagle_train.cli.regenerate import conversations
     from peagle_train.config import compose
 
-    cfg = compose("regenerate", [f"data.num_conversations={n}"])
+    over = [f"data.num_conversations={4 * n if max_prompt_tokens else n}"]
+    if max_prompt_tokens:
+        over.append(f"regenerate.max_prompt_tokens={max_prompt_tokens}")
+    cfg = compose("regenerate", over)
     rows, _ = conversations(cfg, tok)
     out = []
     for _, msgs in rows:
@@ -98,12 +106,17 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
             f"regenerate.temperature={0 if mode == 'greedy' else args.temperature}",
             f"regenerate.output={args.tmp / 'unused.jsonl'}"]
     cfg = compose("regenerate", over)
+    done = {tuple(r[:3]): r for r in map(json.loads, args.rows.read_text().splitlines())} \
+        if args.rows and args.rows.is_file() else {}
+    todo = [b for b in batches if (backend_name, mode, b) not in done]
+    rows = [tuple(done[backend_name, mode, b]) for b in batches if b not in todo]
+    if not todo:
+        return rows
     backend, tok = backend_from_config(cfg.regenerate, cfg.target, cfg.data, "auto", seed=0)
-    rows = []
     try:
-        prompts = first_turns(max(batches), tok)
+        prompts = first_turns(max(batches), tok, args.max_prompt_tokens)
         backend.generate(prompts[:1], seeds=[0])  # warm-up (vllm: its engine start, timed apart)
-        for b in batches:
+        for b in todo:
             convs = prompts[:b]
             t0 = time.perf_counter()
             gens = backend.generate(convs, seeds=list(range(len(convs))))
@@ -112,10 +125,13 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
             rows.append((backend_name, mode, b, len(convs), prompt_tokens(tok, convs, backend.template_kwargs),
                          answer_tokens(tok, gens), dt, start))
             print(f"  {backend_name} {mode} B={b}: {rows[-1][5]} tokens in {dt:.1f} s", flush=True)
+            if args.rows:
+                with open(args.rows, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
     finally:
         if hasattr(backend, "close"):
             backend.close()
-    return rows
+    return sorted(rows, key=lambda r: r[2])
 
 
 def time_forward(batches: list[int], args) -> tuple[float, list[tuple[int, float]]]:
@@ -139,9 +155,16 @@ def time_forward(batches: list[int], args) -> tuple[float, list[tuple[int, float
         prefill = x.numel() / (time.perf_counter() - t0)
         decode = []
         for b in batches:
-            ctx = torch.randint(0, V, (b, args.forward_len), generator=g)
+            # the cache of `--forward-len` tokens: computed for up to 16 rows and repeated to b (a decode step's
+            # cost does not depend on what the cache holds); only the last position's logits
+            seed_rows = min(b, 16)
+            ctx = torch.randint(0, V, (seed_rows, args.forward_len), generator=g)
             cache = DynamicCache(config=model.config)  # filled in place by each forward
-            nxt = model(ctx, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
+            nxt = model(ctx, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1:].argmax(-1)
+            if b > seed_rows:
+                cache.batch_repeat_interleave(-(-b // seed_rows))
+                cache.batch_select_indices(torch.arange(b))
+                nxt = nxt.repeat_interleave(-(-b // seed_rows), 0)[:b]
             t0 = time.perf_counter()
             for _ in range(args.decode_steps):
                 nxt = model(nxt, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
@@ -167,6 +190,11 @@ def main() -> None:
     ap.add_argument("--forward-len", type=int, default=512, help="tokens per row of the prefill forward, and the "
                                                                   "KV cache length of the decode steps")
     ap.add_argument("--decode-steps", type=int, default=16, help="one-token forwards timed per batch size")
+    ap.add_argument("--rows", type=Path, help="a JSONL of finished rows: rows found there (same backend, mode and "
+                                              "batch) are not run again, new ones are appended (a run cut short resumes)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512,
+                    help="first turns longer than this are skipped, for both backends (0 = none): the in-process "
+                         "engine pads a batch to its longest prompt, and 256 of ShareGPT's longest do not fit in 24 GiB")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}" if args.threads > 1 else "0")
@@ -182,11 +210,12 @@ def main() -> None:
     cmd = (f"python benchmarks/bench_regenerate.py --batches {' '.join(map(str, args.batches))} --backends "
            f"{' '.join(args.backends)} --modes {' '.join(args.modes)} --new-tokens {args.new_tokens} --temperature "
            f"{args.temperature} --forward-batch {args.forward_batch} --forward-len {args.forward_len} "
-           f"--decode-steps {args.decode_steps} --threads {args.threads}")
+           f"--decode-steps {args.decode_steps} --max-prompt-tokens {args.max_prompt_tokens} --threads {args.threads}")
     lines = [HEADING, "",
              f"`{cmd}`, {time.strftime('%Y-%m-%d')}: {lscpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'}), "
              f"{args.threads} threads of {os.cpu_count()} cores, load average {load0:.1f} before / {load1:.1f} after; "
-             "SmolLM2-135M, first user turns of the default data. One backend call per row (first turns only).", "",
+             f"SmolLM2-135M, first user turns of the default data (those over {args.max_prompt_tokens} tokens skipped). "
+             "One backend call per row (first turns only).", "",
              "| backend | mode | batch | conversations | prompt tokens | answer tokens | seconds | answer tokens/s | "
              "engine start s |", "|---|---|---|---|---|---|---|---|---|"]
     for backend, mode, b, n, ptoks, toks, dt, start in rows:

@@ -111,12 +111,12 @@ def paired_stderr(rows: list[dict], prefix: str, base_prefix: str) -> float:
                                [b[i][1] for i in ids])
 
 
-def collect(run: Path) -> list[dict]:
-    """One record per (arm, budget) evaluated under `run`/eval. An arm evaluated at a budget by more
+def collect(run: Path, evals: str = "eval") -> list[dict]:
+    """One record per (arm, budget) evaluated under `run`/`evals`. An arm evaluated at a budget by more
     than one run keeps the run that decoded the most heads (the latest of equals); its record holds the
     base's τ of that same run ("run_base", None when the run had no base). Raises UserError when none is."""
     found = {}
-    paths = sorted(run.glob("eval/*__*/step_*/eval/acceptance.json"), key=lambda p: p.stat().st_mtime)
+    paths = sorted(run.glob(f"{evals}/*__*/step_*/eval/acceptance.json"), key=lambda p: p.stat().st_mtime)
     for path in paths:
         group, step = path.parent.parent.parent.name, int(path.parent.parent.name.split("_")[1])
         acc = read_acceptance(path)
@@ -145,7 +145,7 @@ def collect(run: Path) -> list[dict]:
                                 "se": se, "p": p, "c1": p[1] / p[0] if p[0] else 0.0,
                                 "heads": len(decoded), "run_base": run_base, "paired_se": paired}
     if not found:
-        raise UserError(f"{run}/eval: no evaluated arm (eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
+        raise UserError(f"{run}/{evals}: no evaluated arm ({evals}/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json). "
                         f"Fix: bash experiments/ablations.sh {run}")
     return list(found.values())
 

@@ -454,6 +454,8 @@ def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkey
     calls = []
 
     class FakeSession:
+        info = {}  # the ready record of a worker from before per_prompt_seeds
+
         def __init__(self, **kw):
             calls.append(("start", kw["max_num_seqs"]))
 
@@ -474,6 +476,11 @@ def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkey
                       for s in (3, 4)]
     assert [p["seed"] for p in serve_sampling_params(dict, {"prompts": [[1], [2]], "max_new_tokens": 1, "seed": 8})] \
         == [8, 8]
+    # a CPU engine cannot rewind a prompt's own generator: sampling draws from the engine's seed; greedy keeps them
+    sampled = {"prompts": [[1], [2]], "max_new_tokens": 9, "temperature": 0.6, "seeds": [3, 4]}
+    assert [p["seed"] for p in serve_sampling_params(dict, sampled, rewindable=False)] == [None, None]
+    assert [p["seed"] for p in serve_sampling_params(dict, {**sampled, "temperature": 0.0}, rewindable=False)] == [3, 4]
+    assert be.per_prompt_seeds is True
 
 
 def test_the_regenerate_group_resolves_sampling_and_batch_size(tmp_path, chatml_tokenizer):

@@ -120,12 +120,15 @@ def _serve(llm, response_path: str, load_s: float) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
+    from vllm.platforms import current_platform
+
+    rewindable = not current_platform.is_cpu()
+    _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s, "per_prompt_seeds": rewindable})
     for line in sys.stdin:
         if not line.strip():
             continue
         r = json.loads(line)
-        p = serve_sampling_params(SamplingParams, r)
+        p = serve_sampling_params(SamplingParams, r, rewindable)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
         _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
@@ -133,11 +136,20 @@ def _serve(llm, response_path: str, load_s: float) -> None:
                                "generate_seconds": time.perf_counter() - t0})
 
 
-def serve_sampling_params(sampling_params, r: dict) -> list:
+def serve_sampling_params(sampling_params, r: dict, rewindable: bool = True) -> list:
     """One `sampling_params` (vLLM's SamplingParams class) per prompt of serve request `r`: its
     temperature, top_p, top_k (0 = off), max_new_tokens, stop_token_ids, and the prompt's seed
-    (r["seeds"][i], else r["seed"])."""
+    (r["seeds"][i], else r["seed"]).
+
+    rewindable=False (vLLM on CPU) samples without per-prompt seeds: the engine-wide generator
+    (LLM(seed=...)) draws for every prompt. vLLM gives a seeded prompt its own torch.Generator and,
+    when the scheduler splits the prompt's prefill over steps, rewinds it (`set_offset`), which only
+    a CUDA generator supports: a CPU engine fails with "CPU Generator does not use offset" as soon as
+    a batch's prompts exceed one step's token budget. Without the seeds an answer depends on the batch
+    it was drawn in."""
     seeds = r.get("seeds") or [r.get("seed", 0)] * len(r["prompts"])
+    if not rewindable and r.get("temperature", 0.0) > 0:
+        seeds = [None] * len(seeds)
     return [sampling_params(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0),
                             max_tokens=r["max_new_tokens"], stop_token_ids=list(r.get("stop_token_ids") or []),
                             seed=s) for s in seeds]

@@ -1,7 +1,7 @@
 """The fair regeneration test: the same prompts answered by the target against their original answers,
 at equal distinct tokens and equal token-passes (experiments/regen_fair.sh; docs/RESULTS.md).
 
-    python experiments/regen_fair.py command=arms regenerated=RUN/regen/regenerated.jsonl out=RUN/arms \
+    python experiments/regen_fair.py command=arms regenerated=RUN/regenerate/regenerated.jsonl out=RUN/arms \
         [data=pkg:sharegpt] [max_length=640] [target=pkg:smollm2]
     python experiments/regen_fair.py command=report run_dir=RUN [out=docs/RESULTS.md]
 
@@ -16,7 +16,7 @@ pairs without an original counted).
 
 `report` reads RUN/eval-<bench>/base__regen/step_N/eval/acceptance.json (one `peagle evaluate` of
 both heads per benchmark, the original arm as head, the regenerated as baseline_head's column
-"regen") and RUN/arms/arms.json, and writes the section "## Regeneration at equal distinct tokens"
+"regen") and RUN/arms/arms.json, and writes the section "## Should I regenerate the answers with the target?"
 of `out`: per benchmark and arm, token-passes, τ ± s.e., the paired Δτ (clustered by prompt),
 P(≥ i) and c1 = P(≥2) / P(≥1).
 """
@@ -36,7 +36,7 @@ from peagle_train.errors import UserError
 from peagle_train.runtime import cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "## Regeneration at equal distinct tokens"
+HEADING = "## Should I regenerate the answers with the target?"
 BENCHES = {"mt_bench": "80 MT-Bench first turns (Spec-Bench)", "humaneval": "HumanEval prompts (no prompt shared "
                                                                                "with training)"}
 
@@ -135,7 +135,7 @@ def report(a: Args) -> str:
     counts = json.loads(arms_file.read_text())
     parts = [HEADING, (
         f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash experiments/regen_fair.sh {run}`, then "
-        f"`python experiments/regen_fair.py report run_dir={run}`. The same {counts['orig']['conversations']:,} / "
+        f"`python experiments/regen_fair.py command=report run_dir={run}`. The same {counts['orig']['conversations']:,} / "
         f"{counts['regen']['conversations']:,} ShareGPT prompts (a prefix of one order) with their original answers "
         f"(`base`) or the target's (`regen`): {counts['orig']['tokens']:,} / {counts['regen']['tokens']:,} distinct "
         f"tokens ({counts['orig']['supervised_tokens']:,} / {counts['regen']['supervised_tokens']:,} supervised), "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fair regeneration test on SmolLM2-135M-Instruct (docs/RESULTS.md, "Regeneration at equal distinct tokens"):
+# The fair regeneration test on SmolLM2-135M-Instruct (docs/RESULTS.md, "Should I regenerate the answers with the target?"):
 #   bash experiments/regen_fair.sh runs/regen_fair          # every stage resumes after a kill
 #   python experiments/regen_fair.py command=report run_dir=runs/regen_fair
 # 1. the target answers CONVS ShareGPT conversations again through vLLM (every user turn up to TURNS,
@@ -19,6 +19,7 @@ NEW=${NEW:-512}                      # max_new_tokens per answer
 TEMPERATURE=${TEMPERATURE:-0.2}      # SmolLM2-135M-Instruct's model card: temperature 0.2, top_p 0.9
 TOP_P=${TOP_P:-0.9}
 STEPS=${STEPS:-240}
+WARMUP=${WARMUP:-30}                 # warm-up steps (at most half of STEPS)
 THREADS=${THREADS:-2}
 HE_PROMPTS=${HE_PROMPTS:-80}
 PY=${PYTHON:-python}
@@ -29,9 +30,9 @@ stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/regen_fair.log"; }
 stamp "1/4 regenerating $CONVS conversations, up to $TURNS turns (vLLM, temperature $TEMPERATURE, top_p $TOP_P)"
 "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend=vllm regenerate.max_turns="$TURNS" \
     regenerate.max_new_tokens="$NEW" regenerate.temperature="$TEMPERATURE" regenerate.top_p="$TOP_P" \
-    data.num_conversations="$CONVS" threads="$THREADS" output_dir="$OUT/regen" > "$OUT/regen.log" 2>&1
+    data.num_conversations="$CONVS" threads="$THREADS" output_dir="$OUT/regenerate" > "$OUT/regenerate.log" 2>&1
 stamp "2/4 the two arms at equal distinct tokens"
-[ -f "$OUT/arms/arms.json" ] || "$PY" "$HERE/regen_fair.py" command=arms regenerated="$OUT/regen/regenerated.jsonl" \
+[ -f "$OUT/arms/arms.json" ] || "$PY" "$HERE/regen_fair.py" command=arms regenerated="$OUT/regenerate/regenerated.jsonl" \
     out="$OUT/arms" > "$OUT/arms.log" 2>&1
 step=$(printf %06d "$STEPS")
 for arm in base regen; do
@@ -40,6 +41,7 @@ for arm in base regen; do
     [ -d "$OUT/$arm/checkpoints/step_$step" ] && continue
     "$PY" -m peagle_train.cli train recipe=smollm2-135m data.path="$OUT/arms/$file.jsonl" data.num_conversations=null \
         threads="$THREADS" eval.enabled=false export.enabled=false training.max_steps="$STEPS" training.epochs=20 \
+        training.warmup_steps="$WARMUP" \
         training.max_minutes=null training.save_every="$STEPS" training.keep_last=null training.val_conversations=0 \
         training.resume=true output_dir="$OUT/$arm" > "$OUT/$arm.log" 2>&1
 done

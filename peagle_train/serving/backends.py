@@ -24,8 +24,8 @@ class VllmBackend:
     the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does
     (chat template with add_generation_prompt=True, template_kwargs), vLLM generates from those
     token ids with one SamplingParams per prompt (`sampling`'s temperature, top_p, top_k; the
-    prompt's own seed, except on a CPU engine: `vllm_worker.serve_sampling_params`), and the answer is decoded here (cut: vLLM's finish_reason "length"). The
-    engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
+    prompt's own seed, except on a CPU engine: `vllm_worker.serve_sampling_params`), and the answer
+    is decoded here (cut: vLLM's finish_reason "length"). The engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
     (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend).
     `temperature` alone is shorthand for Sampling(temperature, seed=seed) when sampling is None."""
 

@@ -454,8 +454,6 @@ def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkey
     calls = []
 
     class FakeSession:
-        info = {}  # the ready record of a worker from before per_prompt_seeds
-
         def __init__(self, **kw):
             calls.append(("start", kw["max_num_seqs"]))
 
@@ -476,11 +474,31 @@ def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkey
                       for s in (3, 4)]
     assert [p["seed"] for p in serve_sampling_params(dict, {"prompts": [[1], [2]], "max_new_tokens": 1, "seed": 8})] \
         == [8, 8]
-    # a CPU engine cannot rewind a prompt's own generator: sampling draws from the engine's seed; greedy keeps them
-    sampled = {"prompts": [[1], [2]], "max_new_tokens": 9, "temperature": 0.6, "seeds": [3, 4]}
-    assert [p["seed"] for p in serve_sampling_params(dict, sampled, rewindable=False)] == [None, None]
-    assert [p["seed"] for p in serve_sampling_params(dict, {**sampled, "temperature": 0.0}, rewindable=False)] == [3, 4]
-    assert be.per_prompt_seeds is True
+
+
+def test_a_cpu_engine_that_may_sample_never_splits_a_prefill():
+    """vLLM rewinds a seeded prompt's generator after a partial prefill, which a CPU generator cannot:
+    on CPU the serve engine (regeneration) and a sampling generate engine run without chunked prefill,
+    with a step budget that holds a whole prompt of max_model_len; greedy evaluation, features and
+    any GPU engine keep vLLM's defaults."""
+    from peagle_train.serving.vllm_worker import _llm_kwargs
+
+    class Platform:
+        def __init__(self, cpu):
+            self.cpu = cpu
+
+        def is_cpu(self):
+            return self.cpu
+
+    whole = {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    serve = {"task": "serve", "model": "m", "max_model_len": 8192}
+    assert whole.items() <= _llm_kwargs(serve, Platform(True)).items()
+    assert _llm_kwargs({**serve, "max_model_len": 1024}, Platform(True))["max_num_batched_tokens"] == 4096
+    assert whole.items() <= _llm_kwargs({**serve, "task": "generate", "temperature": 0.7}, Platform(True)).items()
+    for req, cpu in [({**serve, "task": "generate"}, True), (serve, False),
+                     ({**serve, "task": "generate", "temperature": 0.7}, False)]:
+        kw = _llm_kwargs(req, Platform(cpu))
+        assert "enable_chunked_prefill" not in kw and "max_num_batched_tokens" not in kw, (req, cpu)
 
 
 def test_the_regenerate_group_resolves_sampling_and_batch_size(tmp_path, chatml_tokenizer):

@@ -150,7 +150,9 @@ def test_vllm_regenerates_what_the_target_writes(tmp_path):
 def test_vllm_samples_each_conversation_with_its_own_seed(tmp_path):
     """The vllm backend with the target's sampling: one SamplingParams per prompt, each with its
     conversation's seed, so an answer is the same alone or beside another, and another seed draws
-    another answer (top_k, top_p reach vLLM: top_k 1 gives the greedy answer)."""
+    another answer (top_k, top_p reach vLLM: top_k 1 gives the greedy answer). Ten prompts of 900
+    tokens exceed a step's default token budget on CPU: none is split (a split prefill rewinds a
+    seeded CPU generator, and vLLM fails), and the last answers as it does alone."""
     from transformers import AutoTokenizer
 
     from peagle_train.data.regenerate import Sampling
@@ -170,6 +172,11 @@ def test_vllm_samples_each_conversation_with_its_own_seed(tmp_path):
         assert be.generate([b, a], seeds=[22, 11])[1].text == both[0]
         assert be.generate([a], seeds=[11])[0].text == both[0]
         assert {be.generate([a], seeds=[s])[0].text for s in (1, 2, 3)} != {both[0]}
+        long = [[{"role": "user", "content": f"{i} " + "Summarise the tide. " * 180}] for i in range(10)]
+        ids = tok.apply_chat_template(long[9], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        assert len(ids) > 900
+        ten = be.generate(long, seeds=list(range(10)))
+        assert be.generate(long[9:], seeds=[9])[0].text == ten[9].text
         be.sampling = Sampling(temperature=1.0, top_k=1)  # the same engine, other SamplingParams
         top1 = [g.text for g in be.generate([a, b], seeds=[5, 6])]
         be.sampling = Sampling()

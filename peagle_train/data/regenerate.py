@@ -25,8 +25,7 @@ As the field regenerates (speculators' and SpecForge's data scripts, EAGLE's sel
   top_p and top_k its generation_config sets, as vLLM and SGLang read them; greedy when it sets
   none), each overridable. Conversation `id`'s turn t draws with its own seed
   (`turn_seed(seed, id, t)`), so an answer does not depend on the batch it fell in and a resumed
-  run writes what an uninterrupted one would (up to floating-point differences between batches;
-  not through vLLM on CPU, which cannot seed each prompt: serving/vllm_worker.py `serve_sampling_params`).
+  run writes what an uninterrupted one would (up to floating-point differences between batches).
 - Every assistant turn is rewritten, on the regenerated history (above).
 - A conversation with an answer cut at max_new_tokens is dropped whole (counted), as speculators
   and SpecForge drop such samples: a cut answer teaches the head a stop that the target never makes.

@@ -6,7 +6,6 @@ the prompt rendering are data/regenerate.py's."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import urllib.error
 import urllib.request
@@ -16,16 +15,14 @@ from pathlib import Path
 from ..data.regenerate import Generation, Sampling, decode_answer, prompt_texts
 from ..errors import UserError
 
-logger = logging.getLogger(__name__)
-
 
 class VllmBackend:
     """Generation by vLLM's offline engine in its own environment (vllm_engine.py `VllmSession`):
     the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does
     (chat template with add_generation_prompt=True, template_kwargs), vLLM generates from those
     token ids with one SamplingParams per prompt (`sampling`'s temperature, top_p, top_k; the
-    prompt's own seed, except on a CPU engine: `vllm_worker.serve_sampling_params`), and the answer
-    is decoded here (cut: vLLM's finish_reason "length"). The engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
+    prompt's own seed), and the answer is decoded here (cut: vLLM's finish_reason "length"). The
+    engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
     (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend).
     `temperature` alone is shorthand for Sampling(temperature, seed=seed) when sampling is None."""
 
@@ -49,11 +46,6 @@ class VllmBackend:
 
         if self._session is None:
             self._session = VllmSession(**self._args)
-            if self.sampling.temperature > 0 and seeds is not None and not self.per_prompt_seeds:
-                logger.warning("vLLM on CPU cannot seed each prompt (its generators cannot be rewound after a split "
-                               "prefill): answers are drawn from the engine's seed %d, so an answer depends on the "
-                               "batch it falls in and a resumed run differs from an uninterrupted one",
-                               self.sampling.seed)
         texts = prompt_texts(self.tok, conversations, self.template_kwargs)
         prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
         s = self.sampling
@@ -67,17 +59,10 @@ class VllmBackend:
                 g.cut = o["finish_reason"] == "length"
         return gens
 
-    @property
-    def per_prompt_seeds(self) -> bool | None:
-        """Whether the engine seeds each prompt (False: vLLM on CPU, `vllm_worker.serve_sampling_params`);
-        None before it starts."""
-        return self._session.info.get("per_prompt_seeds", True) if self._session else None
-
     def summary(self) -> dict:
-        """vLLM's version, engine start seconds, generate seconds, generated tokens so far, and whether each
-        prompt had its own seed."""
+        """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
         s = self._session
-        return {"vllm_version": s.info.get("vllm_version") if s else None, "per_prompt_seeds": self.per_prompt_seeds,
+        return {"vllm_version": s.info.get("vllm_version") if s else None,
                 "load_seconds": s.info.get("load_seconds") if s else None,
                 "generate_seconds": s.generate_seconds if s else 0.0, "generated_tokens": self.generated_tokens}
 

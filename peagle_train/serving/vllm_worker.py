@@ -91,12 +91,20 @@ def _llm_kwargs(req: dict, current_platform) -> dict:
     """The keyword arguments of vLLM's `LLM` for the request: model, dtype, max_model_len, seed,
     enforce_eager (default: on CPU), max_num_seqs, tokenizer and speculative_config when given; for
     "features" the `extract_hidden_states` method for req["layer_ids"] and the hidden-states
-    connector writing under req["storage_dir"] (on CPU our vllm_cpu_connector's)."""
+    connector writing under req["storage_dir"] (on CPU our vllm_cpu_connector's).
+
+    On CPU a "serve" engine, and a "generate" one that samples, never split a prompt's prefill over
+    steps (no chunked prefill; a step's token budget of max_model_len, or vLLM's CPU default of
+    4,096 tokens if larger): vLLM rewinds a
+    seeded prompt's own generator after a partial prefill (`set_offset`), which only a CUDA
+    generator supports, so a split fails with "CPU Generator does not use offset"."""
     kw = dict(model=req["model"], dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"],
               seed=req.get("seed", 0), enforce_eager=req.get("enforce_eager", current_platform.is_cpu()),
               max_num_seqs=req.get("max_num_seqs", 16), disable_log_stats=False)
     if req.get("tokenizer"):
         kw["tokenizer"] = req["tokenizer"]
+    if current_platform.is_cpu() and (req["task"] == "serve" or req.get("temperature", 0.0) > 0):
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(req["max_model_len"], 4096))
     if req.get("speculative_config"):
         kw["speculative_config"] = req["speculative_config"]
     if req["task"] == "features":
@@ -120,15 +128,12 @@ def _serve(llm, response_path: str, load_s: float) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm.platforms import current_platform
-
-    rewindable = not current_platform.is_cpu()
-    _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s, "per_prompt_seeds": rewindable})
+    _write(response_path, {"vllm_version": vllm.__version__, "load_seconds": load_s})
     for line in sys.stdin:
         if not line.strip():
             continue
         r = json.loads(line)
-        p = serve_sampling_params(SamplingParams, r, rewindable)
+        p = serve_sampling_params(SamplingParams, r)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in r["prompts"]], p, use_tqdm=False)
         _write(r["response"], {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
@@ -136,20 +141,12 @@ def _serve(llm, response_path: str, load_s: float) -> None:
                                "generate_seconds": time.perf_counter() - t0})
 
 
-def serve_sampling_params(sampling_params, r: dict, rewindable: bool = True) -> list:
+def serve_sampling_params(sampling_params, r: dict) -> list:
     """One `sampling_params` (vLLM's SamplingParams class) per prompt of serve request `r`: its
     temperature, top_p, top_k (0 = off), max_new_tokens, stop_token_ids, and the prompt's seed
-    (r["seeds"][i], else r["seed"]).
-
-    rewindable=False (vLLM on CPU) samples without per-prompt seeds: the engine-wide generator
-    (LLM(seed=...)) draws for every prompt. vLLM gives a seeded prompt its own torch.Generator and,
-    when the scheduler splits the prompt's prefill over steps, rewinds it (`set_offset`), which only
-    a CUDA generator supports: a CPU engine fails with "CPU Generator does not use offset" as soon as
-    a batch's prompts exceed one step's token budget. Without the seeds an answer depends on the batch
-    it was drawn in."""
+    (r["seeds"][i], else r["seed"]); on CPU `_llm_kwargs` keeps every prefill whole, which a seeded
+    prompt needs there."""
     seeds = r.get("seeds") or [r.get("seed", 0)] * len(r["prompts"])
-    if not rewindable and r.get("temperature", 0.0) > 0:
-        seeds = [None] * len(seeds)
     return [sampling_params(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0),
                             max_tokens=r["max_new_tokens"], stop_token_ids=list(r.get("stop_token_ids") or []),
                             seed=s) for s in seeds]

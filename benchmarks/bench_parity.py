@@ -88,6 +88,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators (run as a script)
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_DFLASH = "## Peer parity, DFlash: our trainer against speculators' (benchmarks/bench_parity.py)"
+HEADING_EAGLE3 = "## Peer parity, EAGLE-3: our trainer against speculators' (benchmarks/bench_parity.py)"
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
 # our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
@@ -393,9 +394,10 @@ def format_table(records: list[dict], meta: dict) -> str:
 
 
 def heading_of(records: list[dict]) -> str:
-    """The section's heading: HEADING_DFLASH for a run directory of DFlash alone (its own section, so
-    that the P-EAGLE / EAGLE-3 table beside it stays), else HEADING."""
-    return HEADING_DFLASH if records and {r["algorithm"] for r in records} == {"dflash"} else HEADING
+    """The section's heading: HEADING_DFLASH / HEADING_EAGLE3 for a run directory of DFlash / EAGLE-3
+    alone (its own section, so that the P-EAGLE / EAGLE-3 table beside it stays), else HEADING."""
+    alone = {r["algorithm"] for r in records}
+    return {frozenset({"dflash"}): HEADING_DFLASH, frozenset({"eagle3"}): HEADING_EAGLE3}.get(frozenset(alone), HEADING)
 
 
 def trainable_note(records: list[dict], algorithm: str) -> list[str]:

@@ -60,6 +60,10 @@ def test_equal_wall_clock_by_hand():
         [{**base, **r, "algorithm": "peagle"} for r in recs] + [{**base, **recs[0], "algorithm": "eagle3"}],
         {"command": "c", "date": "d", "cpu": "cpu", "bf16": "none", "load": "0"})
     assert "τ at equal wall-clock, peagle" in table and "τ at equal wall-clock, eagle3" not in table
+    # a run directory of DFlash alone or of EAGLE-3 alone has its own docs section, any other the shared one
+    assert [bench_parity.heading_of([{"algorithm": a} for a in algs]) for algs in
+            (["eagle3"], ["dflash", "dflash"], ["peagle", "eagle3"], ["peagle"])] == \
+        [bench_parity.HEADING_EAGLE3, bench_parity.HEADING_DFLASH, bench_parity.HEADING, bench_parity.HEADING]
 
 
 def _conversations(path: Path, n: int = 12) -> Path:

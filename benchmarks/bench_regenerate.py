@@ -96,6 +96,40 @@ def prompt_tokens(tok, convs, template_kwargs) -> int:
     return sum(len(ids) for ids in tok(prompt_texts(tok, convs, template_kwargs), add_special_tokens=False)["input_ids"])
 
 
+def run_settings(args) -> dict:
+    """What a row of `--rows` depends on besides its backend, mode and batch: the CPU, threads, answer
+    length, sampled temperature and prompt cut."""
+    return {"cpu": lscpu_model(), "threads": args.threads, "new_tokens": args.new_tokens,
+            "temperature": args.temperature, "max_prompt_tokens": args.max_prompt_tokens}
+
+
+def finished_rows(path: Path, settings: dict) -> dict[tuple, list]:
+    """The rows of a `--rows` JSONL by (backend, mode, B): its first line is {"settings": ...}, each
+    other line one row. {} if the file does not exist. Raises SystemExit when the file was written
+    with other settings (naming them), or its first line is not a settings record."""
+    if not path.is_file():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or not isinstance(lines[0], dict) or "settings" not in lines[0]:
+        raise SystemExit(f"{path}: its first line is not a settings record of bench_regenerate.py; fix: give "
+                         "--rows a new file")
+    other = {k: (lines[0]["settings"].get(k), v) for k, v in settings.items() if lines[0]["settings"].get(k) != v}
+    if other:
+        raise SystemExit(f"{path}: its rows were measured with other settings ("
+                         + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in other.items())
+                         + "); fix: give --rows a new file, or rerun with that file's settings")
+    return {tuple(r[:3]): r for r in lines[1:]}
+
+
+def append_row(path: Path, settings: dict, row: tuple) -> None:
+    """Append one finished row to a `--rows` JSONL, starting the file with its settings record."""
+    new = not path.is_file()
+    with open(path, "a") as f:
+        if new:
+            f.write(json.dumps({"settings": settings}) + "\n")
+        f.write(json.dumps(row) + "\n")
+
+
 def time_regeneration(backend_name: str, mode: str, batches: list[int], args) -> list[tuple]:
     """(backend, mode, B, conversations, prompt tokens, answer tokens, seconds, engine start s) per batch size B."""
     from peagle_train.cli.regenerate import backend_from_config
@@ -106,8 +140,7 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
             f"regenerate.temperature={0 if mode == 'greedy' else args.temperature}",
             f"regenerate.output={args.tmp / 'unused.jsonl'}"]
     cfg = compose("regenerate", over)
-    done = {tuple(r[:3]): r for r in map(json.loads, args.rows.read_text().splitlines())} \
-        if args.rows and args.rows.is_file() else {}
+    done = finished_rows(args.rows, run_settings(args)) if args.rows else {}
     todo = [b for b in batches if (backend_name, mode, b) not in done]
     rows = [tuple(done[backend_name, mode, b]) for b in batches if b not in todo]
     if not todo:
@@ -126,8 +159,7 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
                          answer_tokens(tok, gens), dt, start))
             print(f"  {backend_name} {mode} B={b}: {rows[-1][5]} tokens in {dt:.1f} s", flush=True)
             if args.rows:
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
+                append_row(args.rows, run_settings(args), rows[-1])
     finally:
         if hasattr(backend, "close"):
             backend.close()
@@ -191,7 +223,8 @@ def main() -> None:
                                                                   "KV cache length of the decode steps")
     ap.add_argument("--decode-steps", type=int, default=16, help="one-token forwards timed per batch size")
     ap.add_argument("--rows", type=Path, help="a JSONL of finished rows: rows found there (same backend, mode and "
-                                              "batch) are not run again, new ones are appended (a run cut short resumes)")
+                                              "batch) are not run again, new ones are appended (a run cut short "
+                                              "resumes); a file of other settings (CPU, threads, lengths) is refused")
     ap.add_argument("--max-prompt-tokens", type=int, default=512,
                     help="first turns longer than this are skipped, for both backends (0 = none): the in-process "
                          "engine pads a batch to its longest prompt, and 256 of ShareGPT's longest do not fit in 24 GiB")

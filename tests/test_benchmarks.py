@@ -1,3 +1,5 @@
+import json
+
 from bench_tables import publish, write_section  # benchmarks/ (pytest's pythonpath, pyproject.toml)
 
 
@@ -52,3 +54,24 @@ def test_every_benchmark_script_has_the_shared_options():
         assert writes or publishes, path.name
         assert all("args.out)" in line for line in writes), (path.name, writes)
         assert all(line.rstrip().endswith(", args)") for line in publishes), (path.name, publishes)
+
+
+def test_regeneration_rows_resume_only_under_the_same_settings(tmp_path):
+    import pytest
+
+    from bench_regenerate import append_row, finished_rows
+
+    rows, settings = tmp_path / "rows.jsonl", {"cpu": "Xeon", "threads": 2, "new_tokens": 128}
+    assert finished_rows(rows, settings) == {}
+    append_row(rows, settings, ("hf", "greedy", 16, 16, 900, 1500, 9.5, None))
+    append_row(rows, settings, ("vllm", "sampled", 64, 64, 3600, 7000, 30.0, 12.0))
+    assert json.loads(rows.read_text().splitlines()[0]) == {"settings": settings}
+    assert finished_rows(rows, settings) == {("hf", "greedy", 16): ["hf", "greedy", 16, 16, 900, 1500, 9.5, None],
+                                             ("vllm", "sampled", 64): ["vllm", "sampled", 64, 64, 3600, 7000, 30.0, 12.0]}
+    with pytest.raises(SystemExit, match=r"rows.jsonl: its rows were measured with other settings \(threads 2 there, "
+                                         r"1 now, new_tokens 128 there, 256 now\)"):
+        finished_rows(rows, {**settings, "threads": 1, "new_tokens": 256})
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(["hf", "greedy", 16, 16, 900, 1500, 9.5, None]) + "\n")  # a file from before the record
+    with pytest.raises(SystemExit, match="old.jsonl: its first line is not a settings record"):
+        finished_rows(old, settings)

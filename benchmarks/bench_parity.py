@@ -320,6 +320,7 @@ def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -
         tau, se = tau_stats(ev["per_prompt"])
         pos = ev["per_position_acceptance"]
         rec.update(tau=tau, tau_se=se, per_position=pos, c1=pos[1] / pos[0] if len(pos) > 1 and pos[0] else None,
+                   per_prompt=ev["per_prompt"],
                    num_prompts=ev["num_prompts"], k=ev["num_speculative_tokens"], lossless=ev["lossless"],
                    vllm_version=ev["vllm_version"], precision=ev["precision"])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -383,6 +384,7 @@ def format_table(records: list[dict], meta: dict) -> str:
     for algorithm in sorted({r["algorithm"] for r in records}):
         lines += trainable_note([r for r in records if r["algorithm"] == algorithm], algorithm)
         lines += ["", NOT_EQUAL[algorithm]] if algorithm in NOT_EQUAL else []
+        lines += paired_lines([r for r in records if r["algorithm"] == algorithm])
         rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
         if not rows or len(rows[0][1]) < 2:  # one trainer's runs: nothing to compare at equal wall-clock
             continue
@@ -391,6 +393,27 @@ def format_table(records: list[dict], meta: dict) -> str:
                   "| seconds | " + " | ".join(f"τ {t}" for t in names) + " |", "|---|" + "---|" * len(names)]
         lines += [f"| {w:.0f} | " + " | ".join(_f(taus.get(t)) for t in names) + " |" for w, taus in rows]
     return "\n".join(lines) + "\n"
+
+
+def paired_lines(records: list[dict]) -> list[str]:
+    """For one algorithm's records: at each budget both trainers reached, ours − speculators in τ on
+    the same prompts ± the standard error of that paired difference (`paired_ratio_stderr`; "within
+    noise" inside two s.e.). Records without per-prompt counts (written before they were kept) give
+    no line."""
+    from peagle_train.evaluation.report import paired_ratio_stderr
+
+    at = {(r["trainer"], r["steps"]): r for r in records if r.get("per_prompt")}
+    lines = []
+    for steps in sorted({s for _, s in at}):
+        ours, spec = at.get(("ours", steps)), at.get(("speculators", steps))
+        if ours is None or spec is None or len(ours["per_prompt"]) != len(spec["per_prompt"]):
+            continue
+        (a, d), (b, e) = zip(*ours["per_prompt"]), zip(*spec["per_prompt"])
+        diff, se = ours["tau"] - spec["tau"], paired_ratio_stderr(list(a), list(d), list(b), list(e))
+        verdict = "within noise" if abs(diff) <= 2 * se else ("ours ahead" if diff > 0 else "speculators ahead")
+        lines.append(f"- {steps} steps: τ ours − speculators = {diff:+.3f} ± {se:.3f}, paired on the same prompts "
+                     f"({verdict}).")
+    return ["", *lines] if lines else []
 
 
 def heading_of(records: list[dict]) -> str:

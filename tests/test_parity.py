@@ -60,6 +60,12 @@ def test_equal_wall_clock_by_hand():
         [{**base, **r, "algorithm": "peagle"} for r in recs] + [{**base, **recs[0], "algorithm": "eagle3"}],
         {"command": "c", "date": "d", "cpu": "cpu", "bf16": "none", "load": "0"})
     assert "τ at equal wall-clock, peagle" in table and "τ at equal wall-clock, eagle3" not in table
+    # paired on the same 2 prompts: ours (2, 4), (4, 4) → τ 1.75; theirs (2, 4), (2, 4) → 1.5;
+    # u = (a − 0.75·d)/8 − (b − 0.5·e)/8 = −1/8, +1/8, s.e. = sqrt(2/1 · 2/64) = 0.25; a run without counts: no line
+    pair = [{"trainer": t, "steps": 2, "tau": tau, "per_prompt": pp} for t, tau, pp in
+            (("ours", 1.75, [(2, 4), (4, 4)]), ("speculators", 1.5, [(2, 4), (2, 4)]))]
+    assert bench_parity.paired_lines(pair + [{"trainer": "ours", "steps": 4, "tau": 1.9}]) == [
+        "", "- 2 steps: τ ours − speculators = +0.250 ± 0.250, paired on the same prompts (within noise)."]
     # a run directory of DFlash alone or of EAGLE-3 alone has its own docs section, any other the shared one
     assert [bench_parity.heading_of([{"algorithm": a} for a in algs]) for algs in
             (["eagle3"], ["dflash", "dflash"], ["peagle", "eagle3"], ["peagle"])] == \

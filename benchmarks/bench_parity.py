@@ -397,10 +397,10 @@ def format_table(records: list[dict], meta: dict) -> str:
 
 def paired_lines(records: list[dict]) -> list[str]:
     """For one algorithm's records: at each budget both trainers reached, ours − speculators in τ on
-    the same prompts ± the standard error of that paired difference (`paired_ratio_stderr`; "within
-    noise" inside two s.e.). Records without per-prompt counts (written before they were kept) give
+    the same prompts ± the standard error of that paired difference (`paired_tau_stderr`,
+    `noise_verdict`). Records without per-prompt counts (written before they were kept) give
     no line."""
-    from peagle_train.evaluation.report import paired_ratio_stderr
+    from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
 
     at = {(r["trainer"], r["steps"]): r for r in records if r.get("per_prompt")}
     lines = []
@@ -408,11 +408,9 @@ def paired_lines(records: list[dict]) -> list[str]:
         ours, spec = at.get(("ours", steps)), at.get(("speculators", steps))
         if ours is None or spec is None or len(ours["per_prompt"]) != len(spec["per_prompt"]):
             continue
-        (a, d), (b, e) = zip(*ours["per_prompt"]), zip(*spec["per_prompt"])
-        diff, se = ours["tau"] - spec["tau"], paired_ratio_stderr(list(a), list(d), list(b), list(e))
-        verdict = "within noise" if abs(diff) <= 2 * se else ("ours ahead" if diff > 0 else "speculators ahead")
+        diff, se = ours["tau"] - spec["tau"], paired_tau_stderr(ours["per_prompt"], spec["per_prompt"])
         lines.append(f"- {steps} steps: τ ours − speculators = {diff:+.3f} ± {se:.3f}, paired on the same prompts "
-                     f"({verdict}).")
+                     f"({noise_verdict(diff, se, 'ours', 'speculators')}).")
     return ["", *lines] if lines else []
 
 

@@ -140,7 +140,8 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
             f"regenerate.temperature={0 if mode == 'greedy' else args.temperature}",
             f"regenerate.output={args.tmp / 'unused.jsonl'}"]
     cfg = compose("regenerate", over)
-    done = finished_rows(args.rows, run_settings(args)) if args.rows else {}
+    settings = run_settings(args)
+    done = finished_rows(args.rows, settings) if args.rows else {}
     todo = [b for b in batches if (backend_name, mode, b) not in done]
     rows = [tuple(done[backend_name, mode, b]) for b in batches if b not in todo]
     if not todo:
@@ -159,7 +160,7 @@ def time_regeneration(backend_name: str, mode: str, batches: list[int], args) ->
                          answer_tokens(tok, gens), dt, start))
             print(f"  {backend_name} {mode} B={b}: {rows[-1][5]} tokens in {dt:.1f} s", flush=True)
             if args.rows:
-                append_row(args.rows, run_settings(args), rows[-1])
+                append_row(args.rows, settings, rows[-1])
     finally:
         if hasattr(backend, "close"):
             backend.close()

@@ -209,7 +209,7 @@ def _saved(fig, axes, path: Path) -> Path:
 
 def report(a: Args) -> str:
     import scaling
-    from peagle_train.evaluation.report import read_acceptance
+    from peagle_train.evaluation.report import noise_verdict, read_acceptance
     from scaling import NAMES
 
     points = scaling.collect(a.run_dir, list(a.budgets))
@@ -246,8 +246,7 @@ def report(a: Args) -> str:
             for y in algos[i + 1:]:
                 (tx, ex), (ty, ey) = tau[(x, s)], tau[(y, s)]
                 se = math.sqrt(ex * ex + ey * ey)
-                verdict = "within noise" if abs(tx - ty) <= 2 * se else (f"{NAMES[x]} ahead" if tx > ty else
-                                                                          f"{NAMES[y]} ahead")
+                verdict = noise_verdict(tx - ty, se, NAMES[x], NAMES[y])
                 said.append(f"{NAMES[x]} − {NAMES[y]} = {tx - ty:+.3f} ± {se:.3f} ({verdict})")
         lines.append(f"- {s} steps: " + "; ".join(said) + ".")
     lines += ["", "### At equal wall-clock", "",
@@ -325,8 +324,8 @@ def parity_records(dirs: list[str]) -> list[dict]:
 
 def parity_budget_lines(recs: list[dict]) -> list[str]:
     """The table per budget (τ ± s.e. and P(≥2) per algorithm) and each algorithm's paired difference
-    with P-EAGLE on the same prompts (`paired_ratio_stderr`; "within noise" inside two s.e.)."""
-    from peagle_train.evaluation.report import paired_ratio_stderr
+    with P-EAGLE on the same prompts (`paired_tau_stderr`, `noise_verdict`)."""
+    from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
     from scaling import NAMES
 
     algos = [x for x in ORDER if any(r["algorithm"] == x for r in recs)]
@@ -345,9 +344,8 @@ def parity_budget_lines(recs: list[dict]) -> list[str]:
             other = at.get((x, s))
             if base is None or other is None or len(base["per_prompt"]) != len(other["per_prompt"]):
                 continue
-            (a, d), (b, e) = zip(*base["per_prompt"]), zip(*other["per_prompt"])
-            diff, se = base["tau"] - other["tau"], paired_ratio_stderr(list(a), list(d), list(b), list(e))
-            verdict = "within noise" if abs(diff) <= 2 * se else ("P-EAGLE ahead" if diff > 0 else f"{NAMES[x]} ahead")
+            diff, se = base["tau"] - other["tau"], paired_tau_stderr(base["per_prompt"], other["per_prompt"])
+            verdict = noise_verdict(diff, se, "P-EAGLE", NAMES[x])
             pairs.append(f"- {s} steps: P-EAGLE − {NAMES[x]} = {diff:+.3f} ± {se:.3f} ({verdict}).")
     return lines + ([""] + pairs if pairs else [])
 

@@ -158,6 +158,23 @@ def paired_ratio_stderr(accepted_a: list[float], drafts_a: list[float], accepted
     return math.sqrt(n / (n - 1) * sum(x * x for x in u))
 
 
+def paired_tau_stderr(per_prompt_a: list[tuple[float, float]], per_prompt_b: list[tuple[float, float]]) -> float:
+    """`paired_ratio_stderr` from per-prompt (accepted tokens, drafts) pairs of two heads on the same
+    prompts. Raises ValueError when the lists differ in length."""
+    if len(per_prompt_a) != len(per_prompt_b):
+        raise ValueError("paired_ratio_stderr: both heads need one value per prompt, the same prompts")
+    (a, d), (b, e) = (zip(*per_prompt_a), zip(*per_prompt_b)) if per_prompt_a else (([], []), ([], []))
+    return paired_ratio_stderr(list(a), list(d), list(b), list(e))
+
+
+def noise_verdict(diff: float, se: float, name_a: str, name_b: str) -> str:
+    """The word on a difference a − b with standard error se: "within noise" inside two s.e., else
+    "<name_a> ahead" or "<name_b> ahead"."""
+    if abs(diff) <= 2 * se:
+        return "within noise"
+    return f"{name_a} ahead" if diff > 0 else f"{name_b} ahead"
+
+
 def _further_heads(result: dict, rows: list[dict], res_all: dict[str, list[GenerationResult]], K: int,
                    base_tps: float, base_tokens: int, checked: bool, not_checked: str | None,
                    baseline_algorithm: str | None, more_heads: list[tuple[str, str]] | None) -> None:

@@ -87,6 +87,9 @@ def main(request_path: str, response_path: str) -> None:
     _write(response_path, resp)
 
 
+CPU_STEP_TOKENS = 4096  # vLLM's own default step token budget of an `LLM` on CPU (EngineArgs.get_batch_defaults)
+
+
 def _llm_kwargs(req: dict, current_platform) -> dict:
     """The keyword arguments of vLLM's `LLM` for the request: model, dtype, max_model_len, seed,
     enforce_eager (default: on CPU), max_num_seqs, tokenizer and speculative_config when given; for
@@ -94,17 +97,16 @@ def _llm_kwargs(req: dict, current_platform) -> dict:
     connector writing under req["storage_dir"] (on CPU our vllm_cpu_connector's).
 
     On CPU a "serve" engine, and a "generate" one that samples, never split a prompt's prefill over
-    steps (no chunked prefill; a step's token budget of max_model_len, or vLLM's CPU default of
-    4,096 tokens if larger): vLLM rewinds a
-    seeded prompt's own generator after a partial prefill (`set_offset`), which only a CUDA
-    generator supports, so a split fails with "CPU Generator does not use offset"."""
+    steps (no chunked prefill; a step's token budget of max_model_len, or CPU_STEP_TOKENS if larger):
+    vLLM rewinds a seeded prompt's own generator after a partial prefill (`set_offset`), which only a
+    CUDA generator supports, so a split fails with "CPU Generator does not use offset"."""
     kw = dict(model=req["model"], dtype=req.get("dtype", "bfloat16"), max_model_len=req["max_model_len"],
               seed=req.get("seed", 0), enforce_eager=req.get("enforce_eager", current_platform.is_cpu()),
               max_num_seqs=req.get("max_num_seqs", 16), disable_log_stats=False)
     if req.get("tokenizer"):
         kw["tokenizer"] = req["tokenizer"]
     if current_platform.is_cpu() and (req["task"] == "serve" or req.get("temperature", 0.0) > 0):
-        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(req["max_model_len"], 4096))
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(req["max_model_len"], CPU_STEP_TOKENS))
     if req.get("speculative_config"):
         kw["speculative_config"] = req["speculative_config"]
     if req["task"] == "features":

@@ -10,7 +10,7 @@ Injected, from the environment (all optional):
                                 when it prepares and saves the data first: the ranks' clocks start apart
   PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
                                 longer than the process-group timeout)
-Each process prints "RANK r STEPS n" when its training returns.
+Each process writes the line "RANK r STEPS n" (one write) when its training returns.
 """
 
 import os
@@ -48,7 +48,9 @@ def inject() -> None:
 
     def reporting_fit(self):
         out = fit(self)
-        print(f"RANK {rank} STEPS {out['steps']}", flush=True)
+        # one write(2) of a short line: the two ranks share the pipe, and print() under
+        # PYTHONUNBUFFERED writes the text and its newline apart, so lines could interleave
+        os.write(1, f"RANK {rank} STEPS {out['steps']}\n".encode())
         return out
 
     trainer.Trainer.setup, trainer.Trainer.fit = late_setup, reporting_fit

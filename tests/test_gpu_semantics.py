@@ -18,6 +18,7 @@ shows"): each test fails on a trainer that ignores it.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -177,7 +178,14 @@ def _launch(recipe, out, env_extra, *overrides, timeout=300):
 
 
 def _steps_per_rank(stdout: str) -> dict[int, int]:
-    return {int(x.split()[1]): int(x.split()[3]) for x in stdout.splitlines() if x.startswith("RANK ")}
+    """{rank: steps} from the launcher's "RANK r STEPS n" lines, wherever they fall in the shared
+    stdout (a rank's line may follow another process's text without a newline)."""
+    return {int(r): int(n) for r, n in re.findall(r"RANK (\d+) STEPS (\d+)", stdout)}
+
+
+def test_steps_per_rank_reads_interleaved_lines():
+    assert _steps_per_rank("RANK 0 STEPS 19RANK 1 STEPS 19\n\n") == {0: 19, 1: 19}
+    assert _steps_per_rank("x\nRANK 1 STEPS 2\nRANK 0 STEPS 3\n") == {0: 3, 1: 2}
 
 
 def test_max_minutes_stops_every_rank_at_the_same_step(tiny_recipe):

@@ -4,7 +4,7 @@
 #   python experiments/regen_fair.py command=report run_dir=runs/regen_fair
 # 1. the target answers CONVS ShareGPT conversations again through vLLM (every user turn up to TURNS,
 #    on its own history; sampled at the temperature and top_p of SmolLM2's model card; answers cut at NEW
-#    tokens dropped and counted);
+#    tokens dropped and counted, or kept with DROP_CUT=false);
 # 2. the two arms at equal distinct tokens, the same prompts (regen_fair.py command=arms): `base` with
 #    ShareGPT's answers, `regen` with the target's;
 # 3. one P-EAGLE head per arm, the recipe's settings, the same STEPS optimizer steps of 2,048-token packed
@@ -16,6 +16,8 @@ OUT=${1:?usage: regen_fair.sh OUTPUT_DIR}
 CONVS=${CONVS:-1200}
 TURNS=${TURNS:-2}                    # user turns answered; rows are cut at 640 tokens, so later turns rarely train
 NEW=${NEW:-512}                      # max_new_tokens per answer
+DROP_CUT=${DROP_CUT:-true}           # false keeps an answer cut at NEW (rows are cut at 640 tokens anyway)
+BATCH=${BATCH:-256}                  # conversations per vLLM call (a kill loses at most the batch in flight)
 TEMPERATURE=${TEMPERATURE:-0.2}      # SmolLM2-135M-Instruct's model card: temperature 0.2, top_p 0.9
 TOP_P=${TOP_P:-0.9}
 STEPS=${STEPS:-240}
@@ -30,6 +32,7 @@ stamp() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/regen_fair.log"; }
 stamp "1/4 regenerating $CONVS conversations, up to $TURNS turns (vLLM, temperature $TEMPERATURE, top_p $TOP_P)"
 "$PY" -m peagle_train.cli regenerate recipe=smollm2-135m regenerate.backend=vllm regenerate.max_turns="$TURNS" \
     regenerate.max_new_tokens="$NEW" regenerate.temperature="$TEMPERATURE" regenerate.top_p="$TOP_P" \
+    regenerate.drop_cut="$DROP_CUT" regenerate.batch_size="$BATCH" \
     data.num_conversations="$CONVS" threads="$THREADS" output_dir="$OUT/regenerate" > "$OUT/regenerate.log" 2>&1
 stamp "2/4 the two arms at equal distinct tokens"
 [ -f "$OUT/arms/arms.json" ] || "$PY" "$HERE/regen_fair.py" command=arms regenerated="$OUT/regenerate/regenerated.jsonl" \

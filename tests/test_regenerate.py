@@ -15,7 +15,8 @@ from tests.conftest import tiny_llama
 
 def chat_server(reply):
     """A /v1/chat/completions server on 127.0.0.1 answering each request body with reply(messages) =
-    (text, finish_reason): (its base URL, the list of request bodies received), and its shutdown."""
+    (text, finish_reason), or an HTTP 400 with message finish_reason when text is None: (its base
+    URL, the list of request bodies received), and its shutdown."""
     requests = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -27,9 +28,13 @@ def chat_server(reply):
                 self.end_headers()
                 return
             text, finish = reply(body["messages"])
-            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
-                                           "finish_reason": finish}]}).encode()
-            self.send_response(200)
+            if text is None:  # an error answer: finish is its message, as vLLM's server sends a 400
+                out = json.dumps({"object": "error", "message": finish, "type": "BadRequestError",
+                                  "code": 400}).encode()
+            else:
+                out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+                                               "finish_reason": finish}]}).encode()
+            self.send_response(200 if text is not None else 400)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
@@ -124,6 +129,43 @@ def test_empty_answer_ends_the_conversation(tmp_path, server):
     assert lines == [{"id": "x", "messages": [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "ans(hi)#0"}]}]
     assert st.stopped_at_empty_answer == 2 and st.dropped == {"no answer generated": 1}
+
+
+def test_a_prompt_over_the_context_ends_its_conversation_before_that_turn(tmp_path):
+    """vLLM's server answers a prompt over max_model_len with a 400 ("maximum context length"): that
+    turn is not asked, the conversation keeps the turns before it, and one with no answer left is
+    dropped under its own reason; every such prompt is counted. Any other 400 still stops the run."""
+    from peagle_train.data.regenerate import OVER_CONTEXT
+
+    def reply(msgs):
+        if sum(len(m["content"]) for m in msgs) > 12:
+            return None, ("This model's maximum context length is 8192 tokens. However, your prompt contains "
+                          "8348 input tokens")
+        return ("bad" if msgs[-1]["content"] == "bad" else f"a{len(msgs)}"), "stop"
+
+    url, requests, stop = chat_server(reply)
+    try:
+        out = tmp_path / "r.jsonl"
+        c = [("short", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+                        {"role": "user", "content": "much longer"}, {"role": "assistant", "content": "old"}]),
+             ("long", [{"role": "user", "content": "x" * 13}, {"role": "assistant", "content": "old"}]),
+             ("fits", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}])]
+        st = regenerate(c, EndpointBackend(url, "m", concurrency=1), out, batch_size=3)
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert lines == [{"id": "short", "messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "a1"}]},
+                         {"id": "fits", "messages": [{"role": "user", "content": "q"},
+                                                     {"role": "assistant", "content": "a1"}]}]
+        assert (st.prompts_over_context, st.turns_generated, st.written, st.dropped) == (2, 2, 2, {OVER_CONTEXT: 1})
+        assert len(requests) == 4
+    finally:
+        stop()
+    url, _, stop = chat_server(lambda msgs: (None, "temperature must be non-negative"))
+    try:
+        with pytest.raises(RuntimeError, match="HTTP Error 400"):
+            EndpointBackend(url, "m").generate([[{"role": "user", "content": "q"}]])
+    finally:
+        stop()
 
 
 def test_endpoint_unreachable_names_the_url():
@@ -474,6 +516,37 @@ def test_the_vllm_backend_sends_one_seed_per_prompt_and_reads_cut_answers(monkey
                       for s in (3, 4)]
     assert [p["seed"] for p in serve_sampling_params(dict, {"prompts": [[1], [2]], "max_new_tokens": 1, "seed": 8})] \
         == [8, 8]
+
+
+def test_the_vllm_backend_never_sends_a_prompt_over_the_context(monkeypatch, chatml_tokenizer):
+    """vLLM refuses a whole generate call when one prompt has max_model_len tokens or more: such a
+    prompt is kept back (Generation.too_long) and the others go, each with its own seed."""
+    import peagle_train.serving.vllm_engine as engine
+    from peagle_train.data.regenerate import prompt_texts
+    from peagle_train.serving.backends import VllmBackend
+
+    sent = []
+
+    class FakeSession:
+        def __init__(self, **kw):
+            pass
+
+        def generate(self, prompts, **kw):
+            sent.append((list(map(len, prompts)), kw["seeds"]))
+            return [{"token_ids": [7, 2], "finish_reason": "stop"} for _ in prompts]
+
+    monkeypatch.setattr(engine, "VllmSession", FakeSession)
+    chats = [[{"role": "user", "content": w}] for w in ("a", "a " * 40, "b")]
+    lengths = [len(ids) for ids in chatml_tokenizer(prompt_texts(chatml_tokenizer, chats, {}),
+                                                    add_special_tokens=False)["input_ids"]]
+    limit = lengths[1]  # the middle prompt has exactly max_model_len tokens: no room for an answer
+    assert lengths[0] == lengths[2] < limit
+    be = VllmBackend("t", chatml_tokenizer, {2}, python="p", log_path="l", max_model_len=limit)
+    gens = be.generate(chats, seeds=[10, 11, 12])
+    assert [(g.too_long, g.cut, bool(g.text)) for g in gens] == [(False, False, True), (True, False, False),
+                                                                 (False, False, True)]
+    assert sent == [([lengths[0], lengths[2]], [10, 12])]
+    assert be.generate(chats[1:2]) == [gens[1]] and len(sent) == 1  # nothing left to send: no call
 
 
 def test_a_cpu_engine_that_may_sample_never_splits_a_prefill():

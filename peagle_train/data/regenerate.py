@@ -53,10 +53,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Generation:
-    """One generated answer: text, and whether it stopped at the token limit."""
+    """One generated answer: text, and whether it stopped at the token limit. too_long: the prompt
+    did not fit the target's context, so nothing was generated (text "")."""
 
     text: str
     cut: bool = False
+    too_long: bool = False
 
 
 def prompt_texts(tok, conversations: list[list[dict]], template_kwargs: dict) -> list[str]:
@@ -141,7 +143,9 @@ class RegenerateStats:
     """Counts of a regeneration run. cut_at_max_new_tokens: answers that hit the token limit (their
     conversations are dropped when drop_cut); duplicate_answers: answers written equal to one
     already in the output; duplicate_conversations: conversations equal to one already in the
-    output (dropped); dropped: conversations not written, by reason (this run)."""
+    output (dropped); prompts_over_context: turns not asked because their prompt (the history so
+    far) does not fit the target's context, which ends the conversation before that turn;
+    dropped: conversations not written, by reason (this run)."""
 
     skipped_done: int = 0
     skipped_dropped: int = 0
@@ -149,6 +153,7 @@ class RegenerateStats:
     turns_generated: int = 0
     cut_at_max_new_tokens: int = 0
     stopped_at_empty_answer: int = 0
+    prompts_over_context: int = 0
     turns_cut_by_max_turns: int = 0
     torn_lines_dropped: int = 0
     duplicate_answers: int = 0
@@ -160,6 +165,7 @@ class RegenerateStats:
 
 
 CUT = "an answer cut at max_new_tokens"
+OVER_CONTEXT = "first prompt longer than the target's context"
 DUPLICATE = "exact duplicate of a conversation in the output"
 
 
@@ -297,7 +303,8 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
     seed: the run's seed; the backend draws conversation id's turn t with `turn_seed(seed, id, t)`.
     drop_cut: drop a conversation with an answer cut at the backend's max_new_tokens (counted; the
     field's choice, module docstring); False keeps it, its cut answer in the history of the next turn.
-    An empty answer ends its conversation there (counted); a conversation left without an answer
+    An empty answer ends its conversation there (counted), as does a prompt longer than the
+    target's context (counted; the turn is not asked); a conversation left without an answer
     is not written (counted); one equal to a conversation already in the output is dropped (counted).
     settings: what the answers depend on (backend, model, sampling); a rerun with other settings is
     refused. command: the command line that continues the run, named in the errors of its readers.
@@ -392,8 +399,10 @@ def _json_line(cid: str, msgs: list[dict], extra: dict | None) -> str:
 
 def _regenerate_batch(batch, backend, stats: RegenerateStats, seed: int = 0, drop_cut: bool = True):
     """Turn-by-turn regeneration of one batch: yields (id, new messages, None) of the conversations
-    kept and (id, None, reason) of those dropped (reason: CUT or "no answer generated"). Turn t of
-    conversation id is drawn with `turn_seed(seed, id, t)`."""
+    kept and (id, None, reason) of those dropped (reason: CUT, OVER_CONTEXT or "no answer
+    generated"). Turn t of conversation id is drawn with `turn_seed(seed, id, t)`. A turn whose
+    prompt the backend finds longer than the target's context (`Generation.too_long`) is not
+    generated: its conversation ends with the turns before it."""
     # per conversation: the new history so far, and the queue of remaining original messages
     state = []
     for cid, msgs in batch:
@@ -408,6 +417,10 @@ def _regenerate_batch(batch, backend, stats: RegenerateStats, seed: int = 0, dro
             break
         gens = backend.generate([s["hist"] for s in active], seeds=[turn_seed(seed, s["id"], s["turn"]) for s in active])
         for s, g in zip(active, gens):
+            if g.too_long:  # the conversation ends before this turn; with no answer yet it is dropped
+                stats.prompts_over_context += 1
+                s["open"], s["over_context"] = False, True
+                continue
             stats.turns_generated += 1
             stats.cut_at_max_new_tokens += g.cut
             s["turn"] += 1
@@ -434,4 +447,4 @@ def _regenerate_batch(batch, backend, stats: RegenerateStats, seed: int = 0, dro
         if any(m["role"] == "assistant" for m in s["hist"]):
             yield s["id"], s["hist"], None
         else:
-            yield s["id"], None, "no answer generated"
+            yield s["id"], None, OVER_CONTEXT if s.get("over_context") else "no answer generated"

@@ -21,7 +21,9 @@ class VllmBackend:
     the prompt is rendered and tokenised here exactly as `HFBackend` (decoding/hf_backend.py) does
     (chat template with add_generation_prompt=True, template_kwargs), vLLM generates from those
     token ids with one SamplingParams per prompt (`sampling`'s temperature, top_p, top_k; the
-    prompt's own seed), and the answer is decoded here (cut: vLLM's finish_reason "length"). The
+    prompt's own seed), and the answer is decoded here (cut: vLLM's finish_reason "length"). A
+    prompt of max_model_len tokens or more is not sent (vLLM would refuse the whole call): its
+    Generation is too_long. The
     engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
     (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend).
     `temperature` alone is shorthand for Sampling(temperature, seed=seed) when sampling is None."""
@@ -48,15 +50,19 @@ class VllmBackend:
             self._session = VllmSession(**self._args)
         texts = prompt_texts(self.tok, conversations, self.template_kwargs)
         prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
+        fits = [i for i, p in enumerate(prompts) if len(p) < self._args["max_model_len"]]  # room for one token
+        gens = [Generation("", too_long=True) for _ in prompts]
+        if not fits:
+            return gens
         s = self.sampling
-        outs = self._session.generate(prompts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
-                                      temperature=s.temperature, seed=s.seed, top_p=s.top_p, top_k=s.top_k,
-                                      seeds=list(seeds) if seeds is not None else None)
+        outs = self._session.generate([prompts[i] for i in fits], max_new_tokens=self.max_new_tokens,
+                                      stop_token_ids=self.eos, temperature=s.temperature, seed=s.seed, top_p=s.top_p,
+                                      top_k=s.top_k, seeds=[seeds[i] for i in fits] if seeds is not None else None)
         self.generated_tokens += sum(len(o["token_ids"]) for o in outs)
-        gens = [decode_answer(self.tok, self.eos, o["token_ids"]) for o in outs]
-        for g, o in zip(gens, outs):
+        for i, o in zip(fits, outs):
+            gens[i] = decode_answer(self.tok, self.eos, o["token_ids"])
             if o.get("finish_reason") is not None:
-                g.cut = o["finish_reason"] == "length"
+                gens[i].cut = o["finish_reason"] == "length"
         return gens
 
     def summary(self) -> dict:
@@ -82,7 +88,9 @@ class EndpointBackend:
     Each request carries max_tokens, the conversation's seed and temperature, top_p, top_k where
     they are set (top_k is vLLM's and SGLang's extension); one left None is left out, so the server
     applies the served model's generation_config (vLLM's and SGLang's default). Cut: finish_reason
-    "length".
+    "length". An HTTP 400 whose body speaks of the context length (vLLM: "maximum context length",
+    SGLang: "longer than the model's context length") is a prompt too long for the served model:
+    Generation too_long.
 
     Raises:
         EndpointError (a RuntimeError and a user error: one line at the command line): the server
@@ -115,6 +123,11 @@ class EndpointBackend:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 ans = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 400 and "context length" in e.read().decode("utf-8", "replace").lower():
+                return Generation("", too_long=True)
+            raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
+                               "the server is up (vllm serve / sglang).") from e
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise EndpointError(f"Endpoint {self.url} failed: {e}. Fix: check regenerate.endpoint_url and that "
                                "the server is up (vllm serve / sglang).") from e

@@ -86,7 +86,7 @@ def equal_token_arms(tokens_a: list[int], tokens_b: list[int]) -> tuple[int, int
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [json.loads(x) for x in path.read_text().split("\n") if x.strip()]  # a text may hold U+2028
 
 
 def make_arms(a: Args) -> dict:

@@ -188,6 +188,9 @@ def test_benchmark_loaders(tmp_path):
                  ' {"role": "user", "content": "c"}]}\n{"turns": ["x", "y"], "category": "c"}\n')
     items = load_jsonl_prompts(str(f))
     assert [q.get("turns") for q in items] == [["hi"], None, ["x", "y"]] and items[1]["prompt"] == "c"
+    # JSON written with ensure_ascii=False keeps U+2028 / U+0085 raw: one record still, not three lines
+    f.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [q["turns"] for q in load_jsonl_prompts(str(f))] == [["a\u2028b\x85c"]]
     f.write_text('{"prompt": "hi"}\n\n{"prompt": "broken\n')
     with pytest.raises(BenchmarkError, match=r"p.jsonl:3: not valid JSON"):
         load_jsonl_prompts(str(f))

@@ -25,7 +25,7 @@ def _read_jsonl(p: Path, what: str) -> list[tuple[int, dict]]:
     if not p.is_file():
         raise BenchmarkError(f"Benchmark file not found: {p}. Fix: set eval.prompts to {what}.")
     out = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    for lineno, line in enumerate(p.read_text().split("\n"), 1):  # not splitlines(): a text may hold U+2028
         if not line.strip():
             continue
         try:

@@ -19,7 +19,9 @@ Answers are sampled as the target recommends (`sampling_of`: regenerate.temperat
 where given, else the target's generation_config; greedy when it sets none), each conversation's
 turn with its own seed drawn from `seed` and its id, so a resumed run writes what one run would.
 A conversation with an answer cut at regenerate.max_new_tokens is dropped and counted
-(regenerate.drop_cut), as are exact duplicate conversations; duplicate answers are counted.
+(regenerate.drop_cut), as are exact duplicate conversations; duplicate answers are counted. A
+turn whose prompt does not fit the target's context is not asked: its conversation ends before it
+(`prompts_over_context` in the summary).
 regenerate.batch_size defaults per backend (`batch_size_of`: 256 conversations per call fill a vLLM
 engine; 16 for the in-process target, whose batches pad to their longest answer):
 

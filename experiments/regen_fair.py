@@ -8,7 +8,9 @@ at equal distinct tokens and equal token-passes (experiments/regen_fair.sh; docs
 `arms` pairs every conversation of a finished `peagle regenerate` output with the original record of
 the same id in `data` (its user turns cut to the regenerated ones: a run with regenerate.max_turns
 answers only the first turns), tokenises both as training does (`tokenize_conversation`: the
-target's chat template, cut at max_length), and writes RUN/arms/orig.jsonl and regen.jsonl
+target's chat template, cut at max_length), leaves out a pair whose row has fewer than
+min_supervised_tokens supervised tokens in either arm (training would drop it from that arm
+alone; counted), and writes RUN/arms/orig.jsonl and regen.jsonl
 (`messages` JSONL, keyed by id): the longest prefix of the regenerated file's order whose tokens stay
 within D = the smaller arm's total, in each arm (`equal_token_arms`). Both arms hold D tokens up to
 one conversation; RUN/arms/arms.json records the counts (conversations, tokens, supervised tokens;
@@ -48,6 +50,7 @@ class Args:
     data: str = "pkg:sharegpt"        # arms: the originals, found by id
     out: str = ""                     # arms: the arms directory; report: the markdown file
     max_length: int = 640             # arms: tokens per row, as data.max_length
+    min_supervised_tokens: int = 16   # arms: a pair with fewer in either arm is left out, as data.min_supervised_tokens
     target: str = "pkg:smollm2"       # arms: the target whose tokenizer and chat template count the tokens
     run_dir: str = ""                 # report: the experiments/regen_fair.sh directory
 
@@ -111,10 +114,16 @@ def make_arms(a: Args) -> dict:
             continue
         pairs.append((str(rec["id"]), cut_to_users(orig, user_turns(rec["messages"])), rec["messages"]))
     rows = {arm: [tokenize_conversation(tok, p[k], a.max_length) for p in pairs] for arm, k in (("orig", 1), ("regen", 2))}
+    # a pair training would drop in either arm (data.min_supervised_tokens) leaves both: the arms keep the
+    # same prompts, and their tokens are the tokens trained
+    keep = [i for i in range(len(pairs)) if all(sum(rows[arm][i].loss_mask) >= a.min_supervised_tokens for arm in rows)]
+    few = len(pairs) - len(keep)
+    pairs, rows = [pairs[i] for i in keep], {arm: [r[i] for i in keep] for arm, r in rows.items()}
     n = dict(zip(("orig", "regen"), equal_token_arms(*[[len(r.input_ids) for r in rows[arm]] for arm in ("orig", "regen")])))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    counts = {"pairs": len(pairs), "without_original": missing, "max_length": a.max_length}
+    counts = {"pairs": len(pairs), "without_original": missing, "max_length": a.max_length,
+              "pairs_under_min_supervised_tokens": few, "min_supervised_tokens": a.min_supervised_tokens}
     for arm, k in (("orig", 1), ("regen", 2)):
         with open(out / f"{arm}.jsonl", "w") as f:
             for p in pairs[: n[arm]]:

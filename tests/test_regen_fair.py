@@ -39,13 +39,18 @@ def test_arms_written_at_equal_tokens(tmp_path, chatml_tokenizer):
                                                   {"from": "gpt", "value": long},
                                                   {"from": "human", "value": "hello there"},
                                                   {"from": "gpt", "value": long}]} for i in range(3)]
-    (tmp_path / "orig.json").write_text(json.dumps(originals))
     regen = [{"id": f"c{i}", "messages": [{"role": "user", "content": "What is two plus two?"},
                                           {"role": "assistant", "content": "The answer is 4."}]} for i in range(3)]
     regen.append({"id": "stray", "messages": regen[0]["messages"]})
+    # a fourth original answered in one word: under min_supervised_tokens (4 here), training would drop it
+    # from the regenerated arm alone, so the pair leaves both arms
+    originals.append({"id": "short", "conversations": originals[0]["conversations"]})
+    regen.append({"id": "short", "messages": [regen[0]["messages"][0], {"role": "assistant", "content": "4"}]})
     (tmp_path / "regen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in regen))
+    (tmp_path / "orig.json").write_text(json.dumps(originals))
     args = regen_fair.Args(command="arms", regenerated=str(tmp_path / "regen.jsonl"), data=str(tmp_path / "orig.json"),
-                           out=str(tmp_path / "arms"), max_length=640, target=str(tmp_path / "tok"))
+                           out=str(tmp_path / "arms"), max_length=640, target=str(tmp_path / "tok"),
+                           min_supervised_tokens=4)
     counts = regen_fair.make_arms(args)
 
     one_orig = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": long}]
@@ -53,7 +58,9 @@ def test_arms_written_at_equal_tokens(tmp_path, chatml_tokenizer):
     t_regen = len(tokenize_conversation(chatml_tokenizer, regen[0]["messages"], 640).input_ids)
     assert t_orig > t_regen  # so D = 3 · t_regen and the original arm keeps floor(D / t_orig) conversations
     n_orig = 3 * t_regen // t_orig
-    assert counts["pairs"] == 3 and counts["without_original"] == 1
+    assert sum(tokenize_conversation(chatml_tokenizer, regen[0]["messages"], 640).loss_mask) >= 4
+    assert sum(tokenize_conversation(chatml_tokenizer, regen[-1]["messages"], 640).loss_mask) < 4
+    assert counts["pairs"] == 3 and counts["without_original"] == 1 and counts["pairs_under_min_supervised_tokens"] == 1
     assert counts["regen"]["conversations"] == 3 and counts["regen"]["tokens"] == 3 * t_regen
     assert counts["orig"]["conversations"] == n_orig and counts["orig"]["tokens"] == n_orig * t_orig
     assert counts["orig"]["all_pairs_tokens"] == 3 * t_orig
@@ -61,7 +68,7 @@ def test_arms_written_at_equal_tokens(tmp_path, chatml_tokenizer):
     assert [r["id"] for r in orig_rows] == [f"c{i}" for i in range(n_orig)]
     assert all(r["messages"] == one_orig for r in orig_rows)
     regen_rows = [json.loads(x) for x in (tmp_path / "arms" / "regen.jsonl").read_text().splitlines()]
-    assert regen_rows == regen[:3]
+    assert regen_rows == regen[:3]  # not "stray" (no original), not "short"
     assert json.loads((tmp_path / "arms" / "arms.json").read_text()) == counts
 
 

@@ -136,6 +136,22 @@ def make_arms(a: Args) -> dict:
     return counts
 
 
+def regeneration_line(run: Path) -> str:
+    """One sentence on how RUN/regenerate/regenerated.jsonl was made, from its manifest (settings
+    and counts); "" without one."""
+    path = run / "regenerate" / "regenerated.jsonl.manifest"
+    if not path.is_file():
+        return ""
+    m = json.loads(path.read_text())
+    st = m["settings"]
+    turns = "every user turn" if not st.get("max_turns") else f"the first {st['max_turns']} user turn(s)"
+    cut = "dropped" if st.get("drop_cut", True) else "kept"
+    dropped = "; ".join(f"{reason}: {n}" for reason, n in sorted(m.get("dropped", {}).items())) or "none"
+    return (f"Regenerated through {st['backend']} by {st['regenerated_by']}: temperature {st['temperature']}, "
+            f"top_p {st['top_p']}, at most {st['max_new_tokens']} new tokens, {turns}, answers cut at that limit "
+            f"{cut}; {m['conversations']:,} conversations written, dropped: {dropped}.")
+
+
 def report(a: Args) -> str:
     run = Path(a.run_dir)
     arms_file = run / "arms" / "arms.json"
@@ -146,11 +162,14 @@ def report(a: Args) -> str:
         f"Run directory `{run}`; CPU {cpu_model()}. Commands: `bash experiments/regen_fair.sh {run}`, then "
         f"`python experiments/regen_fair.py command=report run_dir={run}`. The same {counts['orig']['conversations']:,} / "
         f"{counts['regen']['conversations']:,} ShareGPT prompts (a prefix of one order) with their original answers "
-        f"(`base`) or the target's (`regen`): {counts['orig']['tokens']:,} / {counts['regen']['tokens']:,} distinct "
+        f"(`base`) or the target's (`regen`)"
+        + (f"; {counts['pairs_under_min_supervised_tokens']:,} pairs left out, under "
+           f"{counts['min_supervised_tokens']} supervised tokens in an arm" if "min_supervised_tokens" in counts else "")
+        + f": {counts['orig']['tokens']:,} / {counts['regen']['tokens']:,} distinct "
         f"tokens ({counts['orig']['supervised_tokens']:,} / {counts['regen']['supervised_tokens']:,} supervised), "
         "the same optimizer steps of 2,048-token packed rows. Greedy, K = 5, 128 new tokens, batch 16; Δτ: "
         "regen − base decoded in the same run ± the standard error of that paired difference (clustered by "
-        "prompt).")]
+        "prompt). " + regeneration_line(run)).rstrip()]
     for bench, what in BENCHES.items():
         records = collect(run, f"eval-{bench}")
         parts.append(f"**{what}**")

@@ -83,7 +83,8 @@ def _eval(run, bench, step, head, baseline):
 
 def test_report_by_hand(tmp_path):
     run = tmp_path / "run"
-    counts = {"pairs": 10, "without_original": 0, "max_length": 640,
+    counts = {"pairs": 10, "without_original": 0, "max_length": 640, "pairs_under_min_supervised_tokens": 3,
+              "min_supervised_tokens": 16,
               "orig": {"conversations": 4, "tokens": 2000, "supervised_tokens": 1500, "all_pairs_tokens": 5000},
               "regen": {"conversations": 9, "tokens": 2010, "supervised_tokens": 1200, "all_pairs_tokens": 2010}}
     (run / "arms").mkdir(parents=True)
@@ -93,6 +94,11 @@ def test_report_by_hand(tmp_path):
         (run / arm / "train_log.jsonl").write_text(json.dumps({"step": 240, "tokens": tokens}) + "\n")
     _eval(run, "mt_bench", 240, (1.30, 0.01, [0.25, 0.05, 0.0]), (1.36, 0.012, [0.30, 0.06, 0.01]))
     _eval(run, "humaneval", 240, (1.20, 0.02, [0.18, 0.02, 0.0]), (1.15, 0.02, [0.14, 0.01, 0.0]))
+    (run / "regenerate").mkdir()
+    (run / "regenerate" / "regenerated.jsonl.manifest").write_text(json.dumps({
+        "settings": {"regenerated_by": "pkg:smollm2", "backend": "vllm", "temperature": 0.2, "top_p": 0.9,
+                     "max_new_tokens": 512, "max_turns": 1, "drop_cut": False},
+        "conversations": 1020, "dropped": {"exact duplicate of a conversation in the output": 3}}))
     out = tmp_path / "R.md"
     out.write_text("# R\n")
     text = regen_fair.report(regen_fair.Args(command="report", run_dir=str(run), out=str(out)))
@@ -100,7 +106,11 @@ def test_report_by_hand(tmp_path):
     assert "| base | 240 | 0.49M | 1.300 ± 0.010 |  | 0.250 | 0.050 | 0.000 | 0.20 |" in lines
     assert "| regen | 240 | 0.49M | 1.360 ± 0.012 | +0.060 | 0.300 | 0.060 | 0.010 | 0.20 |" in lines
     assert "| regen | 240 | 0.49M | 1.150 ± 0.020 | -0.050 | 0.140 | 0.010 | 0.000 | 0.07 |" in lines
-    assert "2,000 / 2,010 distinct tokens (1,500 / 1,200 supervised)" in text
+    assert "(`regen`); 3 pairs left out, under 16 supervised tokens in an arm: 2,000 / 2,010 distinct tokens " \
+           "(1,500 / 1,200 supervised)" in text
+    assert ("Regenerated through vllm by pkg:smollm2: temperature 0.2, top_p 0.9, at most 512 new tokens, the first 1 "
+            "user turn(s), answers cut at that limit kept; 1,020 conversations written, dropped: exact duplicate of a "
+            "conversation in the output: 3.") in text
     assert out.read_text().count(regen_fair.HEADING) == 1
     with pytest.raises(Exception, match="arms.json not found"):
         regen_fair.report(regen_fair.Args(command="report", run_dir=str(tmp_path / "none")))

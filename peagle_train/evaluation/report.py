@@ -149,7 +149,8 @@ def paired_ratio_stderr(accepted_a: list[float], drafts_a: list[float], accepted
     Raises ValueError when the lists differ in length."""
     n = len(drafts_a)
     if not n == len(accepted_a) == len(accepted_b) == len(drafts_b):
-        raise ValueError("paired_ratio_stderr: both heads need one value per prompt, the same prompts")
+        raise ValueError(f"paired_tau_stderr: {len(per_prompt_a)} and {len(per_prompt_b)} per-prompt counts; both "
+                         "heads need one per prompt, on the same prompts")
     D, E = float(sum(drafts_a)), float(sum(drafts_b))
     if n < 2 or D <= 0 or E <= 0:
         return 0.0
@@ -162,7 +163,8 @@ def paired_tau_stderr(per_prompt_a: list[tuple[float, float]], per_prompt_b: lis
     """`paired_ratio_stderr` from per-prompt (accepted tokens, drafts) pairs of two heads on the same
     prompts. Raises ValueError when the lists differ in length."""
     if len(per_prompt_a) != len(per_prompt_b):
-        raise ValueError("paired_ratio_stderr: both heads need one value per prompt, the same prompts")
+        raise ValueError(f"paired_tau_stderr: {len(per_prompt_a)} and {len(per_prompt_b)} per-prompt counts; both "
+                         "heads need one per prompt, on the same prompts")
     (a, d), (b, e) = (zip(*per_prompt_a), zip(*per_prompt_b)) if per_prompt_a else (([], []), ([], []))
     return paired_ratio_stderr(list(a), list(d), list(b), list(e))
 

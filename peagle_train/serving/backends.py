@@ -46,14 +46,14 @@ class VllmBackend:
         the sampling's seed for every prompt). Returns one Generation each."""
         from .vllm_engine import VllmSession
 
-        if self._session is None:
-            self._session = VllmSession(**self._args)
         texts = prompt_texts(self.tok, conversations, self.template_kwargs)
         prompts = self.tok(texts, add_special_tokens=False)["input_ids"]
         fits = [i for i, p in enumerate(prompts) if len(p) < self._args["max_model_len"]]  # room for one token
         gens = [Generation("", too_long=True) for _ in prompts]
         if not fits:
             return gens
+        if self._session is None:
+            self._session = VllmSession(**self._args)
         s = self.sampling
         outs = self._session.generate([prompts[i] for i in fits], max_new_tokens=self.max_new_tokens,
                                       stop_token_ids=self.eos, temperature=s.temperature, seed=s.seed, top_p=s.top_p,

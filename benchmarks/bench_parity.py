@@ -69,7 +69,9 @@ tokens/s: row tokens plus one per document per second of training (ours: its own
 digest time; speculators: its `Trainer.run_training`); "with features" adds the feature pass's
 seconds per token to both (the features are made once and read by both). τ at equal wall-clock:
 each trainer's τ at the token-passes it reaches in the same seconds (features counted), linear in
-log(token-passes) between its measured budgets, never extrapolated.
+log(token-passes) between its measured budgets, never extrapolated. Measured, not interpolated, with
+`--match-wall-clock`: for each speculators budget, ours runs again for the steps it reaches in that
+budget's wall-clock (`matched_steps`), and the two heads' τ are compared paired on the same prompts.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-rows", action="store_true", help="keep each run's rows directory (GBs at real budgets)")
     ap.add_argument("--table-only", action="store_true", help="print the table of the finished runs only")
     ap.add_argument("--write-docs", action="store_true", help="also write the table into --out (its section)")
+    ap.add_argument("--match-wall-clock", action="store_true",
+                    help="also train ours, for each speculators budget, for the steps it reaches in that budget's "
+                         "wall-clock (features counted, at its measured rate), for a paired comparison there")
     return ap.parse_args(argv)
 
 
@@ -395,22 +400,53 @@ def format_table(records: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def wall_seconds(rec: dict) -> float:
+    """A run's wall-clock with features counted: its token-passes at its tokens/s with features."""
+    return rec["tokens"] / rec["tokens_per_second_with_features"]
+
+
+def matched_steps(records: list[dict], spec: dict, margin: float = 0.97) -> int:
+    """The optimizer steps our trainer reaches in `margin` × the wall-clock of the speculators run
+    `spec` (features counted), at our measured rate over our runs of `records` (one algorithm):
+    Σ token-passes / Σ seconds with features, and Σ token-passes / Σ optimizer steps per step. The
+    margin keeps our run inside that wall-clock when its rate varies by a few percent. Raises
+    ValueError without a run of ours."""
+    ours = [r for r in records if r["trainer"] == "ours"]
+    if not ours:
+        raise ValueError("matched_steps: no run of ours to take a rate from")
+    rate = sum(r["tokens"] for r in ours) / sum(wall_seconds(r) for r in ours)
+    per_step = sum(r["tokens"] for r in ours) / sum(r.get("optimizer_steps", r["steps"]) for r in ours)
+    return int(margin * wall_seconds(spec) * rate / per_step)
+
+
 def paired_lines(records: list[dict]) -> list[str]:
     """For one algorithm's records: at each budget both trainers reached, ours − speculators in τ on
     the same prompts ± the standard error of that paired difference (`paired_tau_stderr`,
-    `noise_verdict`). Records without per-prompt counts (written before they were kept) give
-    no line."""
+    `noise_verdict`); then, for each speculators run, the same against our run of the most
+    token-passes whose wall-clock (features counted) is no longer than its own, when that run is
+    another budget. Records without per-prompt counts (written before they were kept) give no line."""
     from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
 
     at = {(r["trainer"], r["steps"]): r for r in records if r.get("per_prompt")}
     lines = []
-    for steps in sorted({s for _, s in at}):
-        ours, spec = at.get(("ours", steps)), at.get(("speculators", steps))
-        if ours is None or spec is None or len(ours["per_prompt"]) != len(spec["per_prompt"]):
-            continue
+
+    def line(label: str, ours: dict, spec: dict) -> None:
+        if len(ours["per_prompt"]) != len(spec["per_prompt"]):
+            return
         diff, se = ours["tau"] - spec["tau"], paired_tau_stderr(ours["per_prompt"], spec["per_prompt"])
-        lines.append(f"- {steps} steps: τ ours − speculators = {diff:+.3f} ± {se:.3f}, paired on the same prompts "
+        lines.append(f"- {label}: τ ours − speculators = {diff:+.3f} ± {se:.3f}, paired on the same prompts "
                      f"({noise_verdict(diff, se, 'ours', 'speculators')}).")
+
+    for steps in sorted({s for _, s in at}):
+        if ("ours", steps) in at and ("speculators", steps) in at:
+            line(f"{steps} steps", at["ours", steps], at["speculators", steps])
+    for (trainer, steps), spec in sorted(at.items(), key=lambda kv: kv[0][1]):
+        inside = [r for (t, _), r in at.items() if t == "ours" and "tokens_per_second_with_features" in r
+                  and "tokens_per_second_with_features" in spec and wall_seconds(r) <= wall_seconds(spec)]
+        best = max(inside, key=lambda r: r["tokens"], default=None)
+        if trainer == "speculators" and best is not None and best["steps"] != steps:
+            line(f"equal wall-clock, ours at {best['steps']} steps ({wall_seconds(best):,.0f} s with features) "
+                 f"against speculators at {steps} ({wall_seconds(spec):,.0f} s)", best, spec)
     return ["", *lines] if lines else []
 
 
@@ -451,6 +487,27 @@ def _spec_version(args) -> str | None:
     return None
 
 
+def drop_rows(args, algorithm: str, steps: int, trainers) -> None:
+    """Remove our run's rows directory (unless --keep-rows) once every trainer's result is written."""
+    rows = run_dir(args, "ours", algorithm, steps) / "parity" / "rows"
+    if not args.keep_rows and rows.is_dir() and all(
+            (args.out_dir / "results" / f"{t}-{algorithm}-{steps}.json").is_file() for t in trainers):
+        shutil.rmtree(rows)
+
+
+def match_wall_clock_stage(args, algorithm: str, feats: dict) -> None:
+    """For each speculators run of `algorithm`, our run at `matched_steps` (features counted), when
+    that is more steps than any budget of ours already run."""
+    records = [json.loads(p.read_text()) for p in sorted((args.out_dir / "results").glob(f"*-{algorithm}-*.json"))]
+    for spec in [r for r in records if r["trainer"] == "speculators"]:
+        steps = matched_steps(records, spec)
+        if steps > max(r["steps"] for r in records if r["trainer"] == "ours"):
+            print(f"equal wall-clock: ours at {steps} steps against speculators at {spec['steps']}", flush=True)
+            ours_stage(args, algorithm, steps)
+            result_record(args, "ours", algorithm, steps, feats)
+            drop_rows(args, algorithm, steps, ["ours"])
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run the missing stages (unless --table-only), then print (and with --write-docs write) the
     table of every finished run. Returns the table."""
@@ -465,10 +522,9 @@ def main(argv: list[str] | None = None) -> str:
                     spec_stage(args, algorithm, steps)
                 for trainer in args.trainers:
                     result_record(args, trainer, algorithm, steps, feats)
-                rows = run_dir(args, "ours", algorithm, steps) / "parity" / "rows"
-                if not args.keep_rows and rows.is_dir() and all(
-                        (args.out_dir / "results" / f"{t}-{algorithm}-{steps}.json").is_file() for t in args.trainers):
-                    shutil.rmtree(rows)
+                drop_rows(args, algorithm, steps, args.trainers)
+            if args.match_wall_clock and "speculators" in args.trainers:
+                match_wall_clock_stage(args, algorithm, feats)
     records = [json.loads(p.read_text()) for p in sorted((args.out_dir / "results").glob("*.json"))]
     text = format_table(records, machine_meta(args, argv))
     print(text)

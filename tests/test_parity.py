@@ -72,6 +72,47 @@ def test_equal_wall_clock_by_hand():
         [bench_parity.HEADING_EAGLE3, bench_parity.HEADING_DFLASH, bench_parity.HEADING, bench_parity.HEADING]
 
 
+def test_equal_wall_clock_pairing_by_hand():
+    # ours: 8,000 token-passes in 4 s and 16,000 in 8 s (2,000 tokens/s with features, 100 per step);
+    # theirs: 8,000 in 10 s. In 0.97 × 10 s ours reaches 19,400 token-passes: 194 steps.
+    ours = [{"trainer": "ours", "steps": s, "optimizer_steps": s, "tokens": n, "tokens_per_second_with_features": 2000.0}
+            for s, n in ((80, 8000), (160, 16000))]
+    spec = {"trainer": "speculators", "steps": 80, "tokens": 8000, "tokens_per_second_with_features": 800.0}
+    assert bench_parity.matched_steps(ours + [spec], spec) == 194
+    with pytest.raises(ValueError, match="no run of ours"):
+        bench_parity.matched_steps([spec], spec)
+    # paired lines: the equal budget (80 steps), then ours at 160 steps (8 s ≤ 10 s) against theirs at 80;
+    # a run of ours longer than theirs (12 s) is not a candidate. Same per-prompt counts as above: +0.250 ± 0.250.
+    pp = {"ours": [(2, 4), (4, 4)], "speculators": [(2, 4), (2, 4)]}
+    recs = [{**r, "tau": 1.75, "per_prompt": pp["ours"]} for r in ours] + [
+        {"trainer": "ours", "steps": 240, "tokens": 24000, "tokens_per_second_with_features": 2000.0, "tau": 1.9,
+         "per_prompt": pp["ours"]}, {**spec, "tau": 1.5, "per_prompt": pp["speculators"]}]
+    assert bench_parity.paired_lines(recs) == [
+        "", "- 80 steps: τ ours − speculators = +0.250 ± 0.250, paired on the same prompts (within noise).",
+        "- equal wall-clock, ours at 160 steps (8 s with features) against speculators at 80 (10 s): "
+        "τ ours − speculators = +0.250 ± 0.250, paired on the same prompts (within noise)."]
+
+
+def test_match_wall_clock_stage_runs_ours_past_its_budgets_only(tmp_path, monkeypatch):
+    # ours 80 and 160 steps at 2,000 tokens/s with features (100 per step); theirs 80 steps in 10 s and 160 in
+    # 5 s: in 0.97 × 10 s ours reaches 194 steps (past its budgets: run), in 0.97 × 5 s 97 (inside them: not run)
+    res = tmp_path / "results"
+    res.mkdir()
+    recs = [{"trainer": "ours", "steps": s, "optimizer_steps": s, "tokens": 100 * s,
+             "tokens_per_second_with_features": 2000.0} for s in (80, 160)]
+    recs += [{"trainer": "speculators", "steps": s, "tokens": 100 * s, "tokens_per_second_with_features": rate}
+             for s, rate in ((80, 800.0), (160, 3200.0))]
+    for r in recs + [{**recs[0], "trainer": "ours", "steps": 999}]:
+        algorithm = "peagle" if r["steps"] != 999 else "eagle3"  # another algorithm's run: not read
+        (res / f"{r['trainer']}-{algorithm}-{r['steps']}.json").write_text(json.dumps(r))
+    calls = []
+    monkeypatch.setattr(bench_parity, "ours_stage", lambda args, a, s: calls.append(("train", a, s)))
+    monkeypatch.setattr(bench_parity, "result_record", lambda args, t, a, s, f: calls.append(("record", t, a, s)))
+    args = bench_parity.arguments(["--out-dir", str(tmp_path)])
+    bench_parity.match_wall_clock_stage(args, "peagle", {})
+    assert calls == [("train", "peagle", 194), ("record", "ours", "peagle", 194)]
+
+
 def _conversations(path: Path, n: int = 12) -> Path:
     answers = ["I am fine, thank you. The answer is 4. " * 3, "hello there, how are you today? " * 3,
                "What is two plus two? The answer is 4, thank you. " * 2]

@@ -356,8 +356,7 @@ def equal_wall_clock(records: list[dict], key: str = "trainer") -> list[tuple[fl
     for r in records:
         if r.get("tau") is not None:
             by.setdefault(r[key], []).append(r)
-    rate = {t: sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["tokens_per_second_with_features"] for r in rs)
-            for t, rs in by.items()}
+    rate = {t: sum(r["tokens"] for r in rs) / sum(wall_seconds(r) for r in rs) for t, rs in by.items()}
     walls = sorted({r["tokens"] / rate[t] for t, rs in by.items() for r in rs})
     return [(w, {t: tau_at([(r["tokens"], r["tau"]) for r in rs], w * rate[t]) for t, rs in by.items()})
             for w in walls]
@@ -440,11 +439,13 @@ def paired_lines(records: list[dict]) -> list[str]:
     for steps in sorted({s for _, s in at}):
         if ("ours", steps) in at and ("speculators", steps) in at:
             line(f"{steps} steps", at["ours", steps], at["speculators", steps])
-    for (trainer, steps), spec in sorted(at.items(), key=lambda kv: kv[0][1]):
-        inside = [r for (t, _), r in at.items() if t == "ours" and "tokens_per_second_with_features" in r
-                  and "tokens_per_second_with_features" in spec and wall_seconds(r) <= wall_seconds(spec)]
-        best = max(inside, key=lambda r: r["tokens"], default=None)
-        if trainer == "speculators" and best is not None and best["steps"] != steps:
+    timed = {k: r for k, r in at.items() if "tokens_per_second_with_features" in r}
+    ours = [r for (t, _), r in timed.items() if t == "ours"]
+    for (trainer, steps), spec in sorted(timed.items(), key=lambda kv: kv[0][1]):
+        if trainer != "speculators":
+            continue
+        best = max((r for r in ours if wall_seconds(r) <= wall_seconds(spec)), key=lambda r: r["tokens"], default=None)
+        if best is not None and best["steps"] != steps:
             line(f"equal wall-clock, ours at {best['steps']} steps ({wall_seconds(best):,.0f} s with features) "
                  f"against speculators at {steps} ({wall_seconds(spec):,.0f} s)", best, spec)
     return ["", *lines] if lines else []

@@ -1,34 +1,30 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU: about 10 minutes on one GPU, one JSON line per step on stdout
-# (docs/TRAINING.md "What only a GPU shows"; results go to docs/BENCHMARKS.md).
-#   1. versions                  torch, CUDA, NCCL, GPU, transformers, accelerate, deepspeed        (≤ 60 s)
-#   2. cuda_tests                tests/test_cuda.py (FlexAttention and the sparse plan equal dense,
-#                                forward and backward; partitioned flex with few queries against a long
-#                                kept context; bf16 close to fp32; a 1-GPU run learns) and the GPU
-#                                semantics modelled on CPU (tests/test_gpu_semantics.py)            (≤ 200 s)
-#   3. step8b                    an 8B-shaped step (Llama-3.1-8B architecture, random bf16 weights, the
-#                                recipe's 4-layer head) at 2k, 8k and 16k tokens: tokens/s, peak memory
-#                                against the planner's estimate, Dynamo recompiles                   (≤ 240 s)
-#   4. engines                   DDP, DeepSpeed ZeRO-2 and FSDP2 for 4 steps each as an NCCL world of
-#                                1: bf16 asserted inside the engine's forward, losses against DDP's  (≤ 120 s)
-#   5. cpu_vs_gpu                the same fp32 step on CPU and on the GPU: equal loss and gradients  (≤ 60 s)
-#   6. eval8b                    decoding ms/token on the 8B-shaped target and head, the recipe's
-#                                evaluation time extrapolated against NCCL's 10-minute timeout      (≤ 120 s)
-# Usage: bash scripts/gpu_check.sh [OUT_DIR]    (default /tmp/gpu_check; PYTHON=... picks the interpreter,
-# default .venv/bin/python or python3, with peagle-train installed: PEAGLE_TORCH="torch>=2.6" bash
-# scripts/install.sh test). Logs go to OUT_DIR; exit 0 when every step passed, 1 otherwise, 2 without CUDA.
+# The check for a lent GPU (docs/TRAINING.md "The GPU check"): two commands of at most 7 minutes each
+# on one GPU with no network, each printing one JSON line per step (scripts/gpu_check.py).
+#
+#   bash scripts/gpu_check.sh --wheels [PYVER]   here, with the network: gpu_wheels/ (git-ignored) holds
+#                                                every package the check needs that the GPU image lacks
+#                                                (scripts/gpu_wheels.txt), for Python PYVER (default 3.12)
+#   bash scripts/gpu_check.sh 1 [OUT]            on the GPU: the wheels installed, versions, cuda_tests, step8b
+#   bash scripts/gpu_check.sh 2 [OUT]            on the GPU: the wheels installed, engines (DDP, ZeRO-2, ZeRO-3,
+#                                                FSDP2), cpu_vs_gpu, eval8b
+#   bash scripts/gpu_check.sh --rehearse [DIR]   here, on CPU (CI runs it): a fresh venv holding only the GPU
+#                                                image's packages at its versions (scripts/gpu_image.txt) and
+#                                                the wheelhouse installed with --no-index, then parts 1 and 2
+#                                                on CPU with a tiny target
+#
+# OUT (default $OUT where the device tool sets it, else /tmp/gpu_check) gets part<N>.jsonl and one log per
+# step; the inductor cache stays in /tmp. PYTHON picks the interpreter (default: the image's python3, or
+# .venv/bin/python in a checkout that has one). Exit 0 when every step passed, 1 otherwise, 2 without CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-/tmp/gpu_check}
-mkdir -p "$OUT"
+REPO=$PWD
+WHEELS=${PEAGLE_WHEELS:-$REPO/gpu_wheels}
+SITE=${PEAGLE_SITE:-/tmp/peagle_site}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/peagle_inductor}
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TORCHINDUCTOR_CACHE_DIR="$OUT/inductor_cache"   # FlexAttention compiles once, later processes reuse it
-T0=$(date +%s)
-FAILED=0
 
-# json STEP KEY=VALUE...: one JSON line (values are strings unless numbers or true/false)
-json() {
+json() {  # json STEP KEY=VALUE...: one JSON line (numbers and true/false as such)
   "$PY" - "$@" <<'EOF'
 import json, sys
 step, kv = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
@@ -42,47 +38,95 @@ print(json.dumps({"step": step, **{k: val(v) for k, v in kv.items()}}), flush=Tr
 EOF
 }
 
-# pytest_step NAME LIMIT_S ARGS...: a pytest run as one JSON line (passed, failed, skipped, seconds)
-pytest_step() {
-  local name=$1 limit=$2 start rc line
-  shift 2
-  start=$(date +%s)
-  timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/$name.log" | tail -1)
-  count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE '[0-9]+' || echo 0; }
-  [ $rc -eq 0 ] || FAILED=1
-  json "$name" ok=$([ $rc -eq 0 ] && echo true || echo false) exit=$rc seconds=$(( $(date +%s) - start )) \
-    passed="$(count passed)" failed="$(count failed)" skipped="$(count skipped)" \
-    timed_out=$([ $rc -eq 124 ] && echo true || echo false) log="$OUT/$name.log"
+# build_wheels PYVER DEST: the wheels of scripts/gpu_wheels.txt for CPython PYVER on x86-64 Linux; the
+# source-only ones built with $PY (DeepSpeed's setup imports torch), no ops prebuilt
+build_wheels() {
+  local pyver=$1 dest=$2 reqs binary source log=/tmp/peagle_build_wheels.log
+  mkdir -p "$dest"
+  reqs=$(sed -e 's/#.*//' -e '/^[[:space:]]*$/d' scripts/gpu_wheels.txt | tr -d ' ')
+  source=$(grep 'source only' scripts/gpu_wheels.txt | sed -e 's/#.*//' | tr -d ' ')
+  binary=$(comm -23 <(echo "$reqs" | sort) <(echo "$source" | sort))
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$dest" $binary > "$log" 2>&1 || { tail -3 "$log" >&2; return 1; }
+  # shellcheck disable=SC2086
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$dest" $source >> "$log" 2>&1 \
+    || { tail -3 "$log" >&2; return 1; }
+  local n size
+  n=$(ls "$dest"/*.whl | wc -l)
+  size=$(du -sm "$dest" | cut -f1)
+  json wheels ok=true python="cp${pyver/./}" wheels="$n" mib="$size" dir="$dest"
 }
 
-# py_step NAME LIMIT_S ARGS...: scripts/gpu_check.py's own JSON lines, or one line saying why none came
-py_step() {
-  local name=$1 limit=$2 start rc
-  shift 2
-  start=$(date +%s)
-  timeout "$limit" "$PY" scripts/gpu_check.py "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.log"
-  rc=$?
-  grep '^{' "$OUT/$name.jsonl"
-  if [ $rc -ne 0 ] || grep -q '"ok": false' "$OUT/$name.jsonl"; then FAILED=1; fi
-  [ $rc -eq 0 ] || json "$name" ok=false exit=$rc seconds=$(( $(date +%s) - start )) \
-    timed_out=$([ $rc -eq 124 ] && echo true || echo false) last_error="$(tail -1 "$OUT/$name.log" | tr -d '"=' | cut -c1-300)"
+# install_wheels: the wheelhouse into $SITE (--no-index, --no-deps: the image's torch and the rest stay),
+# put first on PYTHONPATH with the repository; one JSON line
+install_wheels() {
+  local start=$(date +%s)
+  if [ ! -d "$WHEELS" ] || ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    json wheels ok=false error="no wheelhouse at $WHEELS. Fix: bash scripts/gpu_check.sh --wheels here, then carry gpu_wheels"
+    return 1
+  fi
+  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl > /tmp/peagle_wheels.log 2>&1; then
+    json wheels ok=false error="pip install --no-index from $WHEELS failed: $(tail -1 /tmp/peagle_wheels.log | tr -d '"=')"
+    return 1
+  fi
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  json wheels ok=true installed="$(ls "$WHEELS"/*.whl | wc -l)" into="$SITE" seconds=$(( $(date +%s) - start ))
 }
 
-if ! "$PY" -c "import torch, peagle_train" > "$OUT/python.log" 2>&1; then
-  json setup ok=false error="$PY cannot import torch and peagle_train (see $OUT/python.log). Fix: bash scripts/install.sh test"
-  exit 1
-fi
-py_step versions 60 versions
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  json summary ok=false error="no CUDA device: the GPU steps did not run" seconds=$(( $(date +%s) - T0 ))
-  exit 2
-fi
-pytest_step cuda_tests 200 tests/test_cuda.py tests/test_gpu_semantics.py -k "not each_engine and not cpu_and_gpu"
-py_step step8b 240 step8b --tokens 2048,8192,16384
-pytest_step engines 120 tests/test_cuda.py -k each_engine
-pytest_step cpu_vs_gpu 60 tests/test_cuda.py -k cpu_and_gpu
-py_step eval8b 120 eval8b --prompts 4 --new-tokens 64
-json summary ok=$([ $FAILED -eq 0 ] && echo true || echo false) seconds=$(( $(date +%s) - T0 )) logs="$OUT"
-exit $FAILED
+rehearse() {
+  local dir=${1:-/tmp/gpu_rehearsal} start=$(date +%s) ok=true pyver
+  rm -rf "$dir" && mkdir -p "$dir"
+  # the bare machine: a fresh venv with the image's packages alone (pip may reach the registries here)
+  python3 -m venv "$dir/venv" || return 1
+  PY=$dir/venv/bin/python
+  if ! "$PY" -m pip install -q --upgrade pip > "$dir/venv.log" 2>&1 \
+      || ! "$PY" -m pip install -q "${PEAGLE_TORCH:-torch==2.13.0}" -r scripts/gpu_image.txt >> "$dir/venv.log" 2>&1; then
+    json rehearse_venv ok=false error="the image's packages did not install (see $dir/venv.log)"
+    return 1
+  fi
+  # what the image lacks must be missing here too, or the rehearsal proves nothing
+  if "$PY" -c "import hydra" 2>/dev/null || "$PY" -c "import datasets" 2>/dev/null || "$PY" -c "import deepspeed" 2>/dev/null; then
+    json rehearse_venv ok=false error="the venv already holds hydra, datasets or deepspeed: scripts/gpu_image.txt pulls them in"
+    return 1
+  fi
+  json rehearse_venv ok=true python="$("$PY" -c 'import sys; print(sys.version.split()[0])')" \
+    torch="$("$PY" -c 'import torch; print(torch.__version__)')" \
+    transformers="$("$PY" -c 'import transformers; print(transformers.__version__)')" \
+    accelerate="$("$PY" -c 'import accelerate; print(accelerate.__version__)')"
+  pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  "$PY" -m pip install -q setuptools wheel >> "$dir/venv.log" 2>&1   # to build the source-only wheels
+  build_wheels "$pyver" "$dir/wheels" || { json wheels ok=false error="building the wheelhouse failed"; return 1; }
+  WHEELS=$dir/wheels SITE=$dir/site
+  install_wheels || return 1
+  # a tiny Llama in place of the recipe's 8B target
+  "$PY" -c "
+from transformers import LlamaConfig
+LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096).save_pretrained('$dir/tiny')" || return 1
+  for part in 1 2; do
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$PY" scripts/gpu_check.py part $part --out "$dir/out" --device cpu \
+      --config "$dir/tiny/config.json" || ok=false
+  done
+  json summary ok=$ok rehearsal=true seconds=$(( $(date +%s) - start )) wheelhouse_mib="$(du -sm "$dir/wheels" | cut -f1)" \
+    results="$dir/out"
+  [ $ok = true ]
+}
+
+case "${1:-}" in
+  --wheels)
+    build_wheels "${2:-3.12}" "$WHEELS" || { json wheels ok=false error="building the wheelhouse failed"; exit 1; }
+    echo "carry it: the device tool's run(carry=[\"gpu_wheels\"]); repository + wheels: $(( $(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1) + $(du -sm "$WHEELS" | cut -f1) )) MiB of 64" >&2 ;;
+  --rehearse)
+    rehearse "${2:-}" ;;
+  1|2)
+    OUT_DIR=${2:-${OUT:-/tmp/gpu_check}}
+    mkdir -p "$OUT_DIR"
+    install_wheels || exit 1
+    exec "$PY" scripts/gpu_check.py part "$1" --out "$OUT_DIR" ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh --wheels [PYVER] | 1 [OUT] | 2 [OUT] | --rehearse [DIR]" >&2
+    exit 2 ;;
+esac

@@ -6,8 +6,10 @@ a CPU machine); the recipe's `distributed.timeout_minutes` makes the process-gro
 
 Injected, from the environment (all optional):
   PEAGLE_TEST_STEP_SLEEP_S      every target forward sleeps this long (so steps take wall-clock time)
-  PEAGLE_TEST_RANK0_DELAY_S     rank 0 sleeps this long before the trainer's set-up, as rank 0 does
-                                when it prepares and saves the data first: the ranks' clocks start apart
+  PEAGLE_TEST_RANK0_CLOCK_S     rank 0's training clock starts this many seconds after rank 1's (its
+                                `t0` is moved after the set-up's last collective, so that no barrier
+                                evens it out): the ranks' clocks stand apart, as when rank 0 prepared
+                                and saved the data first
   PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
                                 longer than the process-group timeout)
 Each process writes the line "RANK r STEPS n" (one write) when its training returns.
@@ -26,7 +28,7 @@ def inject() -> None:
     from peagle_train.training import trainer
 
     step_sleep = float(os.environ.get("PEAGLE_TEST_STEP_SLEEP_S", "0"))
-    rank0_delay = float(os.environ.get("PEAGLE_TEST_RANK0_DELAY_S", "0"))
+    rank0_clock = float(os.environ.get("PEAGLE_TEST_RANK0_CLOCK_S", "0"))
     slow_eval = float(os.environ.get("PEAGLE_TEST_SLOW_EVAL_S", "0"))
     rank = int(os.environ.get("RANK", "0"))
 
@@ -41,10 +43,10 @@ def inject() -> None:
 
     setup, fit = trainer.Trainer.setup, trainer.Trainer.fit
 
-    def late_setup(self):
+    def skewed_setup(self):
+        setup(self)  # its collectives (shared-folder check, weights' broadcast, engine) re-synchronise the ranks
         if rank == 0:
-            time.sleep(rank0_delay)
-        return setup(self)
+            self.t0 += rank0_clock  # after them: the skew stays through every later step's reduction
 
     def reporting_fit(self):
         out = fit(self)
@@ -53,7 +55,7 @@ def inject() -> None:
         os.write(1, f"RANK {rank} STEPS {out['steps']}\n".encode())
         return out
 
-    trainer.Trainer.setup, trainer.Trainer.fit = late_setup, reporting_fit
+    trainer.Trainer.setup, trainer.Trainer.fit = skewed_setup, reporting_fit
 
     evaluate = training_job.evaluate_acceptance
 

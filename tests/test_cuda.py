@@ -1,10 +1,15 @@
-"""CUDA-only checks (skipped without a GPU; scripts/gpu_check.sh runs them): FlexAttention forward
+"""CUDA checks (skipped without a GPU; scripts/gpu_check.py runs them): FlexAttention forward
 and backward equal the dense path, the sparse SDPA plan equals it too, also partitioned with a few
 queries against a long kept context; a bf16 step stays close to fp32 with fp32 master weights; a
-short 1-GPU training run learns; the same fp32 step on CPU and GPU agrees; each engine as an NCCL
-world of 1 computes in bf16 inside its forward and follows DDP's losses."""
+short 1-GPU training run learns; the same fp32 step on CPU and GPU agrees; each engine (DDP,
+DeepSpeed ZeRO-2 and ZeRO-3, FSDP2) as a world of 1 computes in bf16 inside its forward and follows
+DDP's losses.
+
+With PEAGLE_CHECK_DEVICE=cpu (the GPU check's CPU rehearsal, `bash scripts/gpu_check.sh --rehearse`)
+the tests that need no CUDA kernel run on the CPU: the engines and the 1-process run."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -21,7 +26,11 @@ from .conftest import tiny_llama
 from .test_decoding import make_draft
 from .test_training import grads_of, random_row
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# the device of these checks: CUDA when present, else the rehearsal's CPU (PEAGLE_CHECK_DEVICE=cpu), else none
+DEVICE = "cuda" if torch.cuda.is_available() else os.environ.get("PEAGLE_CHECK_DEVICE")
+pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or PEAGLE_CHECK_DEVICE=cpu: the GPU "
+                                                       "check's rehearsal)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention's backward)")
 
 
 @pytest.fixture
@@ -36,6 +45,7 @@ def cuda_setup():
     return target, d, row, el
 
 
+@needs_cuda
 @pytest.mark.parametrize("attention", ["flex", "sparse"])
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_flex_and_sparse_equal_dense_forward_and_backward(cuda_setup, attention, partitions):
@@ -49,6 +59,7 @@ def test_flex_and_sparse_equal_dense_forward_and_backward(cuda_setup, attention,
         torch.testing.assert_close(g_x[k], g_d[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+@needs_cuda
 def test_bf16_step_is_close_to_fp32_and_keeps_fp32_weights(cuda_setup):
     _, d, row, el = cuda_setup
     loss32, _, g32 = grads_of(d, row, el, attention="flex")
@@ -61,6 +72,7 @@ def test_bf16_step_is_close_to_fp32_and_keeps_fp32_weights(cuda_setup):
     assert cos > 0.99
 
 
+@needs_cuda
 def test_one_gpu_training_learns(tmp_path):
     from .test_loop import tiny_rows
 
@@ -79,6 +91,7 @@ def test_one_gpu_training_learns(tmp_path):
     assert last < 0.8 * first, (first, last)
 
 
+@needs_cuda
 def test_partitioned_flex_with_small_queries_against_a_long_context(cuda_setup):
     """A 1,800-token row, 16 anchors, 8 parts: each part's chains are a few queries against the
     kept context of every row position (FlexAttention with Q ≪ KV); gradients equal the dense
@@ -93,6 +106,7 @@ def test_partitioned_flex_with_small_queries_against_a_long_context(cuda_setup):
         torch.testing.assert_close(g_x[k], g_d[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+@needs_cuda
 def test_cpu_and_gpu_give_the_same_fp32_step(cuda_setup):
     """The same row, elements and weights: the fp32 loss and gradients on CPU (sparse attention)
     and on CUDA (FlexAttention) agree."""
@@ -107,33 +121,46 @@ def test_cpu_and_gpu_give_the_same_fp32_step(cuda_setup):
         torch.testing.assert_close(g_c[k], g_g[k].cpu(), rtol=1e-3, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp"])
-def test_each_engine_as_a_world_of_one_trains_in_bf16_with_ddps_losses(tmp_path, engine):
-    """Each engine for 4 steps on one GPU (a sharded engine makes its own 1-process NCCL group),
-    precision bf16, partitions 2: every Linear of the head outputs bf16 inside the engine's forward,
-    and the losses follow DDP's."""
-    if engine == "deepspeed":
-        pytest.importorskip("deepspeed")
+_DDP_LOSSES: list[float] = []  # the DDP run's losses, the reference of every sharded engine (made once)
+
+
+def _engine_run(kind: str, zero_stage: int, checkpointing: bool, out):
+    """4 steps of a 1-layer head on the tiny target, precision bf16, partitions 2, under `kind`
+    (on DEVICE; a sharded engine makes its own 1-process group). Returns (the dtypes the head's
+    Linears output, the losses)."""
+    import json
+
     from .test_loop import tiny_rows
 
-    def run(kind, out):
-        target = tiny_llama().cuda()
-        t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
-        seen = set()
-        for m in d.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_hook(lambda mod, a, o: seen.add(o.dtype))
-        cfg = TrainSettings(OmegaConf.merge(default_config().training, {
-            "tokens_per_step": 64, "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2}),
-            draft={"num_depths": 4}, algorithm="peagle", seed=0, precision="bf16",
-            distributed=OmegaConf.merge(default_config().distributed, {"engine": kind, "zero_stage": 2}))
-        train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), cfg, out)
-        import json
+    target = tiny_llama().to(DEVICE)
+    t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
+    d.config.gradient_checkpointing = checkpointing
+    seen = set()
+    for m in d.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, a, o: seen.add(o.dtype))
+    cfg = TrainSettings(OmegaConf.merge(default_config().training, {
+        "tokens_per_step": 64, "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2}),
+        draft={"num_depths": 4}, algorithm="peagle", seed=0, precision="bf16",
+        distributed=OmegaConf.merge(default_config().distributed, {"engine": kind, "zero_stage": zero_stage}))
+    train(Accelerator(cpu=DEVICE == "cpu"), d.to(DEVICE), t, tiny_rows(n=14), torch.arange(0, 128, 2), cfg, out)
+    return seen, [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
 
-        return seen, [json.loads(x)["loss"] for x in (out / "train_log.jsonl").read_text().splitlines()]
 
-    seen, losses = run(engine, tmp_path / engine)
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed-zero2", "deepspeed-zero3", "fsdp"])
+def test_each_engine_as_a_world_of_one_trains_in_bf16_with_ddps_losses(tmp_path, engine):
+    """Each engine for 4 steps on one GPU (a sharded engine makes its own 1-process NCCL group),
+    precision bf16, partitions 2; ZeRO-3 with the head's gradient checkpointing on (the gpt-oss
+    recipe's combination): every Linear of the head outputs bf16 inside the engine's forward, and the
+    losses follow DDP's."""
+    kind, _, stage = engine.partition("-zero")
+    if kind == "deepspeed":
+        pytest.importorskip("deepspeed")
+    seen, losses = _engine_run(kind, int(stage or 2), stage == "3", tmp_path / engine)
     assert seen == {torch.bfloat16}, seen
-    if engine != "ddp":
-        _, ref = run("ddp", tmp_path / "ddp")
-        assert losses == pytest.approx(ref, rel=2e-2), (losses, ref)
+    if kind == "ddp":
+        _DDP_LOSSES[:] = losses
+        return
+    if not _DDP_LOSSES:
+        _DDP_LOSSES[:] = _engine_run("ddp", 2, False, tmp_path / "ddp")[1]
+    assert losses == pytest.approx(_DDP_LOSSES, rel=2e-2), (losses, _DDP_LOSSES)

@@ -10,6 +10,10 @@ shows"): each test fails on a trainer that ignores it.
   unless the loader maps it).
 - `training.max_minutes` with ranks whose clocks start apart (rank 0 prepares the data first): the
   ranks stop at the same step, 2 real processes over gloo with a short process-group timeout.
+
+These are CPU models: every process they start has CUDA hidden (`CPU_ONLY`), so that on a GPU machine
+two ranks never share cuda:0 and DeepSpeed's CUDA accelerator never takes the head. CPU CI runs
+them; the GPU check (scripts/gpu_check.py) does not.
 - Rank 0's evaluation longer than the process-group timeout: the run still ends with evaluation,
   export and summary.json.
 - A partitioned P-EAGLE row whose part holds no chain still runs partitions + 1 backward passes
@@ -34,6 +38,7 @@ from peagle_train.algorithms.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step
 
 LAUNCH = str(REPO_ROOT / "tests" / "gpu_semantics_launch.py")
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # the processes these models start see no GPU, on any machine
 
 
 # ---------------------------------------------------------------------------------------------- A1
@@ -83,7 +88,7 @@ def test_deepspeed_forward_keeps_the_loops_bf16_autocast_as_under_cuda(tmp_path)
     code = ("import json, sys; from tests.test_gpu_semantics import deepspeed_step_output_dtypes as f; "
             "print('DTYPES', json.dumps(f(sys.argv[1])))")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)})
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **CPU_ONLY})
     assert p.returncode == 0, p.stderr[-3000:]
     dtypes = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("DTYPES "))[7:])
     assert dtypes == ["torch.bfloat16"], dtypes
@@ -170,7 +175,7 @@ export: {{enabled: true}}
 def _launch(recipe, out, env_extra, *overrides, timeout=300):
     root, cmd = recipe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(root / "c"),
-           **env_extra}
+           **CPU_ONLY, **env_extra}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, "recipe=tiny",
                            f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *overrides],
@@ -189,12 +194,12 @@ def test_steps_per_rank_reads_interleaved_lines():
 
 
 def test_max_minutes_stops_every_rank_at_the_same_step(tiny_recipe):
-    """Rank 0 starts its clock 3 s after rank 1 (it prepared the data first); steps take ≥ 0.3 s;
-    max_minutes 0.1 with checkpoints every 2 steps and a 45 s process-group timeout. Rank 1's own
-    clock runs out ~10 steps before rank 0's: stopping on it alone sends rank 1 into the checkpoint's
-    barriers while rank 0 all-reduces its next step."""
+    """Rank 0's clock starts 3 s after rank 1's, the skew placed after the set-up's last collective
+    (it prepared the data first); steps take ≥ 0.3 s; max_minutes 0.1 with checkpoints every 2 steps
+    and a 45 s process-group timeout. Rank 1's own clock runs out ~10 steps before rank 0's: stopping
+    on it alone sends rank 1 into the checkpoint's barriers while rank 0 all-reduces its next step."""
     out = tiny_recipe[0] / "skew"
-    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_STEP_SLEEP_S": "0.3", "PEAGLE_TEST_RANK0_DELAY_S": "3"},
+    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_STEP_SLEEP_S": "0.3", "PEAGLE_TEST_RANK0_CLOCK_S": "3"},
                 "training.max_minutes=0.1", "training.epochs=20", "training.save_every=2",
                 "distributed.timeout_minutes=0.75", "eval.enabled=false", "export.enabled=false")
     steps = _steps_per_rank(p.stdout)

@@ -543,6 +543,9 @@ class PlanCommand(Config):
                                    "SXM peaks at 989 dense)", gt=0)
     gpu_bandwidth_gbs: float = opt(2000.0, "memory bandwidth assumed for the evaluation's time, GB/s (H100 SXM "
                                            "peaks at 3350)", gt=0)
+    prepare_tokens_per_second: float = opt(118_851.0, "data preparation throughput assumed per data.num_proc worker, "
+                                                      "tokens/s (docs/BENCHMARKS.md, Data preparation: 237,702 on 2)",
+                                           gt=0)
 
 
 # entry point -> (schema, primary config in conf/, name in Hydra's ConfigStore)

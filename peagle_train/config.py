@@ -281,9 +281,10 @@ class FeaturesConfig:
     docs_per_shard: int = opt(64, "data rows per shard (the unit of resume)", ge=1)
     verify: bool = opt(True, "sha256 of every shard at open (sizes, token ids and NaN/Inf are always checked)")
     engine: FeatureEngine = opt(FeatureEngine.target, "features: target (in-process forwards) | vllm (vLLM's "
-                                                      "extract_hidden_states, one engine job per tokens_per_job)")
-    tokens_per_job: int = opt(4_000_000, "engine=vllm: tokens of rows per vLLM job; its hidden-state files wait on "
-                                         "disk until their shard is written (≈ 32 KB a token at 8B)", ge=1)
+                                                      "extract_hidden_states, one engine job per bytes_per_job)")
+    bytes_per_job: int = opt(16 * 2**30, "engine=vllm: bytes of hidden-state files one vLLM job stages on disk "
+                                         "until their shards are written (16 GiB); tokens of rows per job = this / "
+                                         "(aux states + 1) × hidden × dtype bytes: 524,288 at 8B in bfloat16", ge=1)
     vllm_python: Optional[str] = opt(None, "engine=vllm: python of the environment with vLLM; null = as "
                                            "eval.vllm_python")
 
@@ -542,6 +543,9 @@ class PlanCommand(Config):
                                    "SXM peaks at 989 dense)", gt=0)
     gpu_bandwidth_gbs: float = opt(2000.0, "memory bandwidth assumed for the evaluation's time, GB/s (H100 SXM "
                                            "peaks at 3350)", gt=0)
+    prepare_tokens_per_second: float = opt(118_851.0, "data preparation throughput assumed per data.num_proc worker, "
+                                                      "tokens/s (docs/BENCHMARKS.md, Data preparation: 237,702 on 2)",
+                                           gt=0)
 
 
 # entry point -> (schema, primary config in conf/, name in Hydra's ConfigStore)
@@ -561,7 +565,10 @@ _MIXED_PRECISION = ("training.mixed_precision was removed: `precision` (auto | f
                     "precision=fp32 (was no)")
 # keys that were removed, with the message naming their replacement (per entry point; "*" = all)
 REMOVED_KEYS: dict[str, dict[str, str]] = {
-    "*": {"training.mixed_precision": _MIXED_PRECISION},
+    "*": {"training.mixed_precision": _MIXED_PRECISION,
+          "features.tokens_per_job": "features.tokens_per_job was removed: a vLLM feature job is budgeted in bytes of "
+                                     "hidden-state files on disk (4M tokens of an 8B target staged 131 GB). Fix: "
+                                     "features.bytes_per_job=<bytes> (default 17179869184 = 16 GiB)"},
     "export": {"dtype": "dtype was removed: the export's dtype is export.dtype. Fix: export.dtype=<bfloat16 | "
                         "float32 | float16>",
                "checkpoint": "checkpoint was renamed: the head to export is head=. Fix: head=runs/<run>/checkpoint"},

@@ -17,6 +17,10 @@ Parts of a plan:
   DATA_COUNTS for the data file), packed rows per epoch (PACKING_FILL), optimizer steps at
   `world_size`, the warm-up's share and the checkpoint/validation cadence, refused by the rule
   `peagle train` applies at start-up (training/checks.py `schedule_problems`).
+- data preparation: tokens to prepare (`tokens_to_prepare`) / (PREPARE_TOKENS_PER_SECOND per worker ×
+  data.num_proc workers), what the main process spends inside `main_process_first` while the others
+  wait in a barrier, against the process-group timeout; `preparation_problem` is the line with the
+  fix (`peagle prepare` before the launch) that `peagle train` refuses with on a cache miss.
 - evaluation: the forwards of the train job's evaluation (the target alone, the target alone in
   the verifier's numerics, the head at τ = 1: an upper bound) times a per-forward cost from the
   target's size (`forward_seconds`: a roofline at `gpu_tflops` and `gpu_bandwidth_gbs` plus a fixed
@@ -38,9 +42,15 @@ from .training.memory import (GIB, RESERVE_BYTES, dtype_bytes, draft_config_for,
                               memory_problem, target_parameters)
 
 __all__ = ["Plan", "make_plan", "format_plan", "estimate_step_memory", "target_config", "data_counts",
-           "forward_seconds", "DATA_COUNTS"]
+           "forward_seconds", "DATA_COUNTS", "tokens_to_prepare", "preparation_estimate", "preparation_problem"]
 
 NCCL_TIMEOUT_MINUTES = 10.0  # torch.distributed's default for NCCL, when the config names none
+# Data preparation throughput per data.num_proc worker, in kept tokens per second: docs/BENCHMARKS.md "Data
+# preparation", cold, 7,257,588 tokens in 30.5 s with num_proc=2 (237,702 tokens/s; SmolLM2's tokenizer, max_length
+# 512, a 2-core Xeon). Reading and normalising the source, the draft vocabulary and the mask token run in one
+# process, so the time of many workers is longer than this linear estimate.
+PREPARE_TOKENS_PER_SECOND = 118_851.0
+FILE_BYTES_PER_TOKEN = 5.0  # ShareGPT V3's JSON: 125.5 MB for 25.0M tokens (SmolLM2's tokenizer, rows uncut at 8,192)
 LAYER_OVERHEAD_S = 0.3e-3    # eager PyTorch at batch 1: launching one decoder layer's ~15 kernels from Python
 
 # Tokens of the data files the recipes name, per data.max_length: (rows kept, tokens, supervised tokens,
@@ -135,6 +145,73 @@ def _sources_estimate(d) -> dict:
                       f"max_length {L}, SmolLM2's tokenizer)"}
 
 
+def tokens_to_prepare(cfg, data_tokens: int | None = None) -> tuple[int | None, str]:
+    """(tokens, where the count came from) that preparing the `data` group of `cfg` tokenises: 0 with
+    data.prepared_dir (nothing to prepare); else `data_counts` (data_tokens=, the count shipped for
+    pkg:sharegpt, data.sources' estimate); else the data files' bytes / FILE_BYTES_PER_TOKEN, at most
+    data.num_conversations × data.max_length; (None, why) when no file is there to count."""
+    from .errors import ConfigError
+    from .paths import resolve_path
+
+    d = cfg.data
+    if d.get("prepared_dir"):
+        return 0, f"data.prepared_dir={d.prepared_dir}: prepared"
+    try:
+        data = data_counts(cfg, data_tokens)
+        return data["tokens"], data["source"]
+    except ConfigError:
+        pass
+    paths = [resolve_path(str(m["path"])) for m in d.mix] if d.get("mix") else [resolve_path(str(d.path))]
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
+                                        if p.is_dir() else [])]
+    if not files:
+        return None, f"no data file at {', '.join(map(str, paths))} to count"
+    size = sum(f.stat().st_size for f in files)
+    tokens = int(size / FILE_BYTES_PER_TOKEN)
+    if d.get("num_conversations"):
+        tokens = min(tokens, int(d.num_conversations) * int(d.max_length))
+    return tokens, f"{size / 1e6:,.1f} MB of data files / {FILE_BYTES_PER_TOKEN:.0f} bytes a token"
+
+
+def preparation_estimate(cfg, data_tokens: int | None = None, rate: float = PREPARE_TOKENS_PER_SECOND) -> dict:
+    """Seconds the main process spends preparing the data of `cfg` on a cold cache: tokens
+    (`tokens_to_prepare`) / (`rate` tokens/s per worker × data.num_proc workers), against the
+    process-group timeout (distributed.timeout_minutes, else NCCL's 10 minutes). Returns {"tokens",
+    "source", "workers", "rate", "seconds" (None when the tokens are unknown), "timeout_minutes",
+    "timeout_source"}."""
+    from omegaconf import OmegaConf
+
+    tokens, source = tokens_to_prepare(cfg, data_tokens)
+    workers = int(cfg.data.num_proc)
+    timeout = OmegaConf.select(cfg, "distributed.timeout_minutes", default=None)
+    return {"tokens": tokens, "source": source, "workers": workers, "rate": float(rate),
+            "seconds": None if tokens is None else tokens / (rate * workers),
+            "timeout_minutes": float(timeout or NCCL_TIMEOUT_MINUTES),
+            "timeout_source": "distributed.timeout_minutes" if timeout else "NCCL's default"}
+
+
+def preparation_problem(est: dict, world: int) -> str | None:
+    """None unless `world` > 1 processes would wait longer than the process-group timeout while the
+    main process prepares the data (`preparation_estimate` `est`); then one line naming the estimate,
+    the timeout and the fixes: `peagle prepare` once before the launch, more data.num_proc workers,
+    or a longer distributed.timeout_minutes."""
+    if world <= 1 or not est["seconds"] or est["seconds"] / 60 <= est["timeout_minutes"]:
+        return None
+    minutes, timeout, w = est["seconds"] / 60, est["timeout_minutes"], est["workers"]
+    enough = math.ceil(est["tokens"] / (est["rate"] * timeout * 60 * 0.5))  # half the timeout
+    return (f"preparing the data (≈ {est['tokens']:,} tokens: {est['source']}) takes ≈ {_min(minutes)} min on the main "
+            f"process at {est['rate']:,.0f} tokens/s × data.num_proc={w} workers, longer than the process-group "
+            f"timeout of {_min(timeout)} min ({est['timeout_source']}) that the other {world - 1} processes wait in. "
+            f"Fix: prepare it once before the launch (peagle prepare <the same recipe and data keys> output_dir=DIR, "
+            f"then launch with data.prepared_dir=DIR on storage every node sees), or data.num_proc={max(w + 1, enough)}, "
+            f"or distributed.timeout_minutes={math.ceil(minutes * 1.5)}.")
+
+
+def _min(minutes: float) -> str:
+    """Minutes as a line shows them: whole from 10 on (83), else 2 significant digits (0.5, 0.0014)."""
+    return f"{minutes:.0f}" if minutes >= 10 else f"{minutes:.2g}"
+
+
 def packing_fill(fill: dict, tokens_per_step: int, mean_row: float) -> float:
     """Share of a packed row its documents fill: measured (`fill` of DATA_COUNTS) at this
     tokens_per_step, else 1 − mean_row / (2 · tokens_per_step) (greedy packing in shuffled order
@@ -186,6 +263,7 @@ class Plan:
     memory: dict
     schedule: dict
     evaluation: dict
+    preparation: dict = field(default_factory=dict)
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
@@ -227,6 +305,10 @@ def make_plan(cfg) -> Plan:
         problems.append(m)
     schedule = _schedule(cfg, W, problems, notes)
     evaluation = _evaluation(cfg, W, hf, tp, tbytes, hp, act, draft_cfg, notes)
+    preparation = preparation_estimate(cfg, cfg.get("data_tokens"), cfg.get("prepare_tokens_per_second")
+                                       or PREPARE_TOKENS_PER_SECOND)
+    if (m := preparation_problem(preparation, W)):
+        notes.append(m + " `peagle train` refuses to start so when the data is not in its cache.")
     settings = {"engine": engine, "zero_stage": stage, "precision": precision, "attention": attention, "online": online,
                 "tokens_per_step": t.tokens_per_step, "max_anchors": t.max_anchors, "num_depths": dcfg.num_depths,
                 "partitions": t.partitions, "grad_accum": t.grad_accum, "gradient_checkpointing": dcfg.gradient_checkpointing,
@@ -235,7 +317,7 @@ def make_plan(cfg) -> Plan:
               "layers": hf.num_hidden_layers, "hidden": hf.hidden_size, "vocab": hf.vocab_size}
     head = {**hp, "algorithm": algorithm, "num_layers": draft_cfg.num_hidden_layers, "draft_vocab": draft_cfg.draft_vocab_size,
             "train_embeddings": getattr(draft_cfg, "train_embeddings", "all")}
-    return Plan(W, gpu, settings, target, head, mem, schedule, evaluation, problems, notes)
+    return Plan(W, gpu, settings, target, head, mem, schedule, evaluation, preparation, problems, notes)
 
 
 def _schedule(cfg, W: int, problems: list[str], notes: list[str]) -> dict:
@@ -394,6 +476,18 @@ def format_plan(plan: Plan, title: str = "") -> str:
               f"| packed rows per epoch | {sc['rows_per_epoch']:,} ({n:,} tokens, fill {sc['fill']:.3f}) |",
               f"| optimizer steps | {steps_text} |",
               f"| warm-up | {warm} |", f"| checkpoints | {ckpt} |", f"| validation | {vals} |", ""]
+    pr = plan.preparation
+    if pr and pr["tokens"] != 0:
+        how = (f"≈ {pr['seconds'] / 60:.1f} min = {pr['tokens']:,} tokens / ({pr['rate']:,.0f} tokens/s × data.num_proc "
+               f"{pr['workers']}) on a cold cache" if pr["seconds"] is not None else f"unknown ({pr['source']})")
+        how += f"; process-group timeout {pr['timeout_minutes']:.0f} min ({pr['timeout_source']})"
+        if pr["seconds"] is not None and W > 1:
+            share = pr["seconds"] / 60 / pr["timeout_minutes"]
+            how += (": **longer**, refused by `peagle train` on a cache miss (note below)" if share > 1 else
+                    ": over half of it, little margin for an estimate linear in the workers" if share > 0.5 else "")
+        lines += ["| data preparation (main process, before training) | value |", "|---|---|",
+                  f"| time | {how} |",
+                  "| a cache hit, or data.prepared_dir (`peagle prepare` before the launch) | nothing to prepare |", ""]
     if ev.get("seconds") is not None:
         lines += ["| evaluation (main process, after training) | value |", "|---|---|",
                   f"| decoded | {ev['prompts']} prompts × {ev['max_new_tokens']} new tokens, K {ev['K']} |",

@@ -100,3 +100,83 @@ def test_the_recipes_sources_map_the_published_datasets_columns(tmp_path):
     assert [(c.name, c.format, c.records, c.kept, c.taken) for c in counts] == [
         ("ultrachat_200k/train_sft", "openai", 5, 5, 3), ("Magpie-Llama-3.1-Pro-300K-Filtered/train", "sharegpt", 4, 4, 3)]
     assert len(ds) == 6 and all(m[0]["role"] == "user" and m[-1]["role"] == "assistant" for m in ds["messages"])
+
+
+def test_the_plan_estimates_the_data_preparation_against_the_timeout():
+    """`peagle plan`: tokens / (tokens/s per worker × data.num_proc) on the main process, against
+    distributed.timeout_minutes; a note with the fixes when a multi-process run would wait longer."""
+    from peagle_train.plan import PREPARE_TOKENS_PER_SECOND, format_plan, make_plan, preparation_estimate
+
+    assert PREPARE_TOKENS_PER_SECOND == 237_702 / 2  # docs/BENCHMARKS.md, Data preparation: cold, num_proc=2
+    base = ["recipe=llama-3.1-8b-instruct", "data_tokens=1000000000", "prepare_tokens_per_second=100000"]
+    cfg = compose("plan", base + ["world_size=8", "data.num_proc=2"])
+    est = preparation_estimate(cfg, cfg.data_tokens, cfg.prepare_tokens_per_second)
+    assert (est["tokens"], est["workers"], est["seconds"], est["timeout_minutes"]) == (10**9, 2, 5000.0, 60.0)  # 1e9/2e5
+    plan = make_plan(cfg)
+    (note,) = [n for n in plan.notes if n.startswith("preparing the data")]
+    assert note.startswith("preparing the data (≈ 1,000,000,000 tokens: data_tokens=) takes ≈ 83 min on the main "
+                           "process at 100,000 tokens/s × data.num_proc=2 workers, longer than the process-group "
+                           "timeout of 60 min (distributed.timeout_minutes) that the other 7 processes wait in.")
+    # 1e9 / (1e5 × 1,800 s, half the timeout) = 5.6 → 6 workers; 83.3 min × 1.5 → 125
+    assert "peagle prepare" in note and "data.num_proc=6, or distributed.timeout_minutes=125." in note
+    assert "| time | ≈ 83.3 min = 1,000,000,000 tokens / (100,000 tokens/s × data.num_proc 2)" in format_plan(plan)
+    for fine in (base + ["world_size=8", "data.num_proc=4"], base + ["world_size=1", "data.num_proc=2"]):
+        assert not any(n.startswith("preparing the data") for n in make_plan(compose("plan", fine)).notes), fine
+    # the recipes as shipped: 500,000 conversations × 22,635,787 / 16,747 tokens (ShareGPT at 2,048), 16 workers
+    rec = preparation_estimate(compose("plan", ["recipe=llama-3.1-8b-instruct", "world_size=8"]))
+    assert rec["tokens"] == int(500_000 * (22_635_787 / 16_747)) == 675_816_176 and rec["workers"] == 16
+    assert abs(rec["seconds"] - 675_816_176 / (118_851 * 16)) < 1e-6 and 355 < rec["seconds"] < 356  # ≈ 5.9 min, not 47
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_the_gpu_recipes_tokenise_with_16_workers(name):
+    assert compose("train", [f"recipe={name}"]).data.num_proc == 16
+
+
+def test_train_refuses_a_cold_preparation_longer_than_the_timeout(tmp_path, chatml_tokenizer):
+    """check_data_preparation (peagle train, before the main process prepares): with several processes,
+    no data.prepared_dir, a cache miss on some process and an estimate past the timeout, every
+    process refuses with the estimate, the timeout and the fixes; a hit, one process, a prepared
+    directory or a longer timeout pass."""
+    import json
+
+    from peagle_train.cli.train import check_data_preparation
+    from peagle_train.data.prepare import prepare_from_config, prepared_in_cache
+    from peagle_train.errors import ConfigError
+
+    f = tmp_path / "convs.jsonl"
+    f.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"What is two plus two? {i}"},
+        {"from": "gpt", "value": "The answer is 4. " * 5}]}) + "\n" for i in range(40)))
+    size = f.stat().st_size
+    over = [f"data.path={f}", f"data.cache_dir={tmp_path}/cache", "data.num_conversations=null", "data.max_length=128",
+            "data.min_supervised_tokens=1", "data.draft_vocab_size=20", "data.num_proc=1",
+            "distributed.timeout_minutes=0.00001"]
+    cfg = compose("train", over)
+    tokens = size // 5  # no count known for this file: its bytes / 5 (plan.py FILE_BYTES_PER_TOKEN)
+    minutes = tokens / 118_851 / 60  # well under 10: shown with 2 significant digits
+    check_data_preparation(cfg, chatml_tokenizer, 400, world=1)  # one process: nobody waits
+    with pytest.raises(ConfigError) as e:
+        check_data_preparation(cfg, chatml_tokenizer, 400, world=2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"preparing the data (≈ {tokens:,} tokens: {size / 1e6:,.1f} MB of data "
+                                              f"files / 5 bytes a token) takes ≈ {minutes:.2g} min on the main process "
+                                              "at 118,851 tokens/s × data.num_proc=1 workers, longer than the "
+                                              "process-group timeout of 1e-05 min (distributed.timeout_minutes)")
+    assert "Fix: prepare it once before the launch (peagle prepare" in msg and "data.prepared_dir=DIR" in msg
+    assert "data.num_proc=" in msg and "distributed.timeout_minutes=" in msg
+    assert msg.endswith("(1 of 1 processes find no prepared copy in data.cache_dir)")
+    assert not prepared_in_cache(cfg.data, chatml_tokenizer, 400, seed=cfg.seed)
+    prepare_from_config(cfg.data, chatml_tokenizer, 400, seed=cfg.seed)  # what `peagle prepare` runs: records the hit
+    assert prepared_in_cache(cfg.data, chatml_tokenizer, 400, seed=cfg.seed)
+    check_data_preparation(cfg, chatml_tokenizer, 400, world=2, gather=lambda cold: [cold, cold])  # a hit everywhere
+    with pytest.raises(ConfigError, match=r"\(1 of 2 processes find no prepared copy in data.cache_dir\)$"):
+        check_data_preparation(cfg, chatml_tokenizer, 400, world=2, gather=lambda cold: [cold, True])  # another node
+    assert not prepared_in_cache(compose("train", over + ["data.max_length=64"]).data, chatml_tokenizer, 400,
+                                 seed=cfg.seed)  # another setting: a miss again
+    f.write_text(f.read_text() + "\n")  # the file changed: a miss
+    assert not prepared_in_cache(cfg.data, chatml_tokenizer, 400, seed=cfg.seed)
+    check_data_preparation(compose("train", over + [f"data.prepared_dir={tmp_path}/prepared"]), chatml_tokenizer, 400,
+                           world=2, gather=lambda cold: [True, True])
+    check_data_preparation(compose("train", over[:-1] + ["data.max_length=64"]), chatml_tokenizer, 400, world=2,
+                           gather=lambda cold: [True, True])  # 60 min: a cold preparation fits

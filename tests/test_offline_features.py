@@ -362,6 +362,52 @@ def test_an_engine_prepares_the_shards_a_job_at_a_time(tmp_path, setup):
         assert (tmp_path / "eng" / name).read_bytes() == (d / name).read_bytes()
 
 
+def test_a_vllm_job_is_budgeted_in_bytes_of_hidden_states(tmp_path, setup):
+    """features.bytes_per_job (16 GiB) becomes tokens of rows per job from the engine's hidden size,
+    states and dtype: an 8B-shaped engine (hidden 4,096, 3 aux + final, bfloat16: 32,768 bytes a
+    token) gets 524,288 tokens (4M staged 131 GB), a tiny one (hidden 64: 512 bytes) 64× as many;
+    the shards' split follows, and the old key is refused naming the new one."""
+    from peagle_train.cli.command_line import check_command_line
+    from peagle_train.features.shards import DocFeatures, _prepare_jobs, job_tokens, write_features_from_config
+    from peagle_train.serving.vllm_engine import VllmDocFeatures
+
+    assert default_config().features.bytes_per_job == 16 * 2**30
+    big = VllmDocFeatures(rows(), "t", [2, 16, 29], 32, python="py", storage_dir=tmp_path, hidden_size=4096)
+    tiny = VllmDocFeatures(rows(), "t", [1, 3, 5], 8, python="py", storage_dir=tmp_path, hidden_size=64)
+    assert (big.bytes_per_token, tiny.bytes_per_token) == (4 * 4096 * 2, 4 * 64 * 2) == (32768, 512)
+    assert VllmDocFeatures(rows(), "t", [1, 3, 5], 8, python="py", storage_dir=tmp_path, hidden_size=64,
+                           dtype="float32").bytes_per_token == 1024
+    assert job_tokens(16 * 2**30, 32768) == 524_288 and job_tokens(16 * 2**30, 512) == 33_554_432 == 64 * 524_288
+    # 12 rows of 10 tokens, 2 rows a shard; 1,310,720 bytes = 40 tokens at 8B (2 shards a job), 2,560 tiny (one job)
+    lengths, budget = [10] * 12, 40 * 32768
+    assert _prepare_jobs(list(range(6)), lengths, 2, job_tokens(budget, 32768)) == \
+        {0: [0, 1, 2, 3], 2: [4, 5, 6, 7], 4: [8, 9, 10, 11]}
+    assert _prepare_jobs(list(range(6)), lengths, 2, job_tokens(budget, 512)) == {0: list(range(12))}
+
+    t, tok, data, _ = setup  # through the config: the engine's jobs cut at bytes_per_job / bytes_per_token
+    lengths = [len(x) for x in data["input_ids"]]
+    for per_token in (32768, 512):
+        jobs = []
+
+        class Engine(DocFeatures):
+            bytes_per_token = per_token
+
+            def prepare(self, indices):
+                jobs.append(list(indices))
+
+            def __call__(self, indices):
+                return [(o.aux[0], o.final[0]) for o in
+                        t.forward_documents([torch.tensor(data[i]["input_ids"]) for i in indices], logits=False)]
+
+        fcfg = OmegaConf.create({"dir": str(tmp_path / f"b{per_token}"), "storage": "float32",
+                                 "int8_scale": "channel", "docs_per_shard": 3,
+                                 "bytes_per_job": sum(lengths[:6]) * 32768})
+        write_features_from_config(fcfg, t, tok, data, doc_features=Engine())
+        assert jobs == ([[0, 1, 2, 3, 4, 5], [6]] if per_token == 32768 else [list(range(7))])
+    (err,) = check_command_line(["features.tokens_per_job=4000000"])
+    assert err.startswith("features.tokens_per_job was removed") and "Fix: features.bytes_per_job=" in err
+
+
 def test_draft_vocabulary_rows_of_the_lm_head_follow_the_weight_and_the_ids(target_model):
     """logits_from_final gathers the lm_head rows of the draft vocabulary once, and again when the
     ids or the weight change (in place, or .data swapped): always equal to the plain expression."""

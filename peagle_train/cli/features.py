@@ -17,8 +17,9 @@ refused with the differing fields named.
 
 features.engine=vllm takes the aux and final hidden states from vLLM's `extract_hidden_states`
 speculative method, in vLLM's own environment (eval.vllm_python / PEAGLE_VLLM_PYTHON / bash
-scripts/install.sh vllm), all rows in one engine pass; the shards and manifest are the same, so
-training reads them as any others (peagle_train/serving/vllm_engine.py).
+scripts/install.sh vllm), one engine job per features.bytes_per_job of hidden-state files on disk
+(16 GiB: 524,288 tokens of an 8B target); the shards and manifest are the same, so training reads
+them as any others (peagle_train/serving/vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main(cfg: DictConfig) -> dict:
                                        target.config.num_hidden_layers,
                                        python=vllm_python(cfg.features.get("vllm_python") or cfg.eval.get("vllm_python")),
                                        storage_dir=Path(cfg.features.dir) / ".vllm-hidden-states",
+                                       hidden_size=target.config.hidden_size,
                                        dtype=vllm_dtype(prec.name), threads=cfg.threads)
     with autocast_context(prec, acc.device):
         summary = write_features_from_config(cfg.features, target, tok, data.rows,

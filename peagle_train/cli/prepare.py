@@ -7,7 +7,9 @@ Uses the `target` (only its tokenizer and vocabulary size are loaded: no weights
 HF directory; a GGUF target is dequantised once and cached) and `data` groups. Writes under
 output_dir: rows/ (Arrow), draft_vocab.safetensors (d2t, t2d), summary.json, manifest.json, and
 packed/ with data.pack_length. Every normalised and tokenised table is cached by fingerprint under
-data.cache_dir: a second run with the same inputs is a cache hit.
+data.cache_dir: a second run with the same inputs is a cache hit, and a record of the finished
+preparation there lets `peagle train` on several processes tell the hit before it starts (it refuses
+a cold preparation longer than the process-group timeout: docs/TRAINING.md, "The GPU recipes' data").
 """
 
 from __future__ import annotations

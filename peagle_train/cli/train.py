@@ -46,6 +46,41 @@ def cpu_threads(threads: int | None) -> int:
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def check_data_preparation(cfg, tokenizer, target_vocab_size: int, world: int, gather=None) -> None:
+    """Refuse, before the main process prepares the data inside `main_process_first`, a run of
+    `world` > 1 processes whose data is not prepared (no data.prepared_dir, and a cold cache on some
+    process's node: data/prepare.py `prepared_in_cache`) when the preparation's estimate
+    (plan.py `preparation_estimate`) outlasts the process-group timeout the others wait in.
+    `gather(flag)` returns every process's flag (all_gather_object; the default: this process's
+    alone), so every process decides alike. Raises ConfigError (plan.py `preparation_problem`:
+    the estimate, the timeout and the fixes) on every process; DataFileError when data.path is the
+    regenerate stage's output and does not exist yet."""
+    from peagle_train.data.prepare import check_regenerate_stage, prepared_in_cache
+    from peagle_train.plan import preparation_estimate, preparation_problem
+
+    if world <= 1 or cfg.data.prepared_dir:
+        return
+    est = preparation_estimate(cfg)
+    if not (problem := preparation_problem(est, world)):
+        return
+    check_regenerate_stage(cfg.data)  # a missing stage-1 output is named as such, not as a slow preparation
+    cold = not prepared_in_cache(cfg.data, tokenizer, target_vocab_size, seed=cfg.seed)
+    flags = gather(cold) if gather is not None else [cold]
+    if any(flags):
+        raise ConfigError(f"{problem} ({sum(flags)} of {len(flags)} processes find no prepared copy in data.cache_dir)")
+
+
+def _gather_object(value) -> list:
+    """`value` of every process (torch.distributed all_gather_object; [value] without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def run_dir(cfg) -> Path:
     """output_dir, or in a -m sweep the job's own folder (output_dir/<job number>)."""
     from hydra.core.hydra_config import HydraConfig
@@ -93,6 +128,8 @@ def main(cfg: DictConfig) -> dict:
 
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, str(cfg.algorithm))
+    # a cold preparation longer than the process-group timeout is refused here, on every process
+    check_data_preparation(cfg, tok, target.config.vocab_size, acc.num_processes, gather=_gather_object)
     with acc.main_process_first():
         # data.prepared_dir (`peagle prepare`; refused if made for another target), else prepared here
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)

@@ -25,7 +25,7 @@ from ..io import atomic_dir, atomic_path, atomic_write_json
 from ..provenance import chat_template_fingerprint, digest, file_checksums, tokenizer_fingerprint, verify_files
 from .conversations import DataFileError
 from .manifest import build_manifest, check_manifest, read_manifest, rebuild_fix
-from .sources import check_data_path, default_cache_dir, load_source, source_info_dict
+from .sources import NORMALIZE_VERSION, check_data_path, default_cache_dir, load_source, source_info_dict
 from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
                        tokenize_conversation)
 from .vocab import DraftVocab, choose_mask_token, draft_vocab_from_counts, mask_token_source, validate_mask_token
@@ -136,8 +136,8 @@ def prepare_data(
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     specs = _source_specs(path, mix)
     tok_sha = tokenizer_fingerprint(tokenizer)
-    tok_key = digest(tok_sha, chat_template_fingerprint(tokenizer, template_kwargs), max_length,
-                     min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)[:32]
+    tok_key = _tokenize_key(tokenizer, template_kwargs, max_length, min_supervised_tokens, target_vocab_size, tok_sha)
+    record = _prepared_record(cache, specs, tok_key, num_conversations, seed, draft_vocab_size, mask_token_id)
     kwargs = {"tokenizer": tokenizer, "max_length": max_length, "min_supervised_tokens": min_supervised_tokens,
               "vocab_size": target_vocab_size, "template_kwargs": template_kwargs}
     dropped, changed = Counter(), Counter()
@@ -169,7 +169,55 @@ def prepare_data(
         mask_token_source=mask_token_source(tokenizer, mask_token_id),
         counts={k: summary[k] for k in ("conversations_read", "conversations_kept", "tokens", "supervised_tokens")},
         tokenizer_sha256=tok_sha)
+    if record is not None:  # this node's cache now holds these rows: `prepared_in_cache` answers yes
+        atomic_write_json(record, {k: summary[k] for k in ("conversations_kept", "tokens")})
     return PreparedData(rows, vocab, int(mask_token_id), summary, manifest)
+
+
+def _tokenize_key(tokenizer, template_kwargs: dict, max_length: int, min_supervised_tokens: int,
+                  target_vocab_size: int, tok_sha: str | None = None) -> str:
+    """The part of the token rows' cache key that the tokenizer, its chat template (with
+    `template_kwargs`) and the row settings decide (32 hex characters)."""
+    return digest(tok_sha or tokenizer_fingerprint(tokenizer), chat_template_fingerprint(tokenizer, template_kwargs),
+                  max_length, min_supervised_tokens, target_vocab_size, TOKENIZE_VERSION)[:32]
+
+
+def _prepared_record(cache: Path, specs: list[dict], tok_key: str, num_conversations: int | None, seed: int,
+                     draft_vocab_size: int, mask_token_id: int | None) -> Path | None:
+    """cache/prepared/<key>.json: written when `prepare_data` has finished these inputs in this cache
+    (the source files by path, size and modification time, the tokenisation, the row count, seed,
+    draft vocabulary and mask token), so that a later run can tell a cache hit before preparing.
+    None when a source file is missing (nothing was prepared from it)."""
+    listing = []
+    for spec in specs:
+        root = Path(spec["path"])
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
+        if not files:
+            return None
+        listing += [f"{f}|{f.stat().st_size}|{f.stat().st_mtime_ns}|{spec['weight']}" for f in files]
+    key = digest("\n".join(listing), tok_key, num_conversations, seed, draft_vocab_size, mask_token_id,
+                 NORMALIZE_VERSION)[:32]
+    return cache / "prepared" / f"{key}.json"
+
+
+def prepared_in_cache(dcfg, tokenizer, target_vocab_size: int, *, seed: int = 0) -> bool:
+    """Whether `prepare_from_config(dcfg, ...)` would find its rows in data.cache_dir: a finished
+    preparation of the same inputs left its record there (`_prepared_record`; a changed source file
+    or setting is a miss). Applies data.chat_template to `tokenizer`, as preparing does. A miss
+    means a cold preparation (tokenising every row with data.num_proc workers)."""
+    from omegaconf import OmegaConf
+
+    def plain(x):
+        return OmegaConf.to_container(x) if OmegaConf.is_config(x) else x
+
+    if dcfg.chat_template or getattr(tokenizer, "chat_template", None):
+        set_chat_template(tokenizer, dcfg.chat_template)
+    cache = Path(dcfg.cache_dir) if dcfg.cache_dir else default_cache_dir()
+    tok_key = _tokenize_key(tokenizer, dict(plain(dcfg.template_kwargs) or {}), dcfg.max_length,
+                            dcfg.min_supervised_tokens, target_vocab_size)
+    record = _prepared_record(cache, _source_specs(dcfg.path, plain(dcfg.mix) or None), tok_key,
+                              dcfg.num_conversations, seed, dcfg.draft_vocab_size, dcfg.mask_token_id)
+    return record is not None and record.is_file()
 
 
 def _tokenise_sources(specs: list[dict], shares: list[int | None], cache: Path, tokenizer, kwargs: dict,

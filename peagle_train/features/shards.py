@@ -183,10 +183,27 @@ def _fold_parts(out_dir: Path, manifest: dict) -> int:
 
 def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> dict:
     """`write_features` for the `features` config group: features.dir, storage, int8_scale and
-    docs_per_shard (and tokens_per_job) passed by name; `kw` = the rest (template_kwargs,
-    tokens_per_forward, rank, ...). Raises what `write_features` raises."""
+    docs_per_shard passed by name; features.bytes_per_job turned into tokens of rows per job
+    (`job_tokens`) for an engine (kw["doc_features"]) that stages `bytes_per_token`; `kw` = the rest
+    (template_kwargs, tokens_per_forward, rank, ...). Raises what `write_features` raises."""
+    per_token = getattr(kw.get("doc_features"), "bytes_per_token", None)
+    budget = job_tokens(fcfg.bytes_per_job, per_token) if per_token else None
     return write_features(target, tok, rows, fcfg.dir, storage=str(fcfg.storage), int8_scale=str(fcfg.int8_scale),
-                          docs_per_shard=fcfg.docs_per_shard, tokens_per_job=fcfg.get("tokens_per_job"), **kw)
+                          docs_per_shard=fcfg.docs_per_shard, tokens_per_job=budget, **kw)
+
+
+def staged_bytes_per_token(hidden_size: int, num_states: int, dtype: str) -> int:
+    """Bytes an engine's hidden-state file holds per token: num_states (the aux states + the final
+    one) × hidden_size × bytes of `dtype` (bfloat16 | float16: 2, float32: 4); 32,768 for an 8B
+    target (hidden 4,096, 3 aux + final, bfloat16). KeyError for another dtype name."""
+    return num_states * hidden_size * {"bfloat16": 2, "float16": 2, "float32": 4}[str(dtype)]
+
+
+def job_tokens(bytes_per_job: int, bytes_per_token: int) -> int:
+    """Tokens of rows in one engine job whose staged files fit `bytes_per_job` (features.bytes_per_job):
+    ⌊bytes_per_job / bytes_per_token⌋, at least 1 (a shard above the budget is still a job alone,
+    `_prepare_jobs`). 16 GiB at 32,768 bytes a token (8B, bfloat16): 524,288 tokens."""
+    return max(1, int(bytes_per_job) // int(bytes_per_token))
 
 
 def _prepare_jobs(shards: list[int], lengths: list[int], docs_per_shard: int,
@@ -212,7 +229,11 @@ class DocFeatures:
     `prepare(indices)` is called with the row indices of the next shards this process will write,
     at most `tokens_per_job` tokens of rows at a time (at least one shard), before their
     `__call__`s (an engine runs each batch in one pass); `__call__(indices)` returns [(aux [T, 3H], final [T, H])] per row, in the
-    aux numbering of target/capture.py, on any device."""
+    aux numbering of target/capture.py, on any device. `bytes_per_token`: what an engine's files hold
+    per token of rows until read (`staged_bytes_per_token`), from which `write_features_from_config`
+    sizes the jobs to features.bytes_per_job; None = nothing staged, one job."""
+
+    bytes_per_token: int | None = None
 
     def prepare(self, indices: list[int]) -> None:
         pass

@@ -34,7 +34,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..io import atomic_write_text
 from ..evaluation.report import ratio_stderr, speedup_or_reason
-from ..features.shards import DocFeatures
+from ..features.shards import DocFeatures, staged_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -321,17 +321,19 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
 class VllmDocFeatures(DocFeatures):
     """Target features of data rows through vLLM's `extract_hidden_states` method, for
     `write_features` (features/shards.py DocFeatures): `prepare` runs the rows of the next shards in
-    one vLLM job (one engine start, `features.tokens_per_job` tokens of rows at most, so the files
-    waiting on disk stay bounded), `__call__` reads the rows' files.
+    one vLLM job (one engine start, at most the rows whose files fit `features.bytes_per_job`: the
+    files waiting on disk stay bounded; `bytes_per_token` = (aux states + 1) × hidden_size × dtype
+    bytes), `__call__` reads the rows' files.
 
     vLLM is asked for the aux ids (vLLM's numbering, as ours) and id N, which vLLM collects after
     the last layer, before the final norm: our pre-norm final state. Files go to `storage_dir`
     and are removed once read. The jobs' response (version; seconds, tokens and jobs summed) is `self.response`."""
 
     def __init__(self, rows, target_dir: str, aux_layer_ids: list[int], num_layers: int, *, python: str,
-                 storage_dir: str | Path, dtype: str = "bfloat16", threads: int | None = None):
+                 storage_dir: str | Path, hidden_size: int, dtype: str = "bfloat16", threads: int | None = None):
         self.rows, self.target_dir, self.python, self.dtype, self.threads = rows, str(target_dir), python, dtype, threads
         self.layer_ids = [int(i) for i in aux_layer_ids] + [int(num_layers)]
+        self.bytes_per_token = staged_bytes_per_token(int(hidden_size), len(self.layer_ids), dtype)
         self.storage_dir = Path(storage_dir)
         self.paths: dict[int, str] = {}
         self.response: dict = {}
@@ -352,7 +354,7 @@ class VllmDocFeatures(DocFeatures):
                 raise VllmError(f"vLLM returned no hidden states for data row {i}. Full log: "
                                 f"{self.storage_dir / 'vllm_features.log'}.")
             self.paths[i] = o["hidden_states_path"]
-        # summed over the jobs of the pass (write_features prepares tokens_per_job at a time)
+        # summed over the jobs of the pass (write_features prepares features.bytes_per_job at a time)
         for key in ("load_seconds", "generate_seconds", "prompt_tokens"):
             resp[key] = (resp.get(key) or 0) + (self.response.get(key) or 0)
         resp["jobs"] = self.response.get("jobs", 0) + 1

@@ -1,7 +1,8 @@
 """The decoding engine (decoding/engine.py) against the per-sequence oracle (tests/reference_decoder.py):
 `head.propose` equals the oracle's drafting forwards, any mix of target and head dtypes decodes,
 batched rejection sampling follows the target's distribution, sliding-window targets and cache
-growth keep the oracle's tokens, lossless under bf16 is counted, and a killed evaluation resumes."""
+growth keep the oracle's tokens, lossless under bf16 is counted, a killed evaluation resumes, and
+the CUDA path (SDPA over a cache in the target's dtype, forced on CPU) keeps the tokens and τ."""
 
 import dataclasses
 import json

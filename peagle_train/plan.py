@@ -23,9 +23,10 @@ Parts of a plan:
   fix (`peagle prepare` before the launch) that `peagle train` refuses with on a cache miss.
 - evaluation: the forwards of the train job's evaluation (the target alone, the target alone in
   the verifier's numerics, the head at τ = 1: an upper bound) times a per-forward cost from the
-  target's size (`forward_seconds`: a roofline at `gpu_tflops` and `gpu_bandwidth_gbs` plus a fixed
-  eager overhead per decoder layer), against the process-group timeout (distributed.timeout_minutes,
-  else NCCL's default of 10 minutes).
+  target's size (`forward_seconds`: a roofline at `gpu_tflops` and `gpu_bandwidth_gbs` plus the
+  eager launches of each decoder layer's kernels, with the target's attention SDPA over a KV cache
+  in the run's precision), against the process-group timeout (distributed.timeout_minutes, else
+  NCCL's default of 10 minutes).
 """
 
 from __future__ import annotations
@@ -51,7 +52,17 @@ NCCL_TIMEOUT_MINUTES = 10.0  # torch.distributed's default for NCCL, when the co
 # process, so the time of many workers is longer than this linear estimate.
 PREPARE_TOKENS_PER_SECOND = 118_851.0
 FILE_BYTES_PER_TOKEN = 5.0  # ShareGPT V3's JSON: 125.5 MB for 25.0M tokens (SmolLM2's tokenizer, rows uncut at 8,192)
-LAYER_OVERHEAD_S = 0.3e-3    # eager PyTorch at batch 1: launching one decoder layer's ~15 kernels from Python
+# Eager PyTorch decodes at batch 1 bound by kernel launches: per decoder layer and forward, its
+# kernels times the Python, dispatcher and launch time of one. 40 kernels: the aten ops that are not
+# views of one Llama decoder layer's 1-token decoding forward on the path decoding takes on CUDA
+# (the model's own SDPA over a KV cache in its dtype: decoding/engine.py `target_cache`), counted
+# under a TorchDispatchMode (45 at K + 1 = 8 tokens). The hand-written fp32 attention over an fp32
+# cache that CUDA decoding used before (target/capture.py `decode_attention`, still CPU's) has 45
+# (49): +5 per layer, +1.2 ms per target forward of Llama-3.1-8B. The KV cache's reads are left out:
+# 128 KiB a token in bf16 for Llama-3.1-8B, under 1% of its weights' reads at evaluation lengths.
+KERNEL_LAUNCH_S = 7.5e-6     # one kernel of eager PyTorch on CUDA at batch 1 (s)
+DECODE_LAYER_KERNELS = 40    # kernels of one decoder layer's decoding forward (SDPA over a cache in the model's dtype)
+LAYER_OVERHEAD_S = DECODE_LAYER_KERNELS * KERNEL_LAUNCH_S  # 0.3 ms per decoder layer and forward
 
 # Tokens of the data files the recipes name, per data.max_length: (rows kept, tokens, supervised tokens,
 # {tokens_per_step: packing fill}), counted by benchmarks/count_data_tokens.py with SmolLM2-135M-Instruct's
@@ -225,8 +236,9 @@ def forward_seconds(active_params: int, weight_bytes: int, tokens: int, layers: 
                     bandwidth_gbs: float) -> float:
     """Seconds of one batch-1 forward over `tokens` new tokens of a model with `active_params`
     parameters per token (`weight_bytes` of them read): max(2 · active_params · tokens FLOPs at
-    `tflops`, the weights at `bandwidth_gbs` GB/s) + LAYER_OVERHEAD_S per layer (an assumption for
-    eager PyTorch, whose decoding at batch 1 is bound by kernel launches, not by the GPU)."""
+    `tflops`, the weights at `bandwidth_gbs` GB/s) + LAYER_OVERHEAD_S per layer (DECODE_LAYER_KERNELS
+    kernels at KERNEL_LAUNCH_S each: an assumption for eager PyTorch, whose decoding at batch 1 is
+    bound by kernel launches, not by the GPU)."""
     return max(2 * active_params * tokens / (tflops * 1e12), weight_bytes / (bandwidth_gbs * 1e9)) + layers * LAYER_OVERHEAD_S
 
 
@@ -383,7 +395,8 @@ def _evaluation(cfg, W: int, hf, tp: dict, tbytes: int, hp: dict, act: int, draf
         per_token = 2 * one + verify + draft
         seconds = prompts * new * per_token / max(1, int(cfg.eval.batch_size))
         evaluation.update({"prompts": prompts, "max_new_tokens": new, "K": K, "forward_s": one, "verify_s": verify,
-                           "draft_s": draft, "per_token_s": per_token, "seconds": seconds})
+                           "draft_s": draft, "per_token_s": per_token, "seconds": seconds,
+                           "attention": f"SDPA over {'a bf16' if act == 2 else 'an fp32'} KV cache"})
         if seconds / 60 > evaluation["timeout_minutes"] and W > 1:
             notes.append(f"the evaluation (≈ {seconds / 60:.0f} min on the main process) is longer than the "
                          f"process-group timeout ({evaluation['timeout_minutes']:.0f} min, "
@@ -493,7 +506,9 @@ def format_plan(plan: Plan, title: str = "") -> str:
                   f"| decoded | {ev['prompts']} prompts × {ev['max_new_tokens']} new tokens, K {ev['K']} |",
                   f"| per token | target alone {1e3 * ev['forward_s']:.1f} ms, again in the verifier's numerics, the head "
                   f"at τ = 1: verify {1e3 * ev['verify_s']:.1f} ms + draft {1e3 * ev['draft_s']:.1f} ms (roofline at "
-                  f"{s['tflops']:.0f} TFLOP/s, {s['bandwidth_gbs']:,.0f} GB/s, + {1e3 * LAYER_OVERHEAD_S:.1f} ms per layer) |",
+                  f"{s['tflops']:.0f} TFLOP/s, {s['bandwidth_gbs']:,.0f} GB/s, + {1e3 * LAYER_OVERHEAD_S:.1f} ms per layer: "
+                  f"{DECODE_LAYER_KERNELS} kernels at {1e6 * KERNEL_LAUNCH_S:.1f} µs; the target's attention "
+                  f"{ev['attention']}) |",
                   f"| time | ≈ {ev['seconds'] / 60:.1f} min; process-group timeout {ev['timeout_minutes']:.0f} min "
                   f"({ev['timeout_source']}) |", ""]
     lines += [f"- note: {x}" for x in plan.notes]

@@ -24,8 +24,10 @@ steps (online features, bf16 autocast, FlexAttention, partitions 2, the recipe's
 length and reports tokens/s of the last 2 steps, the peak of torch's allocator against the
 planner's estimate (`training/memory.py`), and the Dynamo recompiles of the mask build. Each row
 length starts with the previous one's head, engine and optimizer freed (`_free_for_measure`).
-eval8b decodes a few random prompts with that target and head and extrapolates the recipe's
-evaluation time (num_prompts × max_new_tokens) against NCCL's 10-minute default timeout.
+eval8b decodes a few random prompts with that target and head, with SDPA over a bf16 KV cache (how
+CUDA decodes) and again with the fp32 attention over an fp32 cache (how it decoded before), and
+extrapolates the recipe's evaluation time (num_prompts × max_new_tokens) of each against NCCL's
+10-minute default timeout.
 """
 
 from __future__ import annotations
@@ -252,6 +254,11 @@ def step8b(tokens_list: list[int]) -> None:
 
 
 def eval8b(n_prompts: int, new_tokens: int) -> None:
+    """Decode with the target's attention as CUDA decoding runs it (SDPA over a bf16 KV cache), then
+    with the fp32 `decode_attention` over an fp32 cache that it ran before (`sdpa_decoding=False`),
+    the same prompts: ms/token, τ and lossless of each, and the recipe's evaluation extrapolated."""
+    import shutil
+
     from peagle_train.evaluation.run import evaluate_acceptance
     from peagle_train.evaluation.settings import EvalSettings
 
@@ -262,21 +269,27 @@ def eval8b(n_prompts: int, new_tokens: int) -> None:
     prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, tcfg.vocab_size - 1, (200,),
                                                                          generator=g).tolist()}
                for i in range(n_prompts)]
-    t0 = time.perf_counter()
     settings = EvalSettings(num_speculative_tokens=cfg.eval.num_speculative_tokens, max_new_tokens=new_tokens,
                             plot=False, benchmark="random")
-    acc = evaluate_acceptance(target, draft, None, prompts, settings, out_dir="/tmp/gpu_check_eval8b",
-                              precision="bf16" if DEVICE == "cuda" else "fp32")
-    wall = time.perf_counter() - t0
-    made = n_prompts * new_tokens
-    ms_per_token = 1000 * wall / made  # target alone + head, as the recipe's evaluation decodes both
-    n_eval = cfg.eval.num_prompts or 80
-    recipe_minutes = ms_per_token * n_eval * cfg.eval.max_new_tokens / 60000
-    emit("eval8b", ok=True, prompts=n_prompts, new_tokens=new_tokens, wall_s=round(wall, 1),
-         ms_per_token=round(ms_per_token, 2), tau=acc.get("acceptance_length"),
-         recipe_eval_minutes=round(recipe_minutes, 1), nccl_default_timeout_minutes=10,
-         would_outlive_default_timeout=recipe_minutes > 10,
-         note="the process group is released before rank 0 evaluates (jobs/training_job.py end_distributed)")
+    prec = "bf16" if DEVICE == "cuda" else "fp32"  # an fp32 target has one path: its own SDPA
+    runs = [(f"sdpa, {prec} KV cache", None)] + ([("fp32 decode_attention, fp32 KV cache", False)] if prec == "bf16" else [])
+    for attention, sdpa in runs:
+        target.sdpa_decoding = sdpa
+        out = Path(f"/tmp/gpu_check_eval8b_{'fp32' if sdpa is False else 'sdpa'}")
+        shutil.rmtree(out, ignore_errors=True)  # a resumed evaluation would reuse its results and time nothing
+        t0 = time.perf_counter()
+        acc = evaluate_acceptance(target, draft, None, prompts, settings, out_dir=out, precision=prec)
+        wall = time.perf_counter() - t0
+        made = n_prompts * new_tokens
+        ms_per_token = 1000 * wall / made  # target alone + head, as the recipe's evaluation decodes both
+        n_eval = cfg.eval.num_prompts or 80
+        recipe_minutes = ms_per_token * n_eval * cfg.eval.max_new_tokens / 60000
+        emit("eval8b", ok=True, attention=attention, prompts=n_prompts, new_tokens=new_tokens, wall_s=round(wall, 1),
+             ms_per_token=round(ms_per_token, 2), tau=acc.get("acceptance_length"), lossless=acc.get("lossless"),
+             recipe_eval_minutes=round(recipe_minutes, 1), nccl_default_timeout_minutes=10,
+             would_outlive_default_timeout=recipe_minutes > 10,
+             note="the process group is released before rank 0 evaluates (jobs/training_job.py end_distributed)")
+    target.sdpa_decoding = None
 
 
 # ------------------------------------------------------------------------------------ the parts

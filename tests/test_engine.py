@@ -1,7 +1,8 @@
 """The decoding engine (decoding/engine.py) against the per-sequence oracle (tests/reference_decoder.py):
 `head.propose` equals the oracle's drafting forwards, any mix of target and head dtypes decodes,
 batched rejection sampling follows the target's distribution, sliding-window targets and cache
-growth keep the oracle's tokens, lossless under bf16 is counted, and a killed evaluation resumes."""
+growth keep the oracle's tokens, lossless under bf16 is counted, a killed evaluation resumes, and
+the CUDA path (SDPA over a cache in the target's dtype, forced on CPU) keeps the tokens and τ."""
 
 import dataclasses
 import json
@@ -423,3 +424,121 @@ def test_the_engine_keeps_half_precision_logits(monkeypatch):
     generate(t, None, [[1, 2, 3]], 3, 4, set())
     assert seen and set(seen) == {torch.bfloat16}
     assert t(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32  # training and features still get fp32
+
+
+class AttentionCalls:
+    """Counts the decoding forwards' attention calls: `torch.nn.functional.scaled_dot_product_attention`
+    by caller (transformers' `sdpa_attention_forward`: the target; anything else: the draft head)
+    with the dtypes of its query, key and value, and `decode_attention` (target/capture.py)."""
+
+    def __init__(self, monkeypatch):
+        import sys
+
+        from transformers import AttentionInterface
+
+        from peagle_train.target import capture
+
+        self.sdpa, self.decode = {"target": [], "head": []}, 0
+        real_sdpa, real_decode = torch.nn.functional.scaled_dot_product_attention, capture.decode_attention
+
+        def sdpa(q, k, v, *a, **kw):
+            who = "target" if sys._getframe(1).f_code.co_name == "sdpa_attention_forward" else "head"
+            self.sdpa[who].append((q.dtype, k.dtype, v.dtype))
+            return real_sdpa(q, k, v, *a, **kw)
+
+        def decode(*a, **kw):
+            self.decode += 1
+            return real_decode(*a, **kw)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+        capture.register_attention()
+        AttentionInterface.register(capture.DECODE_ATTENTION, decode)
+        self.restore = lambda: AttentionInterface.register(capture.DECODE_ATTENTION, real_decode)
+
+    def clear(self):
+        self.sdpa, self.decode = {"target": [], "head": []}, 0
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    calls = AttentionCalls(monkeypatch)
+    yield calls
+    calls.restore()
+
+
+def _tau_of(results):
+    steps = [a for r in results for a in r.accepted]
+    return 1 + sum(steps) / len(steps)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_sdpa_decoding_in_fp32_is_todays_path_lossless_in_a_ragged_batch(algorithm, attention_calls):
+    """fp32 with SDPA forced (`FeatureTarget.sdpa_decoding`, the CUDA default) decodes a ragged
+    batch (padded prompts, rejected-draft holes) with the same tokens, accepted counts and τ as
+    today's CPU path, each row the target's own greedy text (the per-sequence oracle); every
+    attention call is SDPA in fp32, 4 target layers per engine target forward and 1 head layer per
+    draft forward, and `decode_attention` is never called."""
+    t, d = small_pair(algorithm=algorithm, K=3)
+    prompts = [[5, 17, 33, 2, 90], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14]]
+    today = generate(t, d, prompts, 3, 24, set())
+    t.sdpa_decoding = True
+    attention_calls.clear()
+    sdpa = generate(t, d, prompts, 3, 24, set())
+    assert [(r.tokens, r.accepted) for r in sdpa] == [(r.tokens, r.accepted) for r in today]
+    assert _tau_of(sdpa) == _tau_of(today) > 1  # some drafts accepted, so the drafts' positions matter
+    calls = attention_calls
+    assert calls.decode == 0
+    assert len(calls.sdpa["target"]) == 4 * max(r.target_forwards for r in sdpa)  # the longest row is in every forward
+    assert len(calls.sdpa["head"]) == max(r.draft_forwards for r in sdpa)
+    assert {c for v in calls.sdpa.values() for c in v} == {(torch.float32,) * 3}
+    for p, r in zip(prompts, sdpa):
+        assert r.tokens == target_generate(t, p, 24, set()).tokens
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_sdpa_decoding_in_bf16_over_a_bf16_cache_is_lossless(algorithm, attention_calls):
+    """bf16 target and head on CPU with SDPA forced (the CUDA path): the target's cache is bf16
+    (`target_cache`: no upcast), every target and head attention call is SDPA over bf16 query, keys
+    and values (`decode_attention` is never called), and each prompt's output equals the target
+    alone in the same precision and path, decoded in the verifier's numerics (the lossless reference
+    below fp32, evaluation/run.py)."""
+    from peagle_train.decoding.engine import target_cache
+
+    t, d = small_pair(algorithm=algorithm, K=3)
+    t.model.to(torch.bfloat16)
+    d.to(torch.bfloat16)
+    assert target_cache(t).layer(0).upcast  # today's CPU path: fp32 attention over an fp32 cache
+    t.sdpa_decoding = True
+    assert t.decode_attn_implementation is None and not target_cache(t).layer(0).upcast
+    g = torch.Generator().manual_seed(0)
+    accepted = 0
+    for _ in range(6):
+        p = torch.randint(0, 127, (6,), generator=g).tolist()
+        attention_calls.clear()
+        spec = generate(t, d, [p], 3, 32, set())[0]
+        assert attention_calls.decode == 0
+        assert len(attention_calls.sdpa["target"]) == 4 * spec.target_forwards
+        assert len(attention_calls.sdpa["head"]) == spec.draft_forwards
+        assert {c for v in attention_calls.sdpa.values() for c in v} == {(torch.bfloat16,) * 3}
+        ref = generate(t, None, [p], 3, 32, set(), verifier_numerics=True)[0]
+        assert len(spec.tokens) == 32 and spec.tokens == ref.tokens
+        accepted += sum(spec.accepted)
+    assert accepted > 0
+
+
+def test_half_precision_targets_decode_with_sdpa_and_their_own_cache_dtype_on_cuda(monkeypatch):
+    """The decoding attention and cache by device and precision: an fp32 target runs its own SDPA
+    over an fp32 cache everywhere; a bf16 one runs `decode_attention` over an fp32 cache on CPU and
+    its own SDPA over a bf16 cache on CUDA (the device is faked: the rule only reads it);
+    `sdpa_decoding` False forces the fp32 attention on CUDA too."""
+    from peagle_train.decoding.engine import target_cache
+    from peagle_train.target.capture import DECODE_ATTENTION
+
+    t, _ = small_pair()
+    assert t.decode_attn_implementation is None and not target_cache(t).layer(0).upcast
+    t.model.to(torch.bfloat16)
+    assert t.decode_attn_implementation == DECODE_ATTENTION and target_cache(t).layer(0).upcast
+    monkeypatch.setattr(type(t.model), "device", property(lambda self: torch.device("cuda", 0)))
+    assert t.decode_attn_implementation is None and not target_cache(t).layer(0).upcast
+    t.sdpa_decoding = False
+    assert t.decode_attn_implementation == DECODE_ATTENTION and target_cache(t).layer(0).upcast

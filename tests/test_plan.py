@@ -203,9 +203,36 @@ def test_data_counts_from_the_key_a_prepared_dir_or_the_table(tmp_path):
 
 
 def test_forward_seconds_is_a_roofline_plus_layer_overhead():
-    # 1B active parameters, 2 GB of weights, one token: max(2e9 / 1e14, 2e9 / 1e12) + 10 layers × 0.3 ms
+    # 1B active parameters, 2 GB of weights, one token: max(2e9 / 1e14, 2e9 / 1e12) + 10 layers × 40 kernels × 7.5 µs
     assert forward_seconds(10**9, 2 * 10**9, 1, 10, 100.0, 1000.0) == pytest.approx(0.002 + 0.003)
     assert forward_seconds(10**9, 2 * 10**9, 10**4, 10, 100.0, 1000.0) == pytest.approx(0.2 + 0.003)
+
+
+def test_the_8b_recipes_evaluation_estimate_by_hand():
+    """Llama-3.1-8B's evaluation (80 prompts × 256 tokens, K 7, batch 1, bf16): the target's
+    7,504,924,672 active parameters (8,030,261,248 less the 128,256 × 4,096 embedding) read as
+    15,009,849,344 B at 2,000 GB/s = 7.504924672 ms (above 2 · 7.5e9 · 8 FLOP at 400 TFLOP/s =
+    0.30 ms, so verify costs the same), + 32 layers × 40 kernels × 7.5 µs = 9.6 ms; the head's
+    1,607,536,640 parameters × 2 B = 1.60753664 ms + 4 layers × 0.3 ms. Per token 3 target
+    forwards + a draft = 54.122310656 ms; × 80 × 256 = 1,108.4 s (18.5 min). The target's
+    attention is SDPA over a KV cache in the run's precision."""
+    from peagle_train.plan import format_plan
+
+    plan = make_plan(compose("plan", ["recipe=llama-3.1-8b-instruct", "world_size=8"]))
+    ev = plan.evaluation
+    assert plan.target["active"] == 8_030_261_248 - 128_256 * 4_096 == 7_504_924_672
+    assert plan.head["total"] == 1_607_536_640
+    assert (ev["prompts"], ev["max_new_tokens"], ev["K"]) == (80, 256, 7)
+    assert ev["forward_s"] == pytest.approx(7.504924672e-3 + 9.6e-3, rel=1e-12)
+    assert ev["verify_s"] == pytest.approx(17.104924672e-3, rel=1e-12)
+    assert ev["draft_s"] == pytest.approx(1.60753664e-3 + 1.2e-3, rel=1e-12)
+    assert ev["per_token_s"] == pytest.approx(54.122310656e-3, rel=1e-12)
+    assert ev["seconds"] == pytest.approx(80 * 256 * 54.122310656e-3, rel=1e-12) and round(ev["seconds"] / 60, 1) == 18.5
+    assert ev["attention"] == "SDPA over a bf16 KV cache"
+    assert ("+ 0.3 ms per layer: 40 kernels at 7.5 µs; the target's attention SDPA over a bf16 KV cache) |"
+            in format_plan(plan))
+    fp32 = make_plan(compose("plan", ["recipe=llama-3.1-8b-instruct", "world_size=8", "precision=fp32"]))
+    assert fp32.evaluation["attention"] == "SDPA over an fp32 KV cache"
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)

@@ -95,17 +95,19 @@ def sliding_window(config) -> tuple[int | None, bool]:
 
 
 def target_cache(target: FeatureTarget) -> SlotCache:
-    """The target's decoding cache: the target's decoding attention computes in fp32
-    (target/capture.py `decode_attention`, for sdpa targets below fp32). Where a plug-in's
-    attention reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel),
-    the cache keeps the model's dtype; otherwise such a target's cache is kept in fp32, converted
-    once per new entry (`SlotCache(upcast=True)`)."""
-    dtype = next(target.model.parameters()).dtype
+    """The target's decoding cache, in the dtype its decoding attention reads
+    (`FeatureTarget.decode_attn_implementation`): the model's dtype where that is the model's own
+    (fp32 targets; half precision on CUDA: SDPA over a bf16 cache). Where it is the fp32
+    `decode_attention` (target/capture.py; half-precision sdpa targets on CPU), the cache is kept in
+    fp32, converted once per new entry (`SlotCache(upcast=True)`), unless a plug-in's attention
+    reads half-precision entries itself (`keeps_cache_dtype`; accel/cpu: the AMX kernel)."""
     cfg = target.config
+    if target.decode_attn_implementation is None or getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return SlotCache()
+    dtype = next(target.model.parameters()).dtype
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    sdpa = getattr(cfg, "_attn_implementation", None) == "sdpa"
-    kept = sdpa and target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
-    return SlotCache(upcast=dtype != torch.float32 and sdpa and not kept)
+    kept = target.model.device.type == "cpu" and keeps_cache_dtype(target.decoder.config, dtype, head_dim)
+    return SlotCache(upcast=not kept)
 
 
 def _new_mask(valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:

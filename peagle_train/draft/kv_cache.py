@@ -9,10 +9,10 @@ drafts (`crop`) only moves the length; `batch_select_indices` drops finished row
 into the same layers (`SlotCache.layer(i)`, draft/peagle.py `DraftAttention`) when it decodes.
 
 `SlotCache(upcast=True)` stores half-precision keys and values in fp32 buffers (converted once,
-when written): the target's decoding attention (target/capture.py `decode_attention`) computes in
-fp32 and would otherwise convert the whole cache of every layer at every step. Where a plug-in's
-attention reads bf16 entries itself (accel/cpu: the AMX kernel), the cache stays bf16
-(decoding/engine.py `target_cache`). It lives beside the heads so that draft/ imports nothing of
+when written): on CPU the target's decoding attention (target/capture.py `decode_attention`)
+computes in fp32 and would otherwise convert the whole cache of every layer at every step. Where a
+plug-in's attention reads bf16 entries itself (accel/cpu: the AMX kernel), and on CUDA (SDPA in
+the model's dtype), the cache stays bf16 (decoding/engine.py `target_cache`). It lives beside the heads so that draft/ imports nothing of
 decoding/.
 """
 

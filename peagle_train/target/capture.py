@@ -51,7 +51,8 @@ DECODE_ATTENTION = "peagle_decode"
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """Attention for the decoding forwards of a half-precision target: scores, softmax and the
+    """Attention for the decoding forwards of a half-precision target on CPU (on CUDA they run
+    the model's own SDPA: `FeatureTarget.decode_attn_implementation`): scores, softmax and the
     weighted sum in fp32 (inputs upcast), the output rounded once to the input dtype.
 
     query [B, heads, n, d], key/value [B, kv_heads, S, d] (S ≥ n: the cache, then the n new
@@ -160,9 +161,12 @@ class FeatureTarget:
     `forward(input_ids, draft_ids=None, **kw)` runs the decoder once. With `draft_ids` the logits
     are `lm_head(norm(final))` restricted to those rows (the KL targets, [B, T, V_draft]) and the
     full-vocabulary head is never computed; without them, full logits (decoding). Any extra
-    `cache` is an HF cache object (DynamicCache) for decoding; any other keyword (attention_mask,
-    position_ids) is passed to the HF model.
+    `cache` is an HF cache object (DynamicCache) for decoding, whose forwards run the attention of
+    `decode_attn_implementation`; any other keyword (attention_mask, position_ids) is passed to
+    the HF model.
     """
+
+    sdpa_decoding: bool | None = None  # `decode_attn_implementation`: None by device, True / False force a path
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None, aux_count: int | None = 3):
         register_attention()  # the functions that forward_documents and the decoding forwards name
@@ -189,6 +193,20 @@ class FeatureTarget:
     def config(self):
         return self.model.config
 
+    @property
+    def decode_attn_implementation(self) -> str | None:
+        """The attention implementation that this target's decoding forwards (those with a cache)
+        switch to, or None for the model's own. None: an fp32 target, or a half-precision one on
+        CUDA (`sdpa_decoding` None) or with `sdpa_decoding` True: transformers' SDPA in the model's
+        dtype over a cache in that dtype. Otherwise (on CPU by default) `decoding_attention(config)`:
+        `decode_attention` in fp32 (or a plug-in's), whose cache decoding/engine.py `target_cache`
+        keeps in fp32. A target whose own implementation is not `sdpa` keeps it either way
+        (`attention_implementation`)."""
+        if self.model.dtype == torch.float32:
+            return None
+        sdpa = self.sdpa_decoding if self.sdpa_decoding is not None else self.model.device.type == "cuda"
+        return None if sdpa else decoding_attention(self.decoder.config)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, draft_ids: torch.Tensor | None = None, cache=None,
                 last_only: bool = False, float_logits: bool = True, **kw) -> TargetOutput:
@@ -196,11 +214,11 @@ class FeatureTarget:
         float_logits False: logits in the model's dtype, not converted to fp32 (decoding: an argmax
         needs no copy, and sampling converts the rows it uses)."""
         self._captured.clear()
-        # decoding (a cache) in half precision: SDPA in fp32 (`decode_attention`, or a plug-in's)
-        decoding = cache is not None and self.model.dtype != torch.float32
+        # decoding (a cache) in half precision: on CPU attention in fp32 (`decode_attention`, or a
+        # plug-in's); on CUDA the model's own SDPA (`decode_attn_implementation`)
         if cache is not None:
             kw[self._cache_kw] = cache
-        with attention_implementation(self.decoder.config, decoding_attention(self.decoder.config) if decoding else None):
+        with attention_implementation(self.decoder.config, self.decode_attn_implementation if cache is not None else None):
             normed = self.decoder(input_ids=input_ids, use_cache=cache is not None, **kw).last_hidden_state
         aux = torch.cat([self._captured[k - 1] for k in self.aux_layer_ids], dim=-1)
         final = self._captured[len(self.layers) - 1]

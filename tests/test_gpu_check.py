@@ -58,6 +58,7 @@ def test_a_part_keeps_each_steps_line_and_stops_at_its_limit(gpu_check, tmp_path
         ("first", 60, "pytest", [str(tmp_path / "test_ok.py")], None),
         ("second", 60, "pytest", [str(tmp_path / "test_bad.py")], None),
         ("third", 60, "pytest", [str(tmp_path / "test_ok.py")], None)])
+    monkeypatch.setattr(gpu_check, "CPU_SLACK", 1.0)
     assert gpu_check.run_part(1, tmp_path / "out", device="cpu", part_limit=10) is False
     recs = [json.loads(x) for x in (tmp_path / "out" / "part1.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == ["first", "second", "third", "summary"]

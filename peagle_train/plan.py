@@ -489,6 +489,15 @@ def format_plan(plan: Plan, title: str = "") -> str:
               f"| packed rows per epoch | {sc['rows_per_epoch']:,} ({n:,} tokens, fill {sc['fill']:.3f}) |",
               f"| optimizer steps | {steps_text} |",
               f"| warm-up | {warm} |", f"| checkpoints | {ckpt} |", f"| validation | {vals} |", ""]
+    lines += _preparation_lines(plan) + _evaluation_lines(plan)
+    lines += [f"- note: {x}" for x in plan.notes]
+    lines += [f"- **refused**: {x}" for x in plan.problems]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _preparation_lines(plan: Plan) -> list[str]:
+    """The data-preparation table of `format_plan` (none when nothing is to prepare)."""
+    W, lines = plan.world_size, []
     pr = plan.preparation
     if pr and pr["tokens"] != 0:
         how = (f"≈ {pr['seconds'] / 60:.1f} min = {pr['tokens']:,} tokens / ({pr['rate']:,.0f} tokens/s × data.num_proc "
@@ -501,6 +510,12 @@ def format_plan(plan: Plan, title: str = "") -> str:
         lines += ["| data preparation (main process, before training) | value |", "|---|---|",
                   f"| time | {how} |",
                   "| a cache hit, or data.prepared_dir (`peagle prepare` before the launch) | nothing to prepare |", ""]
+    return lines
+
+
+def _evaluation_lines(plan: Plan) -> list[str]:
+    """The evaluation table of `format_plan` (none when evaluation is off)."""
+    s, ev, lines = plan.settings, plan.evaluation, []
     if ev.get("seconds") is not None:
         lines += ["| evaluation (main process, after training) | value |", "|---|---|",
                   f"| decoded | {ev['prompts']} prompts × {ev['max_new_tokens']} new tokens, K {ev['K']} |",
@@ -511,6 +526,4 @@ def format_plan(plan: Plan, title: str = "") -> str:
                   f"{ev['attention']}) |",
                   f"| time | ≈ {ev['seconds'] / 60:.1f} min; process-group timeout {ev['timeout_minutes']:.0f} min "
                   f"({ev['timeout_source']}) |", ""]
-    lines += [f"- note: {x}" for x in plan.notes]
-    lines += [f"- **refused**: {x}" for x in plan.problems]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines

@@ -9,7 +9,8 @@ step8b builds Llama-3.1-8B's architecture (the config.json shipped with the reci
 cache's) with random weights in bf16 on the GPU, and the recipe's 4-layer head on it; it trains 3
 steps (online features, bf16 autocast, FlexAttention, partitions 2, the recipe's anchors) per row
 length and reports tokens/s of the last 2 steps, the peak of torch's allocator against the
-planner's estimate (`training/memory.py`), and the Dynamo recompiles of the mask build.
+planner's estimate (`training/memory.py`), and the block mask's compiled builds in the process so far
+(`algorithms/cod.py:block_mask_build_counts`: one builder, a few compiles however many row lengths).
 eval8b decodes a few random prompts with that target and head and extrapolates the recipe's
 evaluation time (num_prompts × max_new_tokens) against NCCL's 10-minute default timeout.
 """
@@ -133,6 +134,7 @@ def step8b(tokens_list: list[int]) -> None:
     for tokens in tokens_list:
         import torch._dynamo.utils as dyn
 
+        from peagle_train.algorithms.cod import block_mask_build_counts
         from peagle_train.jobs.builders import build_draft
 
         draft = build_draft(target, cfg.draft, vocab, tcfg.vocab_size - 1, str(cfg.algorithm))
@@ -170,7 +172,7 @@ def step8b(tokens_list: list[int]) -> None:
                  planner_gib=planner_estimate(tcfg, draft, cfg, tokens),
                  dynamo_stats=dict(dyn.counters.get("stats", {})),
                  dynamo_delta=(sum(dyn.counters["stats"].values()) if "stats" in dyn.counters else 0) - before,
-                 recompiles=dict(dyn.counters.get("recompiles", {})))
+                 block_mask=block_mask_build_counts())
         except torch.cuda.OutOfMemoryError as e:
             emit("step8b", ok=False, tokens=tokens, error=f"OOM: {str(e)[:300]}",
                  planner_gib=planner_estimate(tcfg, draft, cfg, tokens))

@@ -90,6 +90,8 @@ def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: tor
     return _cod_rule(anchors[:, None], depths[:, None], docs[:, None], anchors[None, :], depths[None, :], docs[None, :])
 
 
+FLEX_MASK_BYTES_PER_PAIR = 10.0     # eager create_block_mask on [Mq, M]: bytes per (query, key) pair at its peak
+                                    # (CPU, measured by benchmarks/calibrate_plan.py; training/memory.py's model)
 BLOCK_MASK_COMPILED_ON = ("cuda",)  # device types whose block mask is built compiled (the rest: eagerly)
 BLOCK_MASK_BACKEND = "inductor"     # the torch.compile backend of that build
 BLOCK_MASK_BUILDS = {"builders": 0, "compiles": 0, "builds": 0}  # this process's counts (`block_mask_build_counts`)
@@ -141,8 +143,6 @@ def block_mask_build_counts() -> dict:
 
 
 def _eager_fallback_cause(anchors: torch.Tensor, q_start: int, cause: str, fix: str) -> BlockMaskBuildError:
-    from ..training.memory import FLEX_MASK_BYTES_PER_PAIR
-
     M = anchors.numel()
     pairs = (M - q_start) * M
     return BlockMaskBuildError(

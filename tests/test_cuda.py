@@ -1,8 +1,9 @@
 """CUDA-only checks (skipped without a GPU; scripts/gpu_check.sh runs them): FlexAttention forward
 and backward equal the dense path, the sparse SDPA plan equals it too, also partitioned with a few
 queries against a long kept context; the block mask is built compiled, with no [Mq, M] mask; a
-bf16 step stays close to fp32 with fp32 master weights; a short 1-GPU training run learns; the same fp32 step on CPU and GPU agrees; each engine as an NCCL
-world of 1 computes in bf16 inside its forward and follows DDP's losses."""
+bf16 step stays close to fp32 with fp32 master weights; a short 1-GPU training run learns; the same
+fp32 step on CPU and GPU agrees; each engine as an NCCL world of 1 computes in bf16 inside its
+forward and follows DDP's losses."""
 
 import copy
 

@@ -22,8 +22,9 @@ step8b builds Llama-3.1-8B's architecture (the config.json shipped with the reci
 cache's) with random weights in bf16 on the GPU, and the recipe's 4-layer head on it; it trains 3
 steps (online features, bf16 autocast, FlexAttention, partitions 2, the recipe's anchors) per row
 length and reports tokens/s of the last 2 steps, the peak of torch's allocator against the
-planner's estimate (`training/memory.py`), and the Dynamo recompiles of the mask build. Each row
-length starts with the previous one's head, engine and optimizer freed (`_free_for_measure`).
+planner's estimate (`training/memory.py`), and the block mask's compiled builds in the process so far
+(`algorithms/cod.py:block_mask_build_counts`: one builder, a few compiles however many row lengths).
+Each row length starts with the previous one's head, engine and optimizer freed (`_free_for_measure`).
 eval8b decodes a few random prompts with that target and head, with SDPA over a bf16 KV cache (how
 CUDA decodes) and again with the fp32 attention over an fp32 cache (how it decoded before), and
 extrapolates the recipe's evaluation time (num_prompts × max_new_tokens) of each against NCCL's
@@ -194,6 +195,7 @@ def _step8b_case(cfg, target, vocab, tcfg, state: dict, tokens: int, params: tup
     from accelerate import Accelerator
     from omegaconf import OmegaConf
 
+    from peagle_train.algorithms.cod import block_mask_build_counts
     from peagle_train.jobs.builders import build_draft
     from peagle_train.training.checks import TrainSettings
     from peagle_train.training.trainer import train
@@ -231,7 +233,7 @@ def _step8b_case(cfg, target, vocab, tcfg, state: dict, tokens: int, params: tup
                     planner_gib=planner_estimate(tcfg, draft_config, cfg, tokens),
                     dynamo_stats=dict(dyn.counters.get("stats", {})),
                     dynamo_delta=(sum(dyn.counters["stats"].values()) if "stats" in dyn.counters else 0) - before,
-                    recompiles=dict(dyn.counters.get("recompiles", {})))
+                    block_mask=block_mask_build_counts())
     except torch.cuda.OutOfMemoryError as e:
         return dict(ok=False, tokens=tokens, error=f"OOM: {str(e)[:300]}",
                     planner_gib=planner_estimate(tcfg, draft_config, cfg, tokens))

@@ -1,12 +1,12 @@
 """CUDA checks (skipped without a GPU; scripts/gpu_check.py runs them): FlexAttention forward
 and backward equal the dense path, the sparse SDPA plan equals it too, also partitioned with a few
-queries against a long kept context; a bf16 step stays close to fp32 with fp32 master weights; a
-short 1-GPU training run learns; the same fp32 step on CPU and GPU agrees; each engine (DDP,
-DeepSpeed ZeRO-2 and ZeRO-3, FSDP2) as a world of 1 computes in bf16 inside its forward and follows
-DDP's losses.
+queries against a long kept context; the block mask is built compiled, with no [Mq, M] mask; a
+bf16 step stays close to fp32 with fp32 master weights; a short 1-GPU training run learns; the same
+fp32 step on CPU and GPU agrees; each engine (DDP, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2) as a world of
+1 computes in bf16 inside its forward and follows DDP's losses.
 
 With PEAGLE_CHECK_DEVICE=cpu (the GPU check's CPU rehearsal, `bash scripts/gpu_check.sh --rehearse`)
-the tests that need no CUDA kernel run on the CPU: the engines and the 1-process run."""
+the tests that need no CUDA kernel run on the CPU: the engines."""
 
 import copy
 import os
@@ -30,7 +30,7 @@ from .test_training import grads_of, random_row
 DEVICE = "cuda" if torch.cuda.is_available() else os.environ.get("PEAGLE_CHECK_DEVICE")
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or PEAGLE_CHECK_DEVICE=cpu: the GPU "
                                                        "check's rehearsal)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention's backward)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention, CUDA memory)")
 
 
 @pytest.fixture
@@ -104,6 +104,36 @@ def test_partitioned_flex_with_small_queries_against_a_long_context(cuda_setup):
     assert abs(loss_x - loss_d) < 1e-4 * max(1.0, abs(loss_d)) and torch.equal(c_x, c_d)
     for k in g_d:
         torch.testing.assert_close(g_x[k], g_d[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@needs_cuda
+def test_block_mask_built_compiled_without_the_dense_mask():
+    """The CUDA build runs through the process's one compiled builder: block tables equal to the eager
+    build's, a few compiles for any number of row lengths, and no [Mq, M] mask (its eager peak would be
+    ≈ 10 bytes a pair: 1.5 GB at 12k elements)."""
+    from peagle_train.algorithms import cod
+
+    g = torch.Generator().manual_seed(0)
+    for n, q_start in [(300, 0), (517, 517), (900, 0)]:
+        doc_ids = (torch.arange(n) >= n // 3).long()
+        el = cod_sample(torch.ones(n, dtype=torch.bool), doc_ids, 4, 0.8, 0.2, None, g)
+        a, dp, doc_ids = el.anchors.cuda(), el.depths.cuda(), doc_ids.cuda()
+        bm, ref = cod.cod_block_mask(a, dp, doc_ids, q_start), cod._build_cod_block_mask(a, dp, doc_ids[a], q_start)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), name
+    n = 4096
+    doc_ids = torch.zeros(n, dtype=torch.long)
+    el = cod_sample(torch.ones(n, dtype=torch.bool), doc_ids, 4, 0.8, 0.2, None, g)
+    a, dp, doc_ids = el.anchors.cuda(), el.depths.cuda(), doc_ids.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    bm = cod.cod_block_mask(a, dp, doc_ids)
+    torch.cuda.synchronize()
+    eager_bytes = cod.FLEX_MASK_BYTES_PER_PAIR * a.numel() ** 2
+    assert torch.cuda.max_memory_allocated() - base < eager_bytes / 20
+    counts = cod.block_mask_build_counts()
+    assert counts["builders"] == 1 and counts["compiles"] <= 3, counts
 
 
 @needs_cuda

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Attention
+from ..errors import UserError
 
 
 @dataclass
@@ -89,24 +90,120 @@ def cod_attention_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: tor
     return _cod_rule(anchors[:, None], depths[:, None], docs[:, None], anchors[None, :], depths[None, :], docs[None, :])
 
 
-def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0):
-    """The same mask as a FlexAttention BlockMask ([1, 1, M - q_start, M]: queries are the
-    elements from q_start on, keys all elements); fully masked 128×128 blocks are skipped by the
-    kernel, so cost and memory follow the number of visible blocks, not M². Built compiled on CUDA
-    (block by block), eagerly elsewhere."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_MASK_BYTES_PER_PAIR = 10.0     # eager create_block_mask on [Mq, M]: bytes per (query, key) pair at its peak
+                                    # (CPU, measured by benchmarks/calibrate_plan.py; training/memory.py's model)
+BLOCK_MASK_COMPILED_ON = ("cuda",)  # device types whose block mask is built compiled (the rest: eagerly)
+BLOCK_MASK_BACKEND = "inductor"     # the torch.compile backend of that build
+BLOCK_MASK_BUILDS = {"builders": 0, "compiles": 0, "builds": 0}  # this process's counts (`block_mask_build_counts`)
+_block_mask_builder = None
 
-    docs = doc_ids[anchors]
+
+class BlockMaskBuildError(UserError, RuntimeError):
+    """The compiled block-mask build could not run, and an eager build (the whole [Mq, M] mask at
+    once) is refused in its place."""
+
+
+def _build_cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, docs: torch.Tensor, q_start: int):
+    """create_block_mask over the §4 rule; anchors, depths, docs (each element's document): [M].
+    The one body of both builds: called as is (eager) or through `compiled_block_mask_builder`."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q, k):
         qi = q + q_start
         return _cod_rule(anchors[qi], depths[qi], docs[qi], anchors[k], depths[k], docs[k])
 
+    M = anchors.shape[0]
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device)
+
+
+def _counting_backend(gm, example_inputs):
+    """`BLOCK_MASK_BACKEND`, counting each (re)compile of the block-mask build."""
+    BLOCK_MASK_BUILDS["compiles"] += 1
+    return torch._dynamo.lookup_backend(BLOCK_MASK_BACKEND)(gm, example_inputs)
+
+
+def compiled_block_mask_builder():
+    """The process's compiled block-mask build, made on first use and reused: `torch.compile` of
+    `_build_cod_block_mask` (torch's recommended replacement for `create_block_mask(_compile=True)`,
+    which wraps a new torch.compile per call), with dynamic shapes so that a new row length or
+    q_start does not recompile, and fullgraph so that a graph break, a compile failure or Dynamo's
+    recompile limit raises instead of running the build eagerly."""
+    global _block_mask_builder
+    if _block_mask_builder is None:
+        _block_mask_builder = torch.compile(_build_cod_block_mask, backend=_counting_backend, dynamic=True,
+                                            fullgraph=True)
+        BLOCK_MASK_BUILDS["builders"] += 1
+    return _block_mask_builder
+
+
+def block_mask_build_counts() -> dict:
+    """This process's compiled block-mask builds: builders made (1 once used), compiles (the first
+    plus each recompile), recompiles, builds (calls)."""
+    return {**BLOCK_MASK_BUILDS, "recompiles": max(0, BLOCK_MASK_BUILDS["compiles"] - 1)}
+
+
+def _eager_fallback_cause(anchors: torch.Tensor, q_start: int, cause: str, fix: str) -> BlockMaskBuildError:
     M = anchors.numel()
-    # on CUDA the build is compiled: uncompiled, create_block_mask evaluates mask_mod on all (Mq, M) pairs at
-    # once (≈ 10 bytes a pair transient: 21 GB at 16k-token rows with all anchors); compiled, block by block
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=M - q_start, KV_LEN=M, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+    pairs = (M - q_start) * M
+    return BlockMaskBuildError(
+        f"COD block mask on {anchors.device} ({M - q_start} queries × {M} keys): {cause}; an eager build "
+        f"would hold the whole mask (≈ {FLEX_MASK_BYTES_PER_PAIR * pairs / 1e9:.3g} GB) and is refused: {fix}")
+
+
+def _dynamo_off() -> str | None:
+    """The setting that makes torch.compile run functions eagerly, if one is set."""
+    if torch._dynamo.config.disable:
+        return "torch._dynamo.config.disable (TORCHDYNAMO_DISABLE=1)"
+    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
+    if stance not in ("default", "fail_on_recompile"):
+        return f"torch.compiler.set_stance({stance!r})"
+    return None
+
+
+def cod_block_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, q_start: int = 0):
+    """The same mask as a FlexAttention BlockMask ([1, 1, M - q_start, M]: queries are the
+    elements from q_start on, keys all elements); fully masked 128×128 blocks are skipped by the
+    kernel, so cost and memory follow the number of visible blocks, not M².
+
+    On the devices of `BLOCK_MASK_COMPILED_ON` (CUDA) the build is compiled (block by block, no
+    [Mq, M] tensor), by the process's one `compiled_block_mask_builder`; elsewhere (CPU, where
+    FlexAttention has no backward: tests) it runs eagerly and materialises the [Mq, M] mask first
+    (≈ 10 bytes a pair transient: 21 GB at 16k-token rows with all anchors).
+    Raises BlockMaskBuildError when the compiled build cannot run (compile failure, Dynamo's
+    recompile limit, torch.compile switched off) instead of building eagerly."""
+    docs = doc_ids[anchors]
+    if anchors.device.type not in BLOCK_MASK_COMPILED_ON:
+        return _build_cod_block_mask(anchors, depths, docs, q_start)
+    import torch._dynamo
+
+    off = _dynamo_off()
+    if off:
+        raise _eager_fallback_cause(anchors, q_start, f"{off} runs torch.compile eagerly",
+                                    "unset it, or use training.attention=sparse (no M×M build)")
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+    build = compiled_block_mask_builder()
+    BLOCK_MASK_BUILDS["builds"] += 1
+    try:
+        mask = build(anchors, depths, docs, q_start)
+    except FailOnRecompileLimitHit as e:
+        raise _eager_fallback_cause(
+            anchors, q_start, f"its build was recompiled past torch._dynamo.config.recompile_limit="
+            f"{torch._dynamo.config.recompile_limit} after {BLOCK_MASK_BUILDS['compiles']} compiles (row lengths "
+            "do not recompile it; a new dtype or device of anchors/depths/doc_ids does: TORCH_LOGS=recompiles "
+            "names the guard)", "keep those fixed, raise that limit, or use training.attention=sparse "
+            "(no M×M build)") from e
+    except TorchDynamoException as e:
+        inner = getattr(e, "inner_exception", e)  # the backend's own error, under BackendCompilerFailed
+        first = (str(inner).strip().splitlines() or [""])[0]
+        raise _eager_fallback_cause(
+            anchors, q_start, f"torch.compile of its build failed ({type(inner).__name__}: {first})",
+            "fix the compiler toolchain (TORCH_LOGS=dynamo,inductor), or use training.attention=sparse "
+            "(no M×M build)") from e
+    if BLOCK_MASK_BUILDS["compiles"] == 0:
+        raise _eager_fallback_cause(anchors, q_start, "torch.compile ran its build eagerly (nothing compiled)",
+                                    "check torch.compiler's stance, or use training.attention=sparse")
+    return mask
 
 
 def cod_mask(anchors: torch.Tensor, depths: torch.Tensor, doc_ids: torch.Tensor, kind: str | bool = "dense",

@@ -29,9 +29,10 @@ Terms (bytes on one process; W = world size, P = the head's parameters, all trai
                        context (n elements, its keys/values) and runs one part's chains at a time:
                        n + (M − n) / Q elements.
     attention_mask     the mask's build: FlexAttention's `create_block_mask`, compiled on CUDA
-                       (algorithms/cod.py), evaluates the mask block by block and keeps its block
-                       tables (int32 per 128×128 block); eager (CPU) it materialises the dense
-                       [queries, keys] boolean mask and its temporaries first (FLEX_MASK_BYTES_PER_PAIR,
+                       (algorithms/cod.py: one compiled builder per process, which refuses rather
+                       than fall back to an eager build), evaluates the mask block by block and
+                       keeps its block tables (int32 per 128×128 block); eager (CPU) it
+                       materialises the dense [queries, keys] boolean mask and its temporaries first (FLEX_MASK_BYTES_PER_PAIR,
                        measured by benchmarks/calibrate_plan.py); dense attention keeps an M×M boolean
                        mask and its additive bias in the compute dtype; the sparse plan (CPU) builds
                        nothing quadratic
@@ -55,10 +56,10 @@ import math
 
 import torch
 
+from ..algorithms.cod import FLEX_MASK_BYTES_PER_PAIR  # eager build's bytes per (query, key) pair
 from ..draft import DraftConfig, make_draft_head
 
 DS_BUCKET_ELEMENTS = 500_000_000   # DeepSpeed's default reduce_bucket_size (elements)
-FLEX_MASK_BYTES_PER_PAIR = 10.0    # eager create_block_mask on [Mq, M]: bytes per (query, key) pair at its peak (CPU, measured)
 FLEX_BLOCK_TABLE_BYTES = 16        # compiled create_block_mask: its int32 tables per 128×128 block (kv/q indices, counts)
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB            # per GPU, outside the estimate: CUDA context, NCCL buffers, allocator slack
@@ -250,7 +251,8 @@ def estimate_step_memory(target_config, draft_cfg: DraftConfig, tokens: int, max
     document (the target forward of a target that cannot pack documents runs one at a time;
     None = the whole row); target_params / head_params: counts already made (`target_parameters`,
     `head_parameters`), else built on the meta device here; mask_compiled: FlexAttention's block mask
-    is built compiled (CUDA, block by block) or eagerly (CPU: the dense mask first).
+    is built compiled (CUDA, block by block; `cod_block_mask` raises rather than build eagerly there)
+    or eagerly (CPU: the dense mask first).
     Raises ValueError for an unknown engine or attention."""
     K = num_depths or draft_cfg.num_depths
     if attention not in ("flex", "sparse", "dense"):

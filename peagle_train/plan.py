@@ -431,7 +431,7 @@ def _g(n: float) -> str:
 def format_plan(plan: Plan, title: str = "") -> str:
     """The plan as markdown: a header (target, head), the memory table per GPU, the schedule table,
     the evaluation table, then the notes and the refusals ("refused: ..." lines)."""
-    s, m, sc, ev, tg, hd = plan.settings, plan.memory, plan.schedule, plan.evaluation, plan.target, plan.head
+    s, m, sc, tg, hd = plan.settings, plan.memory, plan.schedule, plan.target, plan.head
     W = plan.world_size
     eng = s["engine"] + (f" ZeRO-{s['zero_stage']}" if s["engine"] == "deepspeed" else "")
     shard = {"ddp": "", "deepspeed": f" / {W} (ZeRO shard)", "fsdp": f" / {W} (FSDP shard)"}[s["engine"]] if W > 1 else ""

@@ -489,6 +489,10 @@ class RegenerateConfig:
     vllm_python: Optional[str] = opt(None, "vllm backend: python of the environment with vLLM; null = "
                                            "$PEAGLE_VLLM_PYTHON, this python if it imports vllm, else "
                                            "~/.cache/peagle_train/vllm-venv")
+    data_parallel: Optional[int] = opt(None, "vllm backend: engines run at once, each on its own GPUs and its "
+                                             "own shard of the conversations (merged into one output); null = "
+                                             "the visible GPUs // tensor_parallel on CUDA, 1 otherwise", ge=1)
+    tensor_parallel: int = opt(1, "vllm backend: GPUs per engine (vLLM's tensor_parallel_size)", ge=1)
 
 
 @dataclass

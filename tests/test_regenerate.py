@@ -636,3 +636,259 @@ def test_peagle_regenerate_records_and_prints_its_sampling_and_drops(tmp_path, c
     assert "'temperature': 0.7, 'top_p': 0.9, 'top_k': 20, 'source': 'top_p from the user; temperature, top_k from " \
            "the target generation_config'}" in log
     assert f"{'dropped':<26} {{'{CUT}': 2}}" in log and f"{'batch_size':<26} 16" in log
+
+
+# --- several engines (data parallel): shards by id, merged into what one engine writes ----------------------
+
+
+def shard_convs():
+    """Conversations of both shards of 2 (c0, c1, c2, c10, c11: shard 1; the others: shard 0) with cut
+    answers (c5, c2), a repeated answer (c3's "same" after c1's) and whole duplicates: c4 of c0 and
+    c10 of c3 across the shards, c8 of c7 within shard 0."""
+    return [two_turns("c0", "q0", "r0"), two_turns("c1", "dupA", "r1"), two_turns("c3", "q3", "dupB"),
+            two_turns("c4", "q0", "r0"), two_turns("c5", "long", "r"), two_turns("c2", "q2", "long answer"),
+            two_turns("c6", "q6", "r6"), two_turns("c10", "q3", "dupB"), two_turns("c7", "q7", "r7"),
+            two_turns("c8", "q7", "r7"), two_turns("c11", "q11", "r11")]
+
+
+def recording_backends(url, asked, fail=None):
+    """make_backend(k) for regenerate_sharded: EndpointBackends that note in asked[k] the ids of the
+    conversations whose first turn they are asked (known by its seed, turn_seed(0, id, 0)); with
+    `fail` = (k, n), shard k's backend raises at its call n + 1."""
+    from peagle_train.data.regenerate import turn_seed
+
+    first = {turn_seed(0, cid, 0): cid for cid, _ in shard_convs()}
+
+    class Recording(EndpointBackend):
+        def __init__(self, k):
+            super().__init__(url, "m")
+            self.k, self.calls = k, 0
+
+        def generate(self, c, seeds=None):
+            self.calls += 1
+            if fail is not None and self.k == fail[0] and self.calls > fail[1]:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            asked.setdefault(self.k, set()).update(first[s] for s in seeds if s in first)
+            return super().generate(c, seeds)
+
+    return Recording
+
+
+def test_two_shards_write_what_one_engine_writes(tmp_path, scripted):
+    """Each conversation goes to exactly one shard (`shard_of`); the merge writes the output, its
+    .dropped and its manifest's counts as one engine does, a duplicate across shards dropped as one
+    engine drops it; the shard folder is removed and the manifest names the shards' devices."""
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from peagle_train.data.regenerate import CUT, DUPLICATE, dropped_path
+    from peagle_train.data.regenerate_shards import regenerate_sharded, shard_of, shards_dir
+
+    url, _ = scripted
+    cs, run = shard_convs(), dict(batch_size=2, settings={"regenerated_by": "m"}, extra={"regenerated_by": "m"})
+    one = regenerate(cs, EndpointBackend(url, "m"), tmp_path / "one.jsonl", **run)
+    asked = {}
+    out = tmp_path / "two.jsonl"
+    two, info = regenerate_sharded(cs, recording_backends(url, asked), out, devices=["0", "1"], **run)
+    ids = [cid for cid, _ in cs]
+    assert asked == {k: {cid for cid in ids if shard_of(cid, 2) == k} for k in (0, 1)}
+    assert asked[0] | asked[1] == set(ids) and not asked[0] & asked[1] and len(asked[1]) == 5
+    assert out.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert dropped_path(out).read_bytes() == dropped_path(tmp_path / "one.jsonl").read_bytes()
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["c0", "c1", "c3", "c6", "c7", "c11"]
+    assert asdict_(two) == asdict_(one)
+    assert (two.written, two.turns_generated, two.cut_at_max_new_tokens, two.duplicate_answers,
+            two.duplicate_conversations, two.dropped) == (6, 21, 2, 1, 3, {DUPLICATE: 3, CUT: 2})
+    m1, m2 = read_regenerated_manifest(tmp_path / "one.jsonl"), read_regenerated_manifest(out)
+    assert {k: v for k, v in m2.items() if k not in ("file", "data_parallel", "shards")} == \
+        {k: v for k, v in m1.items() if k != "file"}
+    assert (m2["complete"], m2["conversations"], m2["dropped"], m2["duplicate_answers"], m2["data_parallel"]) == \
+        (True, 6, {DUPLICATE: 3, CUT: 2}, 1, 2)
+    assert m2["shards"] == info == [
+        {"shard": 0, "devices": "0", "file": "two.jsonl.shards/0-of-2.jsonl", "conversations": 6,
+         "status": "merged"},
+        {"shard": 1, "devices": "1", "file": "two.jsonl.shards/1-of-2.jsonl", "conversations": 5,
+         "status": "merged"}]
+    assert not shards_dir(out).exists()
+    assert _records(out, tmp_path) == (["c0", "c1", "c11", "c3", "c6", "c7"], 6)
+
+
+def asdict_(stats):
+    from dataclasses import asdict
+
+    return asdict(stats)
+
+
+def test_a_failed_shard_is_named_and_the_rerun_redoes_it_alone(tmp_path, scripted):
+    """Shard 1's engine dies in its second batch: shard 0 still finishes; the error and the
+    output's manifest name shard 1 and its GPU, readers refuse the output, a rerun with another
+    number of engines is refused, and the rerun starts shard 1's backend alone, asks only the
+    conversations it had not written and ends with what one engine writes."""
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from peagle_train.data.regenerate_shards import ShardError, regenerate_sharded
+    from peagle_train.errors import ConfigError, CorruptFileError
+    from peagle_train.runtime import user_error_message
+
+    url, _ = scripted
+    cs, run = shard_convs(), dict(batch_size=2, settings={"regenerated_by": "m"}, command="peagle regenerate x=1")
+    regenerate(cs, EndpointBackend(url, "m"), tmp_path / "one.jsonl", batch_size=2)
+    out, asked = tmp_path / "two.jsonl", {}
+    with pytest.raises(ShardError) as e:  # shard 1: batch 1 (c0, c1: 2 calls) written, the engine dies in batch 2
+        regenerate_sharded(cs, recording_backends(url, asked, fail=(1, 2)), out, devices=["4", "6"], **run)
+    assert user_error_message(e.value) == (
+        f"{out}: 1 of 2 regeneration shards failed (shard 1 (devices 6): RuntimeError: CUDA error: an illegal memory "
+        f"access was encountered); shard 0 finished (kept in {out}.shards). Fix: rerun peagle regenerate x=1: it keeps "
+        "the finished shards and redoes shard 1 from its complete lines.")
+    m = read_regenerated_manifest(out)
+    assert (m["complete"], m["conversations"], m["data_parallel"]) == (False, 0, 2)
+    assert [(s["shard"], s["devices"], s["status"], s.get("error")) for s in m["shards"]] == [
+        (0, "4", "finished", None), (1, "6", "failed", "RuntimeError: CUDA error: an illegal memory access was "
+                                                       "encountered")]
+    with pytest.raises(CorruptFileError, match="an unfinished peagle regenerate output"):
+        _records(out, tmp_path)
+    with pytest.raises(ConfigError) as e:
+        regenerate_sharded(cs, recording_backends(url, {}), out, devices=["0", "1", "2"], **run)
+    assert str(e.value) == (f"regenerate.data_parallel=3, but {out}.shards holds the unmerged shards of a run with "
+                            "regenerate.data_parallel=2. Fix: rerun with regenerate.data_parallel=2 to finish them, or "
+                            f"remove {out}.shards to regenerate their conversations again.")
+    made, asked = [], {}
+    Recording = recording_backends(url, asked)
+
+    def make(k):
+        made.append(k)
+        return Recording(k)
+
+    st, info = regenerate_sharded(cs, make, out, devices=["4", "6"], **run)
+    assert made == [1] and asked == {1: {"c2", "c10", "c11"}}
+    assert (st.written, st.turns_generated) == (6, 6)  # the 2 turns of c2, c10, c11: the redone part alone
+    assert out.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    m = read_regenerated_manifest(out)
+    assert (m["complete"], m["conversations"], [s["status"] for s in m["shards"]]) == (True, 6, ["merged", "merged"])
+
+
+def test_engines_per_gpu_from_the_settings(monkeypatch, chatml_tokenizer):
+    """regenerate.data_parallel (null: the visible GPUs // tensor_parallel) engines of
+    regenerate.tensor_parallel GPUs each, from CUDA_VISIBLE_DEVICES; one engine without GPUs or with
+    another backend, and several refused there; each engine's CUDA_VISIBLE_DEVICES and
+    tensor_parallel_size reach its vLLM process."""
+    import peagle_train.serving.vllm_engine as engine
+    from peagle_train.cli.regenerate import engine_devices, visible_gpus
+    from peagle_train.config import compose
+    from peagle_train.errors import ConfigError
+    from peagle_train.serving.backends import VllmBackend
+    from peagle_train.serving.vllm_worker import _llm_kwargs
+
+    def devices(gpus, *o, backend="vllm"):
+        return engine_devices(compose("regenerate", [f"regenerate.backend={backend}", *o]).regenerate, gpus)
+
+    eight = [str(i) for i in range(8)]
+    assert devices(eight) == eight
+    assert devices(eight, "regenerate.tensor_parallel=2") == ["0,1", "2,3", "4,5", "6,7"]
+    assert devices(eight, "regenerate.tensor_parallel=2", "regenerate.data_parallel=3") == ["0,1", "2,3", "4,5"]
+    assert devices(["3", "5"], "regenerate.data_parallel=1") == ["3"]
+    assert devices([]) == devices(eight, backend="hf") == devices([], backend="endpoint") == [None]
+    with pytest.raises(ConfigError, match=r"regenerate.data_parallel=5, regenerate.tensor_parallel=2 ask for 10 GPUs, "
+                                          r"8 are visible \(0,1,2,3,4,5,6,7\)\. Fix: "):
+        devices(eight, "regenerate.tensor_parallel=2", "regenerate.data_parallel=5")
+    with pytest.raises(ConfigError, match=r"no GPU is visible .*vLLM on a CPU runs one engine over the cores\. Fix: "
+                                          "leave both unset"):
+        devices([], "regenerate.data_parallel=2")
+    with pytest.raises(ConfigError, match=r"regenerate.backend=hf runs one generator"):
+        devices(eight, "regenerate.tensor_parallel=2", backend="hf")
+    for env, gpus in (("2,5", ["2", "5"]), ("", []), ("0,-1,3", ["0"]),
+                      ("GPU-ab12, GPU-cd34", ["GPU-ab12", "GPU-cd34"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+        assert visible_gpus() == gpus
+    assert engine.worker_env("/v/bin/python", 1, "6")["CUDA_VISIBLE_DEVICES"] == "6"
+    assert engine.worker_env("/v/bin/python", 1)["CUDA_VISIBLE_DEVICES"] == "GPU-ab12, GPU-cd34"  # this process's
+    started = []
+    monkeypatch.setattr(engine, "VllmSession", lambda **kw: started.append(kw) or None)
+    be = VllmBackend("t", chatml_tokenizer, {2}, python="p", log_path="l", devices="2,3", tensor_parallel=2)
+    with pytest.raises(AttributeError):  # the fake session cannot generate: only its start is looked at
+        be.generate([[{"role": "user", "content": "a"}]])
+    assert (started[0]["devices"], started[0]["tensor_parallel"]) == ("2,3", 2)
+    serve = {"task": "serve", "model": "m", "max_model_len": 64}
+    assert _llm_kwargs({**serve, "tensor_parallel_size": 2}, type("P", (), {"is_cpu": lambda self: False})())[
+        "tensor_parallel_size"] == 2
+    assert "tensor_parallel_size" not in _llm_kwargs({**serve, "tensor_parallel_size": 1},
+                                                     type("P", (), {"is_cpu": lambda self: False})())
+
+
+FAKE_VLLM = '''#!{python}
+"""A stand-in for vllm_worker.py under vLLM's python: notes its CUDA_VISIBLE_DEVICES and
+tensor_parallel_size, then answers the "serve" protocol with token ids drawn from the prompt and seed."""
+import json, os, sys
+
+_, worker, request, ready = sys.argv
+req = json.load(open(request))
+with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+    f.write(json.dumps({{"devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "tp": req.get("tensor_parallel_size"),
+                        "pid": os.getpid()}}) + "\\n")
+
+
+def write(path, obj):
+    json.dump(obj, open(path + ".tmp", "w"))
+    os.replace(path + ".tmp", path)
+
+
+write(ready, {{"vllm_version": "fake", "load_seconds": 0.0}})
+for line in sys.stdin:
+    if line.strip():
+        r = json.loads(line)
+        outs = []
+        for ids, seed in zip(r["prompts"], r["seeds"]):
+            toks = [60 + (seed + sum(ids) + 7 * i) % 300 for i in range(3)]
+            cut = seed % 5 == 0
+            outs.append({{"token_ids": toks if cut else toks + [r["stop_token_ids"][0]],
+                         "finish_reason": "length" if cut else "stop"}})
+        write(r["response"], {{"outputs": outs, "generate_seconds": 0.0}})
+'''
+
+
+def test_peagle_regenerate_on_two_gpu_groups_writes_what_one_engine_writes(tmp_path, chatml_tokenizer):
+    """The command with the vllm backend (a stand-in vLLM worker) and 4 visible GPUs: with
+    regenerate.tensor_parallel=2 it starts 2 engines, on CUDA_VISIBLE_DEVICES 0,1 and 2,3 with
+    tensor_parallel_size 2, and writes the output, the drops and the manifest's counts that one
+    engine (regenerate.data_parallel=1: GPU 0) writes."""
+    import os
+    import subprocess
+    import sys
+
+    from peagle_train.data.manifest import read_regenerated_manifest
+    from tests.conftest import REPO_ROOT
+
+    d = tmp_path / "target"
+    tiny_llama(vocab_size=len(chatml_tokenizer)).save_pretrained(str(d))
+    chatml_tokenizer.save_pretrained(str(d))
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"hello there {i}"}, {"role": "assistant", "content": "old"},
+        {"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "old"}]}) + "\n"
+        for i in range(10)))
+    fake = tmp_path / "vllm-python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    log = tmp_path / "engines.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PEAGLE_DATA_CACHE": str(tmp_path / "cache"),
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3", "FAKE_VLLM_LOG": str(log)}
+    runs = {}
+    for name, extra in (("one", ["regenerate.data_parallel=1"]), ("two", ["regenerate.tensor_parallel=2"])):
+        log.unlink(missing_ok=True)
+        p = subprocess.run([sys.executable, "-m", "peagle_train.cli", "regenerate", f"target.path={d}",
+                            f"data.path={data}", "data.num_conversations=null", "regenerate.backend=vllm",
+                            f"regenerate.vllm_python={fake}", "regenerate.batch_size=3", "seed=1",
+                            f"output_dir={tmp_path / name}", *extra], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = [json.loads(x) for x in log.read_text().splitlines()], p.stdout + p.stderr
+    assert [(e["devices"], e["tp"]) for e in runs["one"][0]] == [("0", 1)]
+    assert sorted((e["devices"], e["tp"]) for e in runs["two"][0]) == [("0,1", 2), ("2,3", 2)]
+    assert len({e["pid"] for e in runs["two"][0]}) == 2
+    one, two = tmp_path / "one" / "regenerated.jsonl", tmp_path / "two" / "regenerated.jsonl"
+    assert two.read_bytes() == one.read_bytes() and len(one.read_text().splitlines()) >= 3
+    m1, m2 = read_regenerated_manifest(one), read_regenerated_manifest(two)
+    counts = ("complete", "conversations", "bytes", "sha256", "dropped", "duplicate_answers", "cut_answers_dropped")
+    assert [m2[k] for k in counts] == [m1[k] for k in counts] and m1["dropped"]
+    assert "data_parallel" not in m1 and m2["data_parallel"] == 2
+    assert [(s["devices"], s["status"]) for s in m2["shards"]] == [("0,1", "merged"), ("2,3", "merged")]
+    assert sum(s["conversations"] for s in m2["shards"]) == 10
+    assert (tmp_path / "two" / "vllm_regenerate.engine-1.log").is_file()
+    assert f"{'data_parallel':<26} 2" in runs["two"][1]

@@ -23,7 +23,16 @@ A conversation with an answer cut at regenerate.max_new_tokens is dropped and co
 turn whose prompt does not fit the target's context is not asked: its conversation ends before it
 (`prompts_over_context` in the summary).
 regenerate.batch_size defaults per backend (`batch_size_of`: 256 conversations per call fill a vLLM
-engine; 16 for the in-process target, whose batches pad to their longest answer):
+engine; 16 for the in-process target, whose batches pad to their longest answer).
+On CUDA the vllm backend runs one engine per visible GPU (`engine_devices`: regenerate.data_parallel
+engines of regenerate.tensor_parallel GPUs each, each its own process with its CUDA_VISIBLE_DEVICES),
+each on its shard of the conversations, merged into the one output that one engine would write
+(data/regenerate_shards.py); a failed shard is named, and the rerun redoes it alone:
+
+    peagle regenerate recipe=qwen3-8b regenerate.backend=vllm output_dir=runs/qwen3-8b/regenerate   # 8 GPUs: 8 engines
+    peagle regenerate ... regenerate.backend=vllm regenerate.tensor_parallel=2                      # 8 GPUs: 4 engines of 2
+
+Then:
 
     peagle prepare data.path=/tmp/regen/regenerated.jsonl output_dir=/tmp/prepared
 """
@@ -39,6 +48,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.data.regenerate import regenerate
+from peagle_train.data.regenerate_shards import check_shards, regenerate_sharded
 from peagle_train.data.sources import check_data_path, load_source, mix_sources
 from peagle_train.config import check_config, register
 from peagle_train.errors import ConfigError
@@ -95,7 +105,64 @@ def sampling_of(rcfg, generation_config, seed: int = 0):
                            seed=seed)
 
 
-def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", seed: int = 0):
+def visible_gpus() -> list[str]:
+    """The GPUs this process may give to vLLM engines, as CUDA_VISIBLE_DEVICES names them: its
+    entries when it is set (up to the first negative one, where CUDA stops; "" = none), else
+    "0".."n-1" for the n GPUs torch sees, or `nvidia-smi -L` lists (the vLLM venv may have CUDA where
+    this environment's torch has none)."""
+    import os
+    import subprocess
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        out = []
+        for x in (x.strip() for x in env.split(",")):
+            if not x or x.startswith("-"):
+                break
+            out.append(x)
+        return out
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not n:
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            n = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+        except (OSError, subprocess.SubprocessError):
+            n = 0
+    return [str(i) for i in range(n)]
+
+
+def engine_devices(rcfg, gpus: list[str]) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each regeneration engine: regenerate.data_parallel engines (null:
+    as many as `gpus` holds groups of regenerate.tensor_parallel) of tensor_parallel GPUs each,
+    taken from `gpus` (`visible_gpus`) in order, e.g. ["0", "1", ...] or ["0,1", "2,3", ...]; [None]
+    (one engine on this process's devices) for the vllm backend without GPUs and for hf and endpoint.
+
+    Raises:
+        ConfigError: several engines or tensor_parallel > 1 asked of hf or endpoint, or of vllm
+            without a GPU; more GPUs asked than `gpus` holds (naming the keys and the visible GPUs)."""
+    dp, tp = rcfg.data_parallel, int(rcfg.tensor_parallel)
+    asked = f"regenerate.data_parallel={dp}, regenerate.tensor_parallel={tp}"
+    if rcfg.backend != "vllm" or not gpus:
+        if (dp or 1) > 1 or tp > 1:
+            why = (f"regenerate.backend={rcfg.backend} runs one generator (endpoint: regenerate.concurrency requests "
+                   "in flight)" if rcfg.backend != "vllm" else
+                   "no GPU is visible (CUDA_VISIBLE_DEVICES, nvidia-smi -L): vLLM on a CPU runs one engine over the "
+                   "cores")
+            raise ConfigError(f"{asked}: several engines or GPUs per engine need regenerate.backend=vllm on CUDA GPUs; "
+                              f"{why}. Fix: leave both unset.")
+        return [None]
+    dp = dp or max(len(gpus) // tp, 1)
+    if dp * tp > len(gpus):
+        raise ConfigError(f"{asked} ask for {dp * tp} GPUs, {len(gpus)} are visible ({','.join(gpus)}). Fix: "
+                          f"regenerate.data_parallel × regenerate.tensor_parallel ≤ {len(gpus)} (or set "
+                          "CUDA_VISIBLE_DEVICES).")
+    return [",".join(gpus[i * tp: (i + 1) * tp]) for i in range(dp)]
+
+
+def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", seed: int = 0,
+                        devices: str | None = None, log_name: str = "vllm_regenerate.log"):
     """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
     target.path in-process (with data.chat_template; decoding/hf_backend.py); `endpoint` talks to
     regenerate.endpoint_url serving regenerate.model (serving/backends.py). Both render with
@@ -104,6 +171,8 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", see
     hf and vllm sample with `sampling_of` the target's generation_config (`backend.sampling`);
     endpoint sends the regenerate.temperature, top_p, top_k that are set and leaves the others to
     the server (which applies the served model's generation_config). `seed`: the run's seed.
+    vllm: `devices` is its engine's CUDA_VISIBLE_DEVICES (`engine_devices`; None: this process's),
+    over regenerate.tensor_parallel GPUs, logging to `log_name` beside regenerate.output.
     Raises ConfigError for another backend."""
     kw = OmegaConf.to_container(data_cfg.template_kwargs) if OmegaConf.is_config(data_cfg.template_kwargs) \
         else data_cfg.template_kwargs
@@ -136,9 +205,10 @@ def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", see
         ctx = getattr(load_target_config(target_cfg.path), "max_position_embeddings", 4096)
         sampling = sampling_of(rcfg, GenerationConfig.from_pretrained(src) if gen_cfg.is_file() else None, seed)
         return VllmBackend(src, tok, eos, dtype=vllm_dtype(precision), python=vllm_python(rcfg.get("vllm_python")),
-                           log_path=Path(str(rcfg.output)).parent / "vllm_regenerate.log",
+                           log_path=Path(str(rcfg.output)).parent / log_name,
                            max_new_tokens=rcfg.max_new_tokens, sampling=sampling, template_kwargs=kw,
-                           max_model_len=min(int(ctx), 8192), max_num_seqs=batch_size_of(rcfg)), tok
+                           max_model_len=min(int(ctx), 8192), max_num_seqs=batch_size_of(rcfg), devices=devices,
+                           tensor_parallel=int(rcfg.tensor_parallel)), tok
     if rcfg.backend == "endpoint":
         from peagle_train.serving.backends import EndpointBackend
 
@@ -181,7 +251,9 @@ def main(cfg: DictConfig) -> dict:
     check_config(cfg, "regenerate")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()
     r = cfg.regenerate
-    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed))
+    devices = engine_devices(r, visible_gpus() if r.backend == "vllm" else [])
+    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed), devices=devices[0])
+    engines = None
     try:
         convs, too_long = conversations(cfg, tok)
         by = (cfg.target.name_or_path or cfg.target.path) if r.backend in ("hf", "vllm") else r.model
@@ -191,10 +263,20 @@ def main(cfg: DictConfig) -> dict:
         else:  # endpoint: what is not set is the server's default
             sampling = {k: "server default" if r[k] is None else r[k] for k in ("temperature", "top_p", "top_k")}
         settings = run_settings(cfg, str(by), sampling)
-        logger.info(f"regenerating with {sampling}, seed {cfg.seed}, batches of {batch_size_of(r)} conversations")
-        stats = regenerate(convs, backend, r.output, batch_size=batch_size_of(r), max_turns=r.max_turns,
-                           extra={"regenerated_by": str(by)}, settings=settings, command=_command_line(str(r.output)),
-                           seed=int(cfg.seed), drop_cut=bool(r.drop_cut))
+        logger.info(f"regenerating with {sampling}, seed {cfg.seed}, batches of {batch_size_of(r)} conversations, "
+                    f"{len(devices)} engine(s)" + (f" on CUDA_VISIBLE_DEVICES {devices}" if devices[0] else ""))
+        check_shards(r.output, len(devices))
+        run = dict(batch_size=batch_size_of(r), max_turns=r.max_turns, extra={"regenerated_by": str(by)},
+                   settings=settings, command=_command_line(str(r.output)), seed=int(cfg.seed),
+                   drop_cut=bool(r.drop_cut))
+        if len(devices) == 1:
+            stats = regenerate(convs, backend, r.output, **run)
+        else:  # one engine per GPU group, each on its shard of the conversations (data/regenerate_shards.py)
+            def make_backend(k):
+                return backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed),
+                                           devices=devices[k], log_name=f"vllm_regenerate.engine-{k}.log")[0]
+
+            stats, engines = regenerate_sharded(convs, make_backend, r.output, devices=devices, **run)
     finally:
         vllm_summary = backend.summary() if hasattr(backend, "summary") else None
         if hasattr(backend, "close"):
@@ -203,7 +285,10 @@ def main(cfg: DictConfig) -> dict:
         stats.dropped[f"first user turn over {r.max_prompt_tokens} tokens"] = too_long
     out = {"sampling": sampling, "seed": int(cfg.seed), "batch_size": batch_size_of(r), **asdict(stats),
            "output": r.output, "seconds": round(time.perf_counter() - t0, 1)}
-    if vllm_summary:
+    if engines is not None:
+        out["data_parallel"] = len(devices)
+        out["shards"] = engines  # each: devices, conversations, status, its engine's vllm summary
+    elif vllm_summary:
         out["vllm"] = vllm_summary
     logger.info("regeneration summary:\n" + "\n".join(f"  {k:<26} {v}" for k, v in out.items()))
     return out

@@ -19,6 +19,8 @@ engines they drive: `decoding/hf_backend.py` `HFBackend` (an in-process transfor
 works), `serving/backends.py` `VllmBackend` (vLLM's offline engine in its own environment, token ids
 in and out, one engine for the whole run) and `EndpointBackend` (any OpenAI-compatible
 /v1/chat/completions server: vLLM, SGLang); `peagle regenerate` (cli/regenerate.py) picks one.
+Several engines at once (one vLLM engine per GPU, each on its shard of the conversations, merged
+into this same output): data/regenerate_shards.py.
 
 As the field regenerates (speculators' and SpecForge's data scripts, EAGLE's self-distillation):
 - Answers are sampled with the target's recommended parameters (`target_sampling`: the temperature,
@@ -291,7 +293,8 @@ def _check_resumable(out_path: Path, manifest: dict | None, settings: dict | Non
 
 def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int = 16,
                extra: dict | None = None, max_turns: int | None = None, settings: dict | None = None,
-               command: str | None = None, seed: int = 0, drop_cut: bool = True) -> RegenerateStats:
+               command: str | None = None, seed: int = 0, drop_cut: bool = True,
+               desc: str = "regenerating") -> RegenerateStats:
     """Rewrite the assistant turns of `conversations` with `backend`; append them to `out_path`.
 
     conversations: iterable of (id, messages) with normalised messages (user/assistant alternating,
@@ -310,6 +313,7 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
     refused. command: the command line that continues the run, named in the errors of its readers.
     The sidecar <out_path>.manifest says "not finished" from before the first line is appended until
     the last batch is written, then records the file's size and sha256 (module docstring).
+    desc: the progress bar's label (one bar per shard under data/regenerate_shards.py).
 
     Raises:
         CorruptFileError: out_path or its manifest is damaged, altered, or was written with other
@@ -341,7 +345,7 @@ def regenerate(conversations, backend, out_path: str | Path, *, batch_size: int 
         logger.info(f"{out_path}: {stats.skipped_done} conversations already regenerated and "
                     f"{stats.skipped_dropped} already dropped ({dropped_path(out_path).name}), skipped")
     with open(out_path, "a", encoding="utf-8") as f, open(dropped_path(out_path), "a", encoding="utf-8") as fd, \
-            tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
+            tqdm(total=len(todo), desc=desc, unit="conv") as bar:
         for b in range(0, len(todo), batch_size):
             batch = todo[b: b + batch_size]
             lines, gone = [], []

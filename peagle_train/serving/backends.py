@@ -25,19 +25,23 @@ class VllmBackend:
     prompt of max_model_len tokens or more is not sent (vLLM would refuse the whole call): its
     Generation is too_long. The
     engine starts on the first call and stops at `close`; `max_num_seqs` sequences decode together
-    (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend).
+    (the regeneration batch: `regenerate.batch_size`, 256 by default for this backend). devices:
+    the engine's CUDA_VISIBLE_DEVICES (None: this process's), tensor_parallel its GPU count
+    (`regenerate.tensor_parallel`); several engines: data/regenerate_shards.py.
     `temperature` alone is shorthand for Sampling(temperature, seed=seed) when sampling is None."""
 
     def __init__(self, target_dir: str, tokenizer, eos: set[int], *, python: str, log_path: Path,
                  max_new_tokens: int = 512, temperature: float = 0.0, template_kwargs: dict | None = None,
                  dtype: str = "bfloat16", max_model_len: int = 4096, threads: int | None = None, seed: int = 0,
-                 max_num_seqs: int = 16, sampling: Sampling | None = None):
+                 max_num_seqs: int = 16, sampling: Sampling | None = None, devices: str | None = None,
+                 tensor_parallel: int = 1):
         self.tok, self.eos = tokenizer, set(eos)
         self.sampling = sampling or Sampling(temperature=float(temperature), seed=seed)
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, self.sampling.temperature, self.sampling.seed
         self.template_kwargs = dict(template_kwargs or {})
         self._args = dict(target_dir=target_dir, python=python, log_path=log_path, dtype=dtype,
-                          max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
+                          max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs,
+                          devices=devices, tensor_parallel=tensor_parallel)
         self._session = None
         self.generated_tokens = 0
 
@@ -66,9 +70,9 @@ class VllmBackend:
         return gens
 
     def summary(self) -> dict:
-        """vLLM's version, engine start seconds, generate seconds and generated tokens so far."""
+        """vLLM's version, the engine's devices, start seconds, generate seconds and generated tokens so far."""
         s = self._session
-        return {"vllm_version": s.info.get("vllm_version") if s else None,
+        return {"vllm_version": s.info.get("vllm_version") if s else None, "devices": self._args["devices"],
                 "load_seconds": s.info.get("load_seconds") if s else None,
                 "generate_seconds": s.generate_seconds if s else 0.0, "generated_tokens": self.generated_tokens}
 

@@ -81,12 +81,15 @@ def vllm_dtype(precision: str) -> str:
     return "float32" if name == "fp32" else "bfloat16"
 
 
-def worker_env(python: str, threads: int | None = None) -> dict:
+def worker_env(python: str, threads: int | None = None, devices: str | None = None) -> dict:
     """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
     for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), threads bound to cores 0..threads-1, and
     PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
-    environment win."""
+    environment win, but `devices`: the job's CUDA_VISIBLE_DEVICES (e.g. "3" or "0,1"; None: this
+    process's)."""
     env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(devices)
     iomp = Path(python).resolve().parents[1] / "lib" / "libiomp5.so"
     if not iomp.exists():  # a venv's bin/python may resolve to the base interpreter
         iomp = Path(python).parents[1] / "lib" / "libiomp5.so"
@@ -131,23 +134,26 @@ def run_worker(request: dict, python: str, log_path: Path, threads: int | None =
 class VllmSession:
     """One vLLM engine kept up for many generate calls (the worker's "serve" task): regeneration asks
     turn after turn, and an engine start costs tens of seconds. Use as a context manager; the
-    engine stops when the session closes.
+    engine stops when the session closes. devices: the engine's CUDA_VISIBLE_DEVICES (None: this
+    process's); tensor_parallel: the GPUs it spreads over (vLLM's tensor_parallel_size).
 
     Raises VllmError when the engine does not come up (or dies), naming its log."""
 
     def __init__(self, target_dir: str, *, python: str, log_path: Path, dtype: str = "bfloat16",
                  max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 16,
-                 startup_timeout_s: float = 1800.0):
+                 startup_timeout_s: float = 1800.0, devices: str | None = None, tensor_parallel: int = 1):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="peagle-vllm-")
         tmp = Path(self._tmp.name)
         req = tmp / "request.json"
         req.write_text(json.dumps({"task": "serve", "model": str(target_dir), "dtype": dtype,
-                                   "max_model_len": int(max_model_len), "max_num_seqs": int(max_num_seqs)}))
+                                   "max_model_len": int(max_model_len), "max_num_seqs": int(max_num_seqs),
+                                   "tensor_parallel_size": int(tensor_parallel)}))
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen([python, str(WORKER), str(req), str(tmp / "ready.json")], stdin=subprocess.PIPE,
-                                      stdout=self._log, stderr=subprocess.STDOUT, env=worker_env(python, threads),
+                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=worker_env(python, threads, devices),
                                       text=True, start_new_session=True)
         self._calls, self.generate_seconds = 0, 0.0
         self.info = self._wait(tmp / "ready.json", startup_timeout_s, "start")  # vllm_version, load_seconds

@@ -92,7 +92,8 @@ CPU_STEP_TOKENS = 4096  # vLLM's own default step token budget of an `LLM` on CP
 
 def _llm_kwargs(req: dict, current_platform) -> dict:
     """The keyword arguments of vLLM's `LLM` for the request: model, dtype, max_model_len, seed,
-    enforce_eager (default: on CPU), max_num_seqs, tokenizer and speculative_config when given; for
+    enforce_eager (default: on CPU), max_num_seqs, tokenizer, tensor_parallel_size (over 1) and
+    speculative_config when given; for
     "features" the `extract_hidden_states` method for req["layer_ids"] and the hidden-states
     connector writing under req["storage_dir"] (on CPU our vllm_cpu_connector's).
 
@@ -105,6 +106,8 @@ def _llm_kwargs(req: dict, current_platform) -> dict:
               max_num_seqs=req.get("max_num_seqs", 16), disable_log_stats=False)
     if req.get("tokenizer"):
         kw["tokenizer"] = req["tokenizer"]
+    if req.get("tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = int(req["tensor_parallel_size"])
     if current_platform.is_cpu() and (req["task"] == "serve" or req.get("temperature", 0.0) > 0):
         kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(req["max_model_len"], CPU_STEP_TOKENS))
     if req.get("speculative_config"):

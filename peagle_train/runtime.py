@@ -271,6 +271,8 @@ def _guarded(fn, job: bool = False, console: bool = False, resume: str = RERUN):
             msg = user_error_message(e, resume)
             if msg is None or show_tb or (job and _in_multirun_job()):
                 raise
+            if getattr(e, "exit_status", None):  # stopped on purpose (training/preemption.py): its own status
+                _exit_stopped(msg, e.exit_status)
             _exit_user_error(msg)
         finally:
             if old is None:
@@ -289,6 +291,12 @@ def _exit_user_error(msg: str) -> None:
     sys.stderr.write(f"{_prog()}: error: {msg}\n")
     sys.stderr.flush()
     raise SystemExit(EXIT_USER_ERROR)
+
+
+def _exit_stopped(msg: str, status: int) -> None:
+    sys.stderr.write(f"{_prog()}: {msg}\n")
+    sys.stderr.flush()
+    raise SystemExit(status)
 
 
 def _exit_interrupted(resume: str) -> None:

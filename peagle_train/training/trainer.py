@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
 from .checks import TrainSettings, check_schedule
 from .memory import check_step_memory
+from .preemption import Preempted, StopSignals
 from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
                          flat_fingerprint, list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
@@ -275,7 +277,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.logf = open(self.log_path, "w")
             self.logf.write("".join(x + "\n" for x in old_log))
-        self.val, self.last_loss, self.stop_now = None, None, False
+        self.val, self.last_loss, self.stop_now, self.preempted = None, None, False, None
+        self.stop_signals = None  # StopSignals while `fit` runs the steps
         self.last_saved = self.start_step if st is not None else None  # the step of the latest checkpoint
 
     def _row(self, doc_indices: list[int]):
@@ -307,11 +310,15 @@ class Trainer:
         self.eng.step()  # the engine reduces, clips and steps
         self.sched.step()
         counts = acc.reduce(counts.to(acc.device), "sum").cpu()
-        # tokens of all processes, and how many processes are past training.max_minutes: the ranks' clocks
-        # and start times differ, so the stop is decided together (`past_deadline` of each), never by one rank alone
-        ntok, late = acc.reduce(torch.tensor([float(n_tok + n_docs), float(self.past_deadline())], device=acc.device),
-                                "sum").tolist()
-        self.stop_now = late > 0
+        # tokens of all processes, how many are past training.max_minutes and how many got a stop signal: the
+        # ranks' clocks and signals differ, so the stop is decided together, never by one rank alone
+        signalled = self.stop_signals.requested if self.stop_signals is not None else None
+        ntok, late, terms, ints = acc.reduce(torch.tensor(
+            [float(n_tok + n_docs), float(self.past_deadline()), float(signalled == signal.SIGTERM),
+             float(signalled == signal.SIGINT)], device=acc.device), "sum").tolist()
+        # the same signal on every process: SIGTERM where any process got one, else SIGINT
+        self.preempted = signal.SIGTERM if terms else signal.SIGINT if ints else None
+        self.stop_now = late > 0 or self.preempted is not None
         self.tokens_seen += int(ntok)
         self.total_counts += counts
         self.window.append(counts)
@@ -376,17 +383,30 @@ class Trainer:
             self.accelerator.log(step_scalars(val), step=done)
             logger.info("step %d: validation loss %.4f, EAL %.3f", done, val["val_loss"], val["val_eal"])
 
+    def _end_preempted(self, done: int) -> None:
+        """Close the log and the engine and raise `Preempted` (every process) after the checkpoint
+        of step `done` was written."""
+        if self.logf:
+            self.logf.close()
+        self.eng.close()
+        name = signal.Signals(self.preempted).name
+        raise Preempted(f"stopped by {name} after step {done} of {self.steps}: checkpoint "
+                        f"{self.ckpt_root / f'step_{done:06d}'} written. Fix: resume with training.resume=true "
+                        "(the same command).", self.preempted)
+
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """setup, the steps (with checkpoints every save_every and at the end), the summary: steps,
         tokens, seconds, tokens_per_second, last20_metrics, all_metrics, validation, final_loss,
-        best_checkpoint, last_checkpoint, engine, draft (the unsharded head)."""
+        best_checkpoint, last_checkpoint, engine, draft (the unsharded head).
+        Raises `Preempted` on every process after SIGTERM or Ctrl-C (training/preemption.py): the
+        processes stop after the same step and its checkpoint is written first."""
         self.setup()
         acc, steps = self.accelerator, self.steps
         bar = tqdm(range(self.start_step, steps), desc="training", unit="step", disable=not acc.is_main_process,
                    initial=self.start_step, total=steps)
         step = self.start_step - 1
-        with logging_redirect_tqdm():  # log lines go above the bar, not through it
+        with logging_redirect_tqdm(), StopSignals() as self.stop_signals:  # log lines go above the bar
             for step in bar:
                 rec = self.step(step)
                 if self.logf:
@@ -398,10 +418,15 @@ class Trainer:
                 if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
                     self.checkpoint(step + 1)
                 if self.stop_now:  # agreed by all processes in the step's reduction: they stop at the same step
-                    logger.info("stopping after %d steps: max_minutes=%s reached", step + 1, self.training.max_minutes)
+                    logger.info("stopping after %d steps: %s", step + 1, "a stop signal" if self.preempted else
+                                f"max_minutes={self.training.max_minutes} reached")
                     break
-        if self.save_every and self.last_saved != step + 1:  # the same on every rank (not a file check)
-            self.checkpoint(step + 1)  # the last step, so an interrupted-by-max_minutes run resumes too
+            # the last step, so that a run stopped by max_minutes or a signal resumes too (the same on every rank)
+            if (self.save_every or self.preempted) and self.last_saved != step + 1:
+                self.checkpoint(step + 1)
+        self.stop_signals = None
+        if self.preempted:
+            self._end_preempted(step + 1)
         if self.logf:
             self.logf.close()
         final = metrics_from_counts(sum(self.window)) if self.window else metrics_from_counts(self.total_counts)

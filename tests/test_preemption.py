@@ -1,0 +1,81 @@
+"""Preemption of a multi-process run (training/preemption.py), with 2 real processes of the real
+`peagle train` over gloo: SIGTERM to the launcher alone (Kubernetes, SageMaker) or to the workers
+(Slurm) stops every rank after the same step, writes that step's checkpoint, and every rank says so
+in one line with exit status 143; the run then resumes from it. The signal-to-exit time is bounded."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from .conftest import REPO_ROOT
+from .test_engines import _free_port
+from .test_gpu_semantics import CPU_ONLY, LAUNCH, _launch, tiny_recipe  # noqa: F401 - tiny_recipe is a fixture
+
+STOP_BOUND_S = 30  # signal to the last process's exit: the step in progress, one checkpoint, the exit
+
+
+def _start(recipe, out, *overrides):
+    root, cmd = recipe
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(root / "c"),
+           "PEAGLE_TEST_STEP_SLEEP_S": "0.3", **CPU_ONLY}
+    env.pop("HYDRA_FULL_ERROR", None)
+    log = open(root / f"{out.name}.log", "w")
+    p = subprocess.Popen([*cmd, "--main_process_port", _free_port(), LAUNCH, "recipe=tiny",
+                          f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *overrides],
+                         cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return p, root / f"{out.name}.log"
+
+
+def _steps_logged(out) -> int:
+    f = out / "train_log.jsonl"
+    return sum(1 for x in f.read_text().splitlines() if '"loss"' in x) if f.is_file() else 0
+
+
+@pytest.mark.parametrize("to", ["launcher", "workers"])
+def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe, to):  # noqa: F811
+    out = tiny_recipe[0] / f"preempt-{to}"
+    settings = ("training.epochs=20", "training.max_steps=30", "training.save_every=null", "eval.enabled=false",
+                "export.enabled=false")
+    p, log_path = _start(tiny_recipe, out, *settings)
+    try:
+        deadline = time.monotonic() + 180
+        while _steps_logged(out) < 3:
+            assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        if to == "launcher":
+            os.kill(p.pid, signal.SIGTERM)
+        else:
+            workers = [c for c in psutil.Process(p.pid).children(recursive=True) if "gpu_semantics_launch" in " ".join(c.cmdline())]
+            assert len(workers) == 2, workers
+            for w in workers:
+                os.kill(w.pid, signal.SIGTERM)
+        p.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    steps = _steps_logged(out)
+    lines = re.findall(r"stopped by SIGTERM after step (\d+) of \d+: checkpoint (\S+) written\. Fix: resume with "
+                       r"training\.resume=true", text)
+    assert len(lines) == 2 and {int(n) for n, _ in lines} == {steps}, text[-3000:]  # one line from each rank
+    ckpt = out / "checkpoints" / f"step_{steps:06d}"
+    assert lines[0][1] == str(ckpt) and (ckpt / "model.safetensors").is_file() and (ckpt / "state.pt").is_file()
+    assert {f.name for f in ckpt.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
+    assert p.returncode != 0 and took < STOP_BOUND_S, (p.returncode, took)
+    if to == "workers":  # the workers' status, as the launcher reports it (signalled itself, it says nothing)
+        assert re.search(r"exitcode\s*:\s*143", text), text[-2000:]
+    if to != "launcher":
+        return
+    # the same command with training.resume=true continues from that checkpoint to the end
+    r = _launch(tiny_recipe, out, {"PEAGLE_TEST_STEP_SLEEP_S": "0"}, *settings, "training.resume=true")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert json.loads((out / "summary.json").read_text())["training"]["steps"] == 30 > steps
+    assert f"resuming from {ckpt}" in r.stdout + r.stderr

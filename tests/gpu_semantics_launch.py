@@ -10,6 +10,8 @@ Injected, from the environment (all optional):
                                 when it prepares and saves the data first: the ranks' clocks start apart
   PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
                                 longer than the process-group timeout)
+  PEAGLE_TEST_RANK1_DROP_ROWS   rank 1's trainer loses its last n prepared rows (a node whose data
+                                differs from the others')
 Each process writes the line "RANK r STEPS n" (one write) when its training returns.
 """
 
@@ -28,6 +30,7 @@ def inject() -> None:
     step_sleep = float(os.environ.get("PEAGLE_TEST_STEP_SLEEP_S", "0"))
     rank0_delay = float(os.environ.get("PEAGLE_TEST_RANK0_DELAY_S", "0"))
     slow_eval = float(os.environ.get("PEAGLE_TEST_SLOW_EVAL_S", "0"))
+    rank1_drop = int(os.environ.get("PEAGLE_TEST_RANK1_DROP_ROWS", "0"))
     rank = int(os.environ.get("RANK", "0"))
 
     call = FeatureTarget.__call__
@@ -44,6 +47,8 @@ def inject() -> None:
     def late_setup(self):
         if rank == 0:
             time.sleep(rank0_delay)
+        if rank == 1 and rank1_drop:
+            self.rows = self.rows.select(range(len(self.rows) - rank1_drop))
         return setup(self)
 
     def reporting_fit(self):

@@ -12,6 +12,8 @@ Injected, from the environment (all optional):
                                 and saved the data first
   PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
                                 longer than the process-group timeout)
+  PEAGLE_TEST_RANK1_DROP_ROWS   rank 1's trainer loses its last n prepared rows (a node whose data
+                                differs from the others')
 Each process writes the line "RANK r STEPS n" (one write) when its training returns.
 """
 
@@ -30,6 +32,7 @@ def inject() -> None:
     step_sleep = float(os.environ.get("PEAGLE_TEST_STEP_SLEEP_S", "0"))
     rank0_clock = float(os.environ.get("PEAGLE_TEST_RANK0_CLOCK_S", "0"))
     slow_eval = float(os.environ.get("PEAGLE_TEST_SLOW_EVAL_S", "0"))
+    rank1_drop = int(os.environ.get("PEAGLE_TEST_RANK1_DROP_ROWS", "0"))
     rank = int(os.environ.get("RANK", "0"))
 
     call = FeatureTarget.__call__
@@ -44,6 +47,8 @@ def inject() -> None:
     setup, fit = trainer.Trainer.setup, trainer.Trainer.fit
 
     def skewed_setup(self):
+        if rank == 1 and rank1_drop:  # before the set-up, whose first act is the data check
+            self.rows = self.rows.select(range(len(self.rows) - rank1_drop))
         setup(self)  # its collectives (shared-folder check, weights' broadcast, engine) re-synchronise the ranks
         if rank == 0:
             self.t0 += rank0_clock  # after them: the skew stays through every later step's reduction

@@ -51,6 +51,22 @@ def test_rows_fingerprint_is_the_bytes_of_ids_and_masks():
     assert provenance.rows_fingerprint(swapped) != h.hexdigest()
 
 
+def test_rows_fingerprint_of_a_dataset_read_as_arrow_equals_the_lists():
+    """The Arrow path (a datasets.Dataset, read in batches of 1,024 rows) gives the digest of the rows
+    as Python lists: across batch boundaries, under a shuffle + select (an indices mapping), with
+    int64 ids, bool masks and an empty row."""
+    g = np.random.default_rng(0)
+    ids = [g.integers(0, 50_000, int(g.integers(0, 40))).tolist() for _ in range(2500)]
+    rows = {"input_ids": ids, "loss_mask": [[bool(t % 3) for t in x] for x in ids]}
+    ds = datasets.Dataset.from_dict(rows)
+    assert provenance.rows_fingerprint(ds) == provenance.rows_fingerprint(rows)
+    picked = ds.shuffle(seed=1).select(range(3, 2100))
+    assert picked._indices is not None  # read through its indices mapping
+    as_lists = {"input_ids": [r["input_ids"] for r in picked], "loss_mask": [r["loss_mask"] for r in picked]}
+    assert provenance.rows_fingerprint(picked) == provenance.rows_fingerprint(as_lists)
+    assert provenance.rows_fingerprint(picked) != provenance.rows_fingerprint(ds)
+
+
 def test_tokenizer_and_template_fingerprints(chatml_tokenizer):
     tok = chatml_tokenizer
     fp = provenance.tokenizer_fingerprint(tok)

@@ -5,7 +5,8 @@ precision. `check_training_config` refuses every out-of-range setting at once, b
 loaded, by the schema's rules (the range written with each key, `opt(..., ge=1)`, and the choices of its
 Enums), naming each value by its schema key. Once the run's optimizer steps are known (the trainer's
 setup; `peagle plan`'s estimate), `check_schedule` refuses a warm-up or a checkpoint cadence that does
-not fit them."""
+not fit them. `check_same_data` refuses a multi-process run whose processes hold different rows or
+draft vocabularies (a collective of the trainer's setup)."""
 
 from __future__ import annotations
 
@@ -163,3 +164,66 @@ def check_schedule(steps: int, training, *, world_size: int = 1, rows: int | Non
                                  epochs=training.get("epochs"))
     if problems:
         raise ConfigError("\n  ".join(problems))
+
+
+def data_identity(rows, draft_ids) -> list[int]:
+    """What every process of a run must hold alike, as 4 int64-safe integers: [row count, the first
+    60 bits of the rows' sha256 (`provenance.rows_fingerprint`: every row's input_ids and loss_mask,
+    in order), draft vocabulary size, the first 60 bits of the sha256 of its ids (manifest.json's
+    draft_vocab.sha256)]. `rows`: a datasets.Dataset (or mapping) of input_ids/loss_mask;
+    `draft_ids`: [draft_vocab_size] target ids."""
+    import json
+
+    from ..provenance import digest, rows_fingerprint
+
+    ids = [int(x) for x in draft_ids]
+    rows_sha, vocab_sha = rows_fingerprint(rows), digest(json.dumps(ids))
+    return [len(rows["input_ids"]), int(rows_sha[:15], 16), len(ids), int(vocab_sha[:15], 16)]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2, 5" (ranks sorted)."""
+    spans = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def check_same_data(accelerator, rows, draft_ids) -> None:
+    """Refuse a multi-process run whose processes hold different data: another data.num_conversations,
+    another copy of the file on a node, a node-local cache of another preparation. Each process
+    trains on rows g·W + r of its own list, so different lists lose some rows and repeat others.
+
+    Collective: every process calls it once, at the same point (Trainer.setup, before anything that
+    depends on the data); each gathers every process's `data_identity` (int64 [4], `accelerator.gather`
+    over the process group: gloo or NCCL). A no-op for one process.
+
+    Raises:
+        ConfigError: on every process, one line naming each process's rows, rows sha256 prefix and
+            draft vocabulary (processes that agree grouped) and the fix.
+    """
+    import torch
+
+    world = accelerator.num_processes
+    if world == 1:
+        return
+    mine = torch.tensor(data_identity(rows, draft_ids), dtype=torch.int64, device=accelerator.device)
+    every = accelerator.gather(mine).cpu().view(world, 4).tolist()
+    if all(x == every[0] for x in every):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for r, x in enumerate(every):
+        groups.setdefault(tuple(x), []).append(r)
+
+    def prefix(bits60: int) -> str:  # the sha256's first 12 hex digits
+        return f"{bits60:015x}"[:12]
+
+    seen = "; ".join(f"process{'es' if len(rs) > 1 else ''} {_ranks(rs)}: {n} rows, rows sha256 {prefix(d)}…, "
+                     f"draft vocabulary {v} ids (sha256 {prefix(dv)}…)" for (n, d, v, dv), rs in groups.items())
+    raise ConfigError(f"the {world} processes hold different training data ({seen}): each would train on its own "
+                      "rows, dropping some and repeating others. Fix: run peagle prepare output_dir=DIR once before "
+                      "the launch and give every process data.prepared_dir=DIR on storage all nodes share (or the "
+                      "same data.* settings, data files and data cache on every node).")

@@ -29,7 +29,7 @@ from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.online import PackedRowSource, OnlineFeatures
 from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
-from .checks import TrainSettings, check_schedule
+from .checks import TrainSettings, check_same_data, check_schedule
 from .memory import check_step_memory
 from .preemption import Preempted, StopSignals
 from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
@@ -74,7 +74,8 @@ class Trainer:
     `tracking.tracked_accelerator`, whose caller ends it with `end_training`).
     Raises FileExistsError / ValueError from `checkpoint.check_output_dir` for a foreign or
     mismatching checkpoint folder, ValueError for settings the objective does not support,
-    ConfigError for a `tracker` the accelerator has not started, OSError
+    ConfigError for a `tracker` the accelerator has not started or for processes that hold different
+    rows or draft vocabularies (`checks.check_same_data`, on every process), OSError
     when a checkpoint save fails (previous one intact).
     """
 
@@ -90,8 +91,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Rows, optimizer, schedule, engine, resume, logs: everything before the first step, in this
-        order. Every process runs every part (the checkpoint-folder checks, the broadcast of rank 0's
-        weights, the engine and the resume are collectives)."""
+        order. Every process runs every part (the data check, the checkpoint-folder checks, the broadcast
+        of rank 0's weights, the engine and the resume are collectives). Raises ConfigError on every
+        process when the processes hold different rows or draft vocabularies (`check_same_data`),
+        before anything that depends on them."""
+        check_same_data(self.accelerator, self.rows, self.draft_ids)
         self._check_tracker()
         self.save_every, self.keep_last = self.training.get("save_every"), self.training.get("keep_last", 3)
         all_lengths, n_val = self._pack_rows()

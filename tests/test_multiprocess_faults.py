@@ -1,0 +1,156 @@
+"""Processes of one run that hold different data (docs/TRAINING.md "What only a GPU shows"): the
+real `peagle train` under `accelerate launch`, 2 processes over gloo (CUDA hidden).
+
+- One launcher, rank 1's trainer given one row fewer (tests/gpu_semantics_launch.py
+  PEAGLE_TEST_RANK1_DROP_ROWS): a node whose copy of the data differs.
+- Two launchers as two "nodes" (--num_machines 2, one process each), each with its own data cache
+  and another data.num_conversations.
+
+Before the fix both trained to exit 0, each process on its own rows (rows lost and repeated); now
+every process stops in Trainer.setup with the one-line ConfigError of `check_same_data`, before
+any step.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+
+from peagle_train.errors import ConfigError
+from peagle_train.provenance import digest, rows_fingerprint
+from peagle_train.training.checks import _ranks, check_same_data, data_identity
+from .conftest import REPO_ROOT
+from .test_engines import _free_port
+from .test_gpu_semantics import LAUNCH, _launch, tiny_recipe  # noqa: F401 (tiny_recipe: a fixture)
+
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+QUICK = ("training.max_steps=2", "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=1")
+# the error line of one process: "<program>: error: the 2 processes hold different training data (...)"
+ERROR = re.compile(r"error: the 2 processes hold different training data \((.*?)\): each would train on its own "
+                   r"rows, dropping some and repeating others\. Fix: run peagle prepare output_dir=DIR once before "
+                   r"the launch and give every process data\.prepared_dir=DIR on storage all nodes share")
+PROCESS = re.compile(r"process (\d+): (\d+) rows, rows sha256 ([0-9a-f]{12})…, draft vocabulary (\d+) ids "
+                     r"\(sha256 ([0-9a-f]{12})…\)")
+
+
+def _fingerprints(text: str) -> list[dict[int, tuple]]:
+    """Every error line's {rank: (rows, rows sha256 prefix, draft vocabulary size, its sha256 prefix)}."""
+    return [{int(r): (int(n), d, int(v), dv) for r, n, d, v, dv in PROCESS.findall(m)} for m in ERROR.findall(text)]
+
+
+def _check_refused(outputs: str, out_dir) -> list[dict[int, tuple]]:
+    """What every refused run shows: no traceback but the launcher's own (torch elastic's
+    ChildFailedError, naming the processes' exit codes), no process back from training, no
+    train_log.jsonl record; returns `_fingerprints` of the output."""
+    raised = re.findall(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*(\S.*)", outputs)
+    assert all(x.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError") for x in raised), \
+        outputs[-4000:]
+    # the processes' exit status: 2 (a user error), or the launcher's SIGTERM to one already past its line
+    codes = set(re.findall(r"exitcode\s*: (-?\d+)", outputs))
+    assert "2" in codes and codes <= {"2", "-15"}, codes
+    assert "RANK " not in outputs  # no process returned from training
+    log = out_dir / "train_log.jsonl"
+    assert not log.is_file() or log.read_text() == ""
+    return _fingerprints(outputs)
+
+
+def test_ranks_are_written_as_spans():
+    assert _ranks([0, 1, 2, 5]) == "0-2, 5" and _ranks([3]) == "3" and _ranks([0, 2, 3]) == "0, 2-3"
+
+
+class _Gathering:
+    """An accelerator of `len(others)` processes whose gather returns each process's given identity
+    (this process's own tensor is what `check_same_data` computed)."""
+
+    def __init__(self, others, me):
+        self.num_processes, self.device = len(others), torch.device("cpu")
+        self.others, self.me, self.sent = others, me, None
+
+    def gather(self, t):
+        self.sent = t.clone()
+        return torch.cat([t if r == self.me else torch.tensor(x, dtype=torch.int64) for r, x in enumerate(self.others)])
+
+
+def test_check_same_data_groups_the_processes_that_agree():
+    """3 processes, process 1 with one row fewer: the message groups processes 0 and 2 and names
+    process 1 apart; the same data on all three passes. One process: no collective."""
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]], "loss_mask": [[0, 1, 1], [1, 1], [1]]})
+    ids = torch.tensor([1, 4, 6])
+    mine = data_identity(rows, ids)
+    assert mine == [3, int(rows_fingerprint(rows)[:15], 16), 3, int(digest(json.dumps([1, 4, 6]))[:15], 16)]
+    fewer = data_identity(rows.select(range(2)), ids)
+    acc = _Gathering([mine, fewer, mine], me=0)
+    with pytest.raises(ConfigError) as e:
+        check_same_data(acc, rows, ids)
+    assert acc.sent.dtype == torch.int64 and acc.sent.tolist() == mine
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("the 3 processes hold different training data (processes 0, 2: 3 rows, "
+                                              f"rows sha256 {rows_fingerprint(rows)[:12]}…, draft vocabulary 3 ids")
+    assert f"; process 1: 2 rows, rows sha256 {rows_fingerprint(rows.select(range(2)))[:12]}…" in msg
+    assert "data.prepared_dir=DIR" in msg and "peagle prepare" in msg
+    check_same_data(_Gathering([mine, mine, mine], me=1), rows, ids)  # the same data: returns
+    one = _Gathering([mine], me=0)
+    check_same_data(one, rows.select(range(1)), ids)
+    assert one.sent is None
+
+
+def test_a_process_with_other_rows_stops_every_process(tiny_recipe):
+    """Rank 1 holds the prepared rows less the last one: both processes exit non-zero with the one
+    line naming both fingerprints (rank 0's = the saved data's, rank 1's = those rows less one),
+    and no step runs (before the fix: exit 0, 2 steps on each rank)."""
+    out = tiny_recipe[0] / "drop"
+    p = _launch(tiny_recipe, out, {**NO_CUDA, "PEAGLE_TEST_RANK1_DROP_ROWS": "1"}, *QUICK, timeout=180)
+    both = p.stdout + p.stderr
+    assert p.returncode != 0, both[-3000:]
+    found = _check_refused(both, out)
+    rows = datasets.load_from_disk(str(out / "data" / "rows"))  # rank 0's rows, saved by it
+    n = len(rows)
+    want0 = (n, rows_fingerprint(rows)[:12])
+    want1 = (n - 1, rows_fingerprint(rows.select(range(n - 1)))[:12])
+    assert len(found) == 2, both[-4000:]  # one line from each process
+    for f in found:
+        assert sorted(f) == [0, 1]
+        assert f[0][:2] == want0 and f[1][:2] == want1
+        assert f[0][2:] == f[1][2:] and f[0][2] == 32  # the same draft vocabulary
+
+
+def test_two_nodes_with_their_own_data_stop_both(tiny_recipe):
+    """Two `accelerate launch` commands as two nodes (--num_machines 2, one process each, one
+    rendezvous on 127.0.0.1), each with its own data cache, node 1 with data.num_conversations=12:
+    both launchers exit non-zero, each printing its process's line naming 16 rows (node 0's, those
+    its process saved) and 12 (before the fix: both exit 0 after 2 steps)."""
+    root, _ = tiny_recipe
+    out, port = root / "nodes", _free_port()
+    procs, logs = [], [root / "node0.log", root / "node1.log"]
+    for node, extra in ((0, ()), (1, ("data.num_conversations=12",))):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
+               "PEAGLE_DATA_CACHE": str(root / f"cache-node{node}"), **NO_CUDA}
+        env.pop("HYDRA_FULL_ERROR", None)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+               "--machine_rank", str(node), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", LAUNCH, "recipe=tiny",
+               f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *QUICK, *extra]
+        with open(logs[node], "w") as log:  # a file, not a pipe: neither launcher blocks on a full pipe
+            procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))  # a group of its own: killed with its workers
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    outputs = [x.read_text() for x in logs]
+    assert all(c != 0 for c in codes), [x[-3000:] for x in outputs]
+    found = [_check_refused(text, out) for text in outputs]
+    assert [len(f) for f in found] == [1, 1], outputs  # one line per node, from its process
+    assert found[0] == found[1]
+    f = found[0][0]
+    rows = datasets.load_from_disk(str(out / "data" / "rows"))  # node 0's rows, saved by its process
+    assert sorted(f) == [0, 1] and f[0][:2] == (16, rows_fingerprint(rows)[:12])
+    assert f[1][0] == 12 and f[1][1] != f[0][1]

@@ -6,6 +6,9 @@ a CPU machine); the recipe's `distributed.timeout_minutes` makes the process-gro
 
 Injected, from the environment (all optional):
   PEAGLE_TEST_STEP_SLEEP_S      every target forward sleeps this long (so steps take wall-clock time)
+  PEAGLE_TEST_HOLD_FILE         after the first PEAGLE_TEST_HOLD_AFTER (default 2) target forwards, every
+                                forward waits while this file exists (the run stays in training until
+                                the test removes it)
   PEAGLE_TEST_RANK0_CLOCK_S     rank 0's training clock starts this many seconds after rank 1's (its
                                 `t0` is moved after the set-up's last collective, so that no barrier
                                 evens it out): the ranks' clocks stand apart, as when rank 0 prepared
@@ -35,13 +38,18 @@ def inject() -> None:
     rank1_drop = int(os.environ.get("PEAGLE_TEST_RANK1_DROP_ROWS", "0"))
     rank = int(os.environ.get("RANK", "0"))
 
-    call = FeatureTarget.__call__
+    hold_file = os.environ.get("PEAGLE_TEST_HOLD_FILE")
+    hold_after = int(os.environ.get("PEAGLE_TEST_HOLD_AFTER", "2"))
+    call, forwards = FeatureTarget.__call__, [0]
 
     def slow_call(self, *a, **k):
+        forwards[0] += 1
+        while hold_file and forwards[0] > hold_after and os.path.exists(hold_file):
+            time.sleep(0.05)
         time.sleep(step_sleep)
         return call(self, *a, **k)
 
-    if step_sleep:
+    if step_sleep or hold_file:
         FeatureTarget.__call__ = slow_call
 
     setup, fit = trainer.Trainer.setup, trainer.Trainer.fit

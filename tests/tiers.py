@@ -25,7 +25,8 @@ TIERS = {
         "test_distributed", "test_engines", "test_evaluate", "test_export_cli", "test_gpu_check", "test_gpu_data_plan", "test_gpu_semantics",
         "test_io_faults", "test_logging", "test_loop", "test_multiprocess_faults", "test_offline_features",
         "test_package_data",
-        "test_packed_features", "test_parity", "test_preemption", "test_recipes", "test_regen_fair", "test_regenerate", "test_resume", "test_scale", "test_scaling",
+        "test_packed_features", "test_parity", "test_preemption", "test_recipes", "test_regen_fair", "test_regenerate", "test_resume",
+        "test_run_lock", "test_scale", "test_scaling",
         "test_settings_fuzz", "test_stage_config", "test_target_load", "test_train_embeddings",
     ),
     "e2e": (

@@ -33,7 +33,8 @@ from peagle_train.jobs.training_job import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import TrainSettings, check_training_config
 from peagle_train.training.engines import check_distributed_config, process_group_kwargs
-from peagle_train.training.tracking import tracked_accelerator
+from peagle_train.training.run_lock import check_not_locked, claim_at_run_start, claim_output_dir, release_lock
+from peagle_train.training.tracking import start_trackers, untracked_accelerator
 
 logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
 
@@ -90,6 +91,15 @@ def run_dir(cfg) -> Path:
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_TRAIN)
 def main(cfg: DictConfig) -> dict:
+    try:
+        return train_job(cfg)
+    finally:  # also on an error or Ctrl-C: the next run on this output_dir starts without a stale lock
+        release_lock(run_dir(cfg))
+
+
+def train_job(cfg: DictConfig) -> dict:
+    """The job of `peagle train` (see the module docstring); one run per output_dir: the main process holds
+    output_dir/.peagle_run.lock from before anything is written (training/run_lock.py; `main` releases it)."""
     check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
@@ -106,13 +116,17 @@ def main(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         from peagle_train.jobs.dry_run import dry_run
 
+        check_not_locked(run_dir(cfg))  # takes no lock, but never writes into a live run's output_dir
         res = dry_run(cfg, run_dir(cfg))
         write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
         return res
     out = run_dir(cfg)
-    acc = tracked_accelerator(cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True),
-                              cpu=not torch.cuda.is_available(),  # Accelerate's trackers: training.tracker
-                              kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
+    acc = untracked_accelerator(cfg.training.tracker, out, cpu=not torch.cuda.is_available(),
+                                kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
+    # one run per output_dir: rank 0 takes the lock (or keeps the one it took before Hydra wrote anything) and
+    # tells the other processes; a second run stops here on every process, before the job writes anything
+    claim_output_dir(out, "peagle train")
+    start_trackers(acc, cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True))  # training.tracker
     log = logger.info
     # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
     prec = resolve_precision(cfg.precision, acc.device)
@@ -160,4 +174,5 @@ def run(argv: list[str] | None = None) -> int:
     """`peagle train key=value ...` (argv: the overrides, default sys.argv[1:]; Hydra reads sys.argv)."""
     from peagle_train.cli import run_hydra
 
+    claim_at_run_start("peagle train")  # output_dir's run lock taken before Hydra writes there (training/run_lock.py)
     return run_hydra(main, argv, __doc__, "train")

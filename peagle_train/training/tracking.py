@@ -57,16 +57,30 @@ def tracked_accelerator(tracker: str, out_dir: str | Path, config: dict | None =
 
     Raises ConfigError for an unknown tracker name, or a tracker whose package is not installed.
     """
+    acc = untracked_accelerator(tracker, out_dir, **accelerator_kwargs)
+    start_trackers(acc, tracker, out_dir, config)
+    return acc
+
+
+def untracked_accelerator(tracker: str, out_dir: str | Path, **accelerator_kwargs):
+    """`tracked_accelerator`'s first half: the Accelerator (its process group started), its trackers
+    not yet started (nothing written under out_dir). Raises ConfigError as `tracked_accelerator`."""
     from accelerate import Accelerator
 
     tracker = tracker_name(tracker)
     if tracker not in TRACKERS:
         raise ConfigError(f"training.tracker={tracker!r} must be one of {', '.join(TRACKERS)}")
-    out_dir = Path(out_dir)
     acc = Accelerator(log_with=None if tracker == "none" else tracker, project_dir=str(out_dir), **accelerator_kwargs)
     if tracker != "none" and not acc.log_with:  # Accelerate drops a tracker whose package is missing
         raise ConfigError(f"training.tracker={tracker}: the {tracker} package is not installed (a plain install "
                           f"leaves it out). Fix: {install_hint(tracker)}, or training.tracker=none.")
+    return acc
+
+
+def start_trackers(acc, tracker: str, out_dir: str | Path, config: dict | None = None):
+    """`tracked_accelerator`'s second half: the trackers of `acc` started on the main process (files
+    under out_dir); returns acc."""
+    tracker, out_dir = tracker_name(tracker), Path(out_dir)
     if tracker == "none" or not acc.is_main_process:
         return acc
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -154,3 +154,85 @@ def test_two_nodes_with_their_own_data_stop_both(tiny_recipe):
     rows = datasets.load_from_disk(str(out / "data" / "rows"))  # node 0's rows, saved by its process
     assert sorted(f) == [0, 1] and f[0][:2] == (16, rows_fingerprint(rows)[:12])
     assert f[1][0] == 12 and f[1][1] != f[0][1]
+
+
+# ----------------------------------------------------------------- damaged files of a checkpoint
+def _damaged_checkpoint(root):
+    """A DeepSpeed-shaped checkpoint of 2 processes (our files and the engine's shards) with rank 1's
+    optimizer shard corrupted in its middle and model.safetensors cut off."""
+    from safetensors.torch import save_file
+
+    ckpt = root / "checkpoints" / "step_000004"
+    (ckpt / "engine" / "engine").mkdir(parents=True)
+    torch.save({"step": 4, "num_processes": 2}, ckpt / "state.pt")
+    for r in range(2):
+        torch.save({"torch": torch.get_rng_state()}, ckpt / f"rng_rank{r}.pt")
+        torch.save({"optimizer": torch.randn(5000)}, ckpt / "engine" / "engine" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    torch.save({"module": {}}, ckpt / "engine" / "engine" / "mp_rank_00_model_states.pt")
+    save_file({"w": torch.randn(64, 64)}, str(ckpt / "model.safetensors"))
+    (ckpt / "fingerprint.json").write_text(json.dumps({"a": 1}))
+    shard = ckpt / "engine" / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    shard.write_bytes(bytes(b))
+    st = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(st[:-100])
+    return ckpt, shard
+
+
+def _check_checkpoint(rank, world, store, ckpt, out):
+    import torch.distributed as dist
+
+    from peagle_train.errors import CorruptFileError
+    from peagle_train.training.checkpoint import check_checkpoint_files
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        check_checkpoint_files(ckpt, world, "delete it and resume again (from the previous checkpoint step_000002)")
+        msg = "ok"
+    except CorruptFileError as e:
+        msg = str(e)
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(msg)
+    dist.destroy_process_group()
+
+
+def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
+    """2 gloo processes check a checkpoint whose files they share out (file i by process i mod 2):
+    rank 1's DeepSpeed optimizer shard with a flipped byte and a cut-off model.safetensors are each
+    found by one process, and both processes stop with the same line naming both files and the
+    checkpoint to fall back to (before: the shard failed inside DeepSpeed's load on rank 1 alone,
+    "PytorchStreamReader failed reading zip archive", naming no file, and rank 0 went on)."""
+    import torch.multiprocessing as mp
+
+    ckpt, shard = _damaged_checkpoint(tmp_path)
+    mp.spawn(_check_checkpoint, args=(2, str(tmp_path / "store"), ckpt, str(tmp_path)), nprocs=2, join=True)
+    got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert got[0] == got[1], got
+    size = (ckpt / "model.safetensors").stat().st_size
+    record = got[0].split("(record ")[1].split(" fails")[0]
+    assert got[0] == (f"{shard}: cannot read the engine state (DeepSpeed's or FSDP's, engine/) (record {record} fails "
+                      f"its CRC (corrupted)): the file is cut off or corrupted; {ckpt / 'model.safetensors'}: cannot "
+                      f"read the draft weights (holds {size} bytes, its header needs {size + 100} (cut off)): the file "
+                      "is cut off or corrupted. Fix: delete it and resume again (from the previous checkpoint "
+                      "step_000002).")
+
+
+def test_file_damage_of_each_kind(tmp_path):
+    from peagle_train.errors import CorruptFileError
+    from peagle_train.training.checkpoint import check_checkpoint_files, file_damage
+
+    torch.save({"x": torch.randn(100)}, tmp_path / "a.pt")
+    assert file_damage(tmp_path / "a.pt") is None
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "a.pt").read_bytes()[:200])
+    assert file_damage(tmp_path / "cut.pt") == "not a complete torch archive (cut off?)"
+    (tmp_path / "bad.json").write_text("{")
+    assert file_damage(tmp_path / "bad.json").startswith("unreadable (JSONDecodeError")
+    (tmp_path / "notes.txt").write_text("anything")
+    assert file_damage(tmp_path / "notes.txt") is None
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    torch.save({}, ckpt / "rng_rank0.pt")
+    with pytest.raises(CorruptFileError) as e:
+        check_checkpoint_files(ckpt, 2, "start again")
+    assert str(e.value) == f"{ckpt / 'rng_rank1.pt'}: missing (RNG state). Fix: start again."

@@ -51,6 +51,72 @@ def load_torch_file(path: Path, what: str, fix: str):
                                f"or corrupted. Fix: {fix}.") from e
 
 
+def file_damage(path: Path) -> str | None:
+    """Why `path` cannot be what a resume reads, or None: a torch file (`.pt`, a zip archive) that
+    is not one or whose records fail their CRC (read whole: `zipfile.testzip`); a safetensors file
+    whose header does not parse or whose tensors run past its end; a JSON file that does not parse.
+    Other files: None."""
+    import zipfile
+
+    path = Path(path)
+    try:
+        if path.suffix == ".pt":
+            if not zipfile.is_zipfile(path):
+                return "not a complete torch archive (cut off?)"
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            return f"record {bad} fails its CRC (corrupted)" if bad else None
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            size = path.stat().st_size
+            return None if size >= 8 + n + end else f"holds {size} bytes, its header needs {8 + n + end} (cut off)"
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def check_checkpoint_files(ckpt: Path, num_processes: int, fix: str) -> None:
+    """Check every file of checkpoint `ckpt` that a resume reads, ours and the engine's (DeepSpeed's
+    shards, FSDP's state under engine/), before any is loaded (`file_damage`); the files are shared
+    among the processes (file i by process i mod W) and every process learns every finding
+    (all_gather_object: collective under a process group). A missing rng_rank<r>.pt of one of the
+    `num_processes` processes counts too. Raises CorruptFileError on every process, naming each
+    damaged file, what it holds and `fix` (the checkpoint to fall back to)."""
+    import torch.distributed as dist
+
+    ckpt = Path(ckpt)
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+    mine = [f"{p}: cannot read the {_what(ckpt, p)} ({why}): the file is cut off or corrupted"
+            for p in files[rank::world] if (why := file_damage(p))]
+    if rank == 0:
+        mine += [f"{ckpt / f'rng_rank{r}.pt'}: missing (RNG state)" for r in range(num_processes)
+                 if not (ckpt / f"rng_rank{r}.pt").is_file()]
+    found = [mine]
+    if grouped:
+        found = [None] * world
+        dist.all_gather_object(found, mine)
+    problems = [x for part in found for x in part]
+    if problems:
+        raise CorruptFileError(f"{'; '.join(problems)}. Fix: {fix}.")
+
+
+def _what(ckpt: Path, path: Path) -> str:
+    """What a checkpoint file holds, in the words of the loaders' errors."""
+    if path.parent != ckpt:
+        return "engine state (DeepSpeed's or FSDP's, engine/)"
+    if path.name.startswith("rng_rank"):
+        return "RNG state"
+    return {"model.safetensors": "draft weights", "state.pt": "training state",
+            "fingerprint.json": "checkpoint fingerprint"}.get(path.name, "checkpoint file")
+
+
 def check_shared_folder(root: Path) -> None:
     """Refuse a checkpoint folder that the processes do not all see (collective under a process group
     of more than one process; a no-op otherwise).
@@ -313,6 +379,7 @@ def load_training_checkpoint(accelerator, ckpt: Path, engine, sched, gen: torch.
     (training/engines.py: DDP from model.safetensors and state.pt, DeepSpeed and FSDP from engine/)."""
     ckpt = Path(ckpt)
     fix = _resume_fix(ckpt, list_checkpoints(ckpt.parent))
+    check_checkpoint_files(ckpt, accelerator.num_processes, fix)  # every process, before any file is loaded
     state = load_torch_file(ckpt / "state.pt", "training state", fix)
     if state["num_processes"] != accelerator.num_processes:
         raise ConfigError(f"checkpoint {ckpt} was written by {state['num_processes']} processes, this run has "

@@ -148,7 +148,8 @@ class Trainer:
 
     def _count_steps(self, n_val: int) -> None:
         """`self.steps`: optimizer steps, len(batches) // (W · grad_accum), at most training.max_steps;
-        sets W, r (this process's index) and A (grad_accum). Raises ValueError when there is no step,
+        sets W, r (this process's index) and A (grad_accum). Raises ConfigError (a ValueError) when
+        there is no step,
         and what `check_schedule` raises for a warm-up or checkpoint cadence sized for another run;
         warns when validation rows are held out but no checkpoint would run it."""
         acc, training = self.accelerator, self.training
@@ -158,7 +159,7 @@ class Trainer:
         if training.max_steps:
             steps = min(steps, training.max_steps)
         if steps == 0:
-            raise ValueError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
+            raise ConfigError(f"No training step: {len(self.batches)} packed rows for {W} processes × grad_accum {A}. "
                              "Fix: more data.num_conversations.")
         self.steps = steps
         # a warm-up or checkpoint cadence sized for another run (data, processes) is refused, naming the fix

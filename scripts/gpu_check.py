@@ -4,6 +4,7 @@ shows"). Run by the shell script; by hand:
     python scripts/gpu_check.py versions
     python scripts/gpu_check.py step8b --tokens 2048,8192,16384      # an 8B-shaped training step
     python scripts/gpu_check.py eval8b --prompts 4 --new-tokens 64     # decoding ms/token on it
+    python scripts/gpu_check.py groups --minutes 0.2                   # every NCCL group's timeout under ZeRO
 
 step8b builds Llama-3.1-8B's architecture (the config.json shipped with the recipes, or the HF
 cache's) with random weights in bf16 on the GPU, and the recipe's 4-layer head on it; it trains 3
@@ -210,9 +211,39 @@ def eval8b(n_prompts: int, new_tokens: int) -> None:
          note="the process group is released before rank 0 evaluates (jobs/training_job.py end_distributed)")
 
 
+def groups(minutes: float) -> None:
+    """A DeepSpeed ZeRO-2 engine (training/engines.py `make_engine`, timeout_minutes=`minutes`) on a
+    world of 1 made as Accelerate makes it on GPUs (backend nccl, timeout `minutes`; gloo with
+    --device cpu), one step, then the timeout of every process group's NCCL (gloo) backend: all must
+    be `minutes` (before engines.default_group_timeout, DeepSpeed's world clone had NCCL's 10 min)."""
+    import os
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from peagle_train.training.engines import make_engine
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dev = torch.device(DEVICE)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(minutes=minutes))
+    head = torch.nn.Linear(64, 64).to(dev)
+    eng = make_engine("deepspeed", 2, head, torch.optim.AdamW(head.parameters()),
+                      SimpleNamespace(num_processes=1, device=dev), 1, None, timeout_minutes=minutes)
+    eng.backward(eng.model(torch.randn(4, 64, device=dev)).square().mean())
+    eng.step()
+    got = [pg._get_backend(dev).options._timeout.total_seconds() for pg in c10d._world.pg_map]
+    emit("groups", ok=len(got) >= 2 and all(t == 60 * minutes for t in got), timeouts_s=got, want_s=60 * minutes,
+         backend=dist.get_backend())
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["versions", "step8b", "eval8b"])
+    ap.add_argument("what", choices=["versions", "step8b", "eval8b", "groups"])
+    ap.add_argument("--minutes", type=float, default=0.2, help="groups: the process-group timeout set")
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -223,6 +254,8 @@ def main() -> None:
     DEVICE, CONFIG = a.device, a.config
     if a.what == "versions":
         versions()
+    elif a.what == "groups":
+        groups(a.minutes)
     elif a.what == "step8b":
         step8b([int(x) for x in a.tokens.split(",")])
     else:

@@ -16,6 +16,8 @@ shows"): each test fails on a trainer that ignores it.
   (collectives under ZeRO and FSDP).
 - `distributed.timeout_minutes` reaches the process groups DeepSpeed makes (NCCL's 10 minutes
   otherwise): read back from every group, and a lone all-reduce on DeepSpeed's group times out.
+- A `-m` sweep launched in 2 processes is refused on every rank (its second job would have no
+  process group).
 """
 
 import json
@@ -169,12 +171,14 @@ export: {{enabled: true}}
     return root, cmd
 
 
-def _launch(recipe, out, env_extra, *overrides, timeout=300):
+def _launch(recipe, out, env_extra, *overrides, timeout=300, flags=()):
+    """The real `peagle train` (gpu_semantics_launch.py) in 2 processes on the tiny recipe; `flags`
+    (Hydra's, such as -m) go before the overrides."""
     root, cmd = recipe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(root / "c"),
            **env_extra}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, "recipe=tiny",
+    return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, *flags, "recipe=tiny",
                            f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *overrides],
                           cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -220,6 +224,28 @@ def test_rank0_evaluation_longer_than_the_timeout_still_ends_the_run(tiny_recipe
     assert done["training"]["steps"] == 2 and done["eval"]["lossless"] is True
     assert (out / "eval" / "acceptance.json").is_file()
     assert (out / "export" / "config.json").is_file() and (out / "export" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- N9
+def test_a_multirun_under_two_processes_is_refused_on_every_rank(tiny_recipe):
+    """`accelerate launch --num_processes 2 train.py -m draft.num_depths=2,3`: each job ends by
+    destroying the process group, which Accelerate never makes again, so the second job would train
+    without one. Refused before Hydra starts: both ranks print the one error line and exit 2, no
+    traceback, nothing trained. (Before: job 0 trained, then job 1 stopped on both ranks with a
+    traceback, "Default process group has not been initialized".)"""
+    root, cmd = tiny_recipe
+    out = root / "multirun"
+    # the launcher stops the other rank once one has failed: looking every 5 s (not 0.1) lets both print
+    p = _launch((root, [*cmd, "--monitor_interval", "5"]), out, {}, "draft.num_depths=2,3", "training.max_steps=1",
+                "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=0.5", timeout=240,
+                flags=["-m"])
+    errors = [x for x in p.stderr.splitlines() if ": error: " in x]
+    assert len(errors) == 2, (p.stdout + p.stderr)[-3000:]
+    assert all("a -m sweep cannot run under 2 launched processes" in x and "peagle sweep output_dir=" in x
+               for x in errors), errors
+    assert "[rank0]: Traceback" not in p.stderr and "[rank1]: Traceback" not in p.stderr
+    assert re.search(r"exitcode +: 2 ", p.stderr), p.stderr[-2000:]  # the launcher names the ranks' status
+    assert p.returncode != 0 and not (out / "0" / "summary.json").exists() and _steps_per_rank(p.stdout) == {}
 
 
 # ---------------------------------------------------------------------------------------------- B7

@@ -4,7 +4,7 @@ ends, so that what was measured stays when a later step dies. Run through script
 which first installs the carried wheelhouse (gpu_wheels/) into the image's Python:
 
     python scripts/gpu_check.py part 1 --out DIR     # versions, cuda_tests, step8b
-    python scripts/gpu_check.py part 2 --out DIR     # engines, cpu_vs_gpu, eval8b
+    python scripts/gpu_check.py part 2 --out DIR     # groups, engines, cpu_vs_gpu, eval8b
     python scripts/gpu_check.py part 1 --out DIR --device cpu --config tiny/config.json   # the CPU rehearsal
 
 Each step runs in its own process under a limit (`PARTS`); past it the step gets SIGINT (pytest
@@ -17,6 +17,7 @@ The steps, by hand:
     python scripts/gpu_check.py versions
     python scripts/gpu_check.py step8b --tokens 2048,8192,16384      # an 8B-shaped training step
     python scripts/gpu_check.py eval8b --prompts 4 --new-tokens 64     # decoding ms/token on it
+    python scripts/gpu_check.py groups --minutes 0.2                   # every NCCL group's timeout under ZeRO
 
 step8b builds Llama-3.1-8B's architecture (the config.json shipped with the recipes, or the HF
 cache's) with random weights in bf16 on the GPU, and the recipe's 4-layer head on it; it trains 3
@@ -62,8 +63,9 @@ PARTS = {
     1: [("versions", 30, "py", ["versions"], ["versions"]),
         ("cuda_tests", 150, "pytest", ["tests/test_cuda.py", "-k", "not each_engine and not cpu_and_gpu"], None),
         ("step8b", 210, "py", ["step8b", "--tokens", "2048,8192,16384"], ["step8b", "--tokens", "128,256"])],
-    2: [("engines", 180, "pytest", ["tests/test_cuda.py", "-k", "each_engine"], None),
-        ("cpu_vs_gpu", 60, "pytest", ["tests/test_cuda.py", "-k", "cpu_and_gpu"], None),
+    2: [("groups", 40, "py", ["groups"], ["groups"]),
+        ("engines", 150, "pytest", ["tests/test_cuda.py", "-k", "each_engine"], None),
+        ("cpu_vs_gpu", 50, "pytest", ["tests/test_cuda.py", "-k", "cpu_and_gpu"], None),
         ("eval8b", 150, "py", ["eval8b", "--prompts", "4", "--new-tokens", "64"],
          ["eval8b", "--prompts", "2", "--new-tokens", "16"])],
 }
@@ -392,11 +394,41 @@ def run_part(part: int, out: Path, device: str = "cuda", config: str | None = No
     return not failed
 
 
+def groups(minutes: float) -> None:
+    """A DeepSpeed ZeRO-2 engine (training/engines.py `make_engine`, timeout_minutes=`minutes`) on a
+    world of 1 made as Accelerate makes it on GPUs (backend nccl, timeout `minutes`; gloo with
+    --device cpu), one step, then the timeout of every process group's NCCL (gloo) backend: all must
+    be `minutes` (before engines.default_group_timeout, DeepSpeed's world clone had NCCL's 10 min)."""
+    import os
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from peagle_train.training.engines import make_engine
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dev = torch.device(DEVICE)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(minutes=minutes))
+    head = torch.nn.Linear(64, 64).to(dev)
+    eng = make_engine("deepspeed", 2, head, torch.optim.AdamW(head.parameters()),
+                      SimpleNamespace(num_processes=1, device=dev), 1, None, timeout_minutes=minutes)
+    eng.backward(eng.model(torch.randn(4, 64, device=dev)).square().mean())
+    eng.step()
+    got = [pg._get_backend(dev).options._timeout.total_seconds() for pg in c10d._world.pg_map]
+    emit("groups", ok=len(got) >= 2 and all(t == 60 * minutes for t in got), timeouts_s=got, want_s=60 * minutes,
+         backend=dist.get_backend())
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["part", "versions", "step8b", "eval8b"])
+    ap.add_argument("what", choices=["part", "versions", "step8b", "eval8b", "groups"])
     ap.add_argument("part", nargs="?", type=int, choices=[1, 2], help="with `part`: which one")
     ap.add_argument("--out", default="/tmp/gpu_check", help="with `part`: where its lines and logs go")
+    ap.add_argument("--minutes", type=float, default=0.2, help="groups: the process-group timeout set")
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -415,6 +447,8 @@ def main() -> None:
         sys.exit(0 if run_part(a.part, Path(a.out), a.device, a.config) else 1)
     if a.what == "versions":
         versions()
+    elif a.what == "groups":
+        groups(a.minutes)
     elif a.what == "step8b":
         step8b([int(x) for x in a.tokens.split(",")])
     else:

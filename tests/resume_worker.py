@@ -7,9 +7,12 @@ steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL i
 `algorithm=dflash` trains a DFlash head instead of a P-EAGLE one; `draft.key=value` sets a key of
 the head, e.g. draft.train_embeddings=mask_row.)
 
-Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes).
+Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes). With a
+process group (2 processes; or DeepSpeed/FSDP's 1-process one) it writes OUT_DIR/process_groups_rank{r}.json,
+the timeout in seconds of every process group after training (tests/test_engines.py).
 """
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ from peagle_train.jobs.builders import build_draft
 from peagle_train.logs import setup_logging
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.checks import TrainSettings
+from peagle_train.training.engines import process_group_kwargs
 from peagle_train.training.trainer import train
 
 
@@ -51,8 +55,13 @@ def main(out: Path, resume: bool):
     settings = TrainSettings(training, draft=dcfg, algorithm=over.get("algorithm", "peagle"), seed=0,
                              distributed=OmegaConf.merge(default_config().distributed, over.get("distributed", {})))
     draft = build_draft(t, dcfg, vocab, 127, algorithm=settings.algorithm)  # algorithm=dflash: a DFlash head
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=True, kwargs_handlers=process_group_kwargs(settings.distributed.timeout_minutes))  # as `peagle train`
     train(acc, draft, t, tiny_rows(n=14), vocab.draft_ids, settings, out)
+    if torch.distributed.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        timeouts = [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in c10d._world.pg_map]
+        (out / f"process_groups_rank{torch.distributed.get_rank()}.json").write_text(json.dumps(timeouts))
     acc.wait_for_everyone()  # as `peagle train` ends: no rank tears its group down while another still works
     acc.end_training()  # a process that exits with a live gloo group can abort ("terminate called ...")
 

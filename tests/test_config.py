@@ -53,6 +53,28 @@ def test_keys_added_with_plus_are_checked_too_except_inside_a_dict_value():
         "enable_thinking": False}
 
 
+def test_a_multirun_is_refused_only_under_several_launched_processes(monkeypatch):
+    """`-m` / `--multirun` / `hydra.mode=MULTIRUN` with WORLD_SIZE (or an MPI launcher's count) above
+    1 is one error naming the fix (for train: also `peagle sweep` to table the jobs); one process or
+    no multirun pass.
+    The 2-process launch itself: tests/test_gpu_semantics.py."""
+    for var in CL._WORLD_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    sweep = ["-m", "draft.num_depths=5,8"]
+    assert CL.launched_processes() == 1 and CL.multirun_problem(sweep) is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert CL.launched_processes() == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the launcher's own count first
+    assert CL.launched_processes() == 2
+    for argv in (sweep, ["--multirun", "seed=1,2"], ["hydra.mode=MULTIRUN", "seed=1,2"]):
+        msg = CL.multirun_problem(argv)
+        assert msg.startswith("a -m sweep cannot run under 2 launched processes") and "\n" not in msg, argv
+        assert "accelerate launch" in msg and "peagle sweep output_dir=NEW_DIR jobs=[DIR,...]" in msg
+    assert CL.multirun_problem(["draft.num_depths=5"]) is None  # no sweep
+    assert "peagle sweep" not in CL.multirun_problem(sweep, "features")  # its jobs end the group too; no table
+    assert CL.multirun_problem(sweep, processes=1) is None
+
+
 def test_a_recipe_of_ones_own_is_found_on_hydra_searchpath(tmp_path):
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndraft:\n  num_depths: 3\n")

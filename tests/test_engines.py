@@ -1,6 +1,7 @@
 """Distributed engines with 2 real processes on CPU (gloo): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 give the
 losses and validation EAL of 1 process with the same global batch (grad_accum 2), save checkpoints
-whose weights load and match, and resume exactly.
+whose weights load and match, and resume exactly; every process group they make has the run's
+distributed.timeout_minutes.
 
 Tolerance 1e-5 on the loss (values 2-7): the engines reduce the same fp32 gradients in another order
 (reduce-scatter of flat buckets vs all-reduce), ≈ 1e-7 relative per step; measured ≤ 5e-7 over 6
@@ -8,6 +9,7 @@ steps. A wrong normaliser (e.g. DeepSpeed's 1/grad_accum scaling or a missing 1/
 loss by > 1e-2.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -97,6 +99,11 @@ def test_engine_two_processes_match_one_process(runs, engine):
         # Adam after 6 steps: coordinates whose gradient is ~0 may move by a fraction of lr (3e-3)
         torch.testing.assert_close(got[k], ref[k], atol=3e-3, rtol=0), k
     assert (ck / "engine").is_dir()
+    # every process group of both processes (Accelerate's, and the world clone DeepSpeed makes for ZeRO) has
+    # distributed.timeout_minutes (60), not torch's default (gloo 30 min; NCCL 10 min on a GPU)
+    for rank in (0, 1):
+        timeouts = json.loads((runs(engine) / f"process_groups_rank{rank}.json").read_text())
+        assert timeouts == [3600.0] * (2 if engine.startswith("zero") else 1), (engine, rank, timeouts)
 
 
 def test_dflash_under_fsdp_matches_one_process(runs):

@@ -18,6 +18,10 @@ them; the GPU check (scripts/gpu_check.py) does not.
   export and summary.json.
 - A partitioned P-EAGLE row whose part holds no chain still runs partitions + 1 backward passes
   (collectives under ZeRO and FSDP).
+- `distributed.timeout_minutes` reaches the process groups DeepSpeed makes (NCCL's 10 minutes
+  otherwise): read back from every group, and a lone all-reduce on DeepSpeed's group times out.
+- A `-m` sweep launched in 2 processes is refused on every rank (its second job would have no
+  process group).
 """
 
 import json
@@ -172,12 +176,14 @@ export: {{enabled: true}}
     return root, cmd
 
 
-def _launch(recipe, out, env_extra, *overrides, timeout=300):
+def _launch(recipe, out, env_extra, *overrides, timeout=300, flags=()):
+    """The real `peagle train` (gpu_semantics_launch.py) in 2 processes on the tiny recipe; `flags`
+    (Hydra's, such as -m) go before the overrides."""
     root, cmd = recipe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PEAGLE_DATA_CACHE": str(root / "c"),
            **CPU_ONLY, **env_extra}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, "recipe=tiny",
+    return subprocess.run([*cmd, "--main_process_port", _free_port(), LAUNCH, *flags, "recipe=tiny",
                            f"hydra.searchpath=[file://{root / 'conf'}]", f"output_dir={out}", *overrides],
                           cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -225,6 +231,28 @@ def test_rank0_evaluation_longer_than_the_timeout_still_ends_the_run(tiny_recipe
     assert (out / "export" / "config.json").is_file() and (out / "export" / "model.safetensors").is_file()
 
 
+# ---------------------------------------------------------------------------------------------- N9
+def test_a_multirun_under_two_processes_is_refused_on_every_rank(tiny_recipe):
+    """`accelerate launch --num_processes 2 train.py -m draft.num_depths=2,3`: each job ends by
+    destroying the process group, which Accelerate never makes again, so the second job would train
+    without one. Refused before Hydra starts: both ranks print the one error line and exit 2, no
+    traceback, nothing trained. (Before: job 0 trained, then job 1 stopped on both ranks with a
+    traceback, "Default process group has not been initialized".)"""
+    root, cmd = tiny_recipe
+    out = root / "multirun"
+    # the launcher stops the other rank once one has failed: looking every 5 s (not 0.1) lets both print
+    p = _launch((root, [*cmd, "--monitor_interval", "5"]), out, {}, "draft.num_depths=2,3", "training.max_steps=1",
+                "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=0.5", timeout=240,
+                flags=["-m"])
+    errors = [x for x in p.stderr.splitlines() if ": error: " in x]
+    assert len(errors) == 2, (p.stdout + p.stderr)[-3000:]
+    assert all("a -m sweep cannot run under 2 launched processes" in x and "peagle sweep output_dir=" in x
+               for x in errors), errors
+    assert "[rank0]: Traceback" not in p.stderr and "[rank1]: Traceback" not in p.stderr
+    assert re.search(r"exitcode +: 2 ", p.stderr), p.stderr[-2000:]  # the launcher names the ranks' status
+    assert p.returncode != 0 and not (out / "0" / "summary.json").exists() and _steps_per_rank(p.stdout) == {}
+
+
 # ---------------------------------------------------------------------------------------------- B7
 def _check_folder(rank, world, store, folders, out):
     import torch.distributed as dist
@@ -256,3 +284,81 @@ def test_a_checkpoint_folder_not_shared_by_every_process_is_refused(tmp_path, sh
         assert got == ["shared", "shared"] and not list((tmp_path / "ckpt").iterdir())  # the probe is removed
     else:
         assert all(g.startswith(f"{tmp_path / 'node'}") and "process(es) [1] of 2 cannot see" in g for g in got), got
+
+
+# ---------------------------------------------------------------------------------------------- N8
+def _deepspeed_group_timeouts(rank, world, port, out, minutes):
+    """One process of the test below: Accelerate's group with `distributed.timeout_minutes` (as
+    `peagle train` makes it; none in a world of 1: make_engine's own), a DeepSpeed ZeRO-2 engine over
+    a Linear(8, 8) and one step, then out/rank{r}.json = {"timeouts": seconds of every process group,
+    "deepspeed_groups": how many besides the default, "accelerates_group": whether Accelerate made
+    the default group}. With 2 processes rank 0 then all-reduces on DeepSpeed's group alone:
+    "collective" is the first line of its error (or "returned") and "waited_s" how long it waited;
+    rank 1 stays out of it for 3 timeouts, joining only if rank 0 still waits (a group without the
+    timeout), so that no run hangs."""
+    import time
+    from pathlib import Path
+
+    import deepspeed  # noqa: F401 - imported before the processes meet, so they meet at once
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.distributed import distributed_c10d as c10d
+
+    from peagle_train.training.engines import make_engine, process_group_kwargs
+
+    out = Path(out)
+    if world > 1:  # a world of 1 is a plain `python train.py`: no launcher, no group before make_engine's
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    (out / f"ready{rank}").touch()
+    while not all((out / f"ready{r}").exists() for r in range(world)):  # the rendezvous waits only `minutes`
+        time.sleep(0.05)
+    acc = Accelerator(cpu=True, kwargs_handlers=process_group_kwargs(minutes))
+    accelerates_group = dist.is_initialized()
+    head = torch.nn.Linear(8, 8)
+    eng = make_engine("deepspeed", 2, head, torch.optim.AdamW(head.parameters()), acc, 1, None,
+                      timeout_minutes=minutes)
+    eng.backward(eng.model(torch.randn(2, 8)).square().mean())
+    eng.step()
+    groups = list(c10d._world.pg_map)
+    ds_groups = [pg for pg in groups if pg is not c10d._get_default_group()]
+    res = {"timeouts": [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups],
+           "deepspeed_groups": len(ds_groups), "accelerates_group": accelerates_group}
+    if world > 1 and rank == 0:
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(1), group=ds_groups[0])
+            res["collective"] = "returned"
+        except RuntimeError as e:
+            res["collective"] = str(e).splitlines()[0]
+        res["waited_s"] = time.perf_counter() - t0
+    elif world > 1:
+        deadline = time.monotonic() + 3 * 60 * minutes
+        while not (out / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not (out / "rank0.json").exists():
+            dist.all_reduce(torch.ones(1), group=ds_groups[0])
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    os._exit(0)  # no teardown of a group whose collective timed out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_group_deepspeed_makes_has_the_configured_timeout(tmp_path, world):
+    """distributed.timeout_minutes = 0.2 (12 s): after the engine's first step every process group of
+    every process (Accelerate's or make_engine's, and the world clone DeepSpeed makes for ZeRO) has a
+    12 s timeout, and with 2 processes a DeepSpeed-group all-reduce that the other rank never enters
+    fails after ~12 s. Before the fix DeepSpeed's group had torch's default (gloo 30 min; NCCL 10 min
+    on a GPU) and the all-reduce waited for the other rank."""
+    pytest.importorskip("deepspeed")
+    import torch.multiprocessing as mp
+
+    minutes = 0.2
+    mp.spawn(_deepspeed_group_timeouts, args=(world, _free_port(), str(tmp_path), minutes), nprocs=world, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r in got:
+        assert r["accelerates_group"] == (world > 1)  # else make_engine's 1-process group
+        assert r["deepspeed_groups"] >= 1 and r["timeouts"] == [60 * minutes] * (1 + r["deepspeed_groups"]), got
+    if world > 1:
+        assert got[0]["collective"] != "returned" and "imed out" in got[0]["collective"], got[0]
+        assert 60 * minutes - 1 < got[0]["waited_s"] < 2 * 60 * minutes, got[0]

@@ -4,13 +4,15 @@
 (every key with its type, default, help and allowed range); otherwise a misspelled key, a removed
 key, a value outside a choice or an unknown recipe is refused with the near matches
 (`check_command_line`), then the config Hydra will compose (every value of a `-m` sweep) is checked
-by the schema's one validator, `config.config_problems` (`composed_problems`). Errors are one
+by the schema's one validator, `config.config_problems` (`composed_problems`). A `-m` sweep
+under several launched processes is refused (`multirun_problem`). Errors are one
 `<program>: error:` line each on stderr, exit status 2.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import textwrap
 import typing
@@ -196,11 +198,47 @@ def check_command_line(argv: list[str], command: str = "train") -> list[str]:
     return errors
 
 
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # as Accelerate reads them
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (`accelerate launch`, torchrun, DeepSpeed's or an MPI
+    launcher: the first of WORLD_SIZE, PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE that is
+    set), 1 without a launcher."""
+    for var in _WORLD_SIZE_VARS:
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def multirun_problem(argv: list[str], command: str = "train", processes: int | None = None) -> str | None:
+    """The error for a Hydra multirun (`-m`, `--multirun`, `hydra.mode=MULTIRUN`) of entry point
+    `command` in more than one process (`processes`, default `launched_processes()`), else None.
+
+    A sweep runs its jobs one after another in the same processes, and a job ends by destroying the
+    process group (`peagle train`: training/engines.py `end_distributed`, after which the main
+    process evaluates and exports alone; `peagle features`: `Accelerator.end_training`). Accelerate
+    makes its group once per process, so the second job would run without one. A multirun in one
+    process is fine (a DeepSpeed or FSDP job reuses make_engine's 1-process group)."""
+    processes = launched_processes() if processes is None else processes
+    multirun = any(a in ("-m", "--multirun") or a.replace(" ", "").upper() == "HYDRA.MODE=MULTIRUN" for a in argv)
+    if not multirun or processes <= 1:
+        return None
+    train = command == "train"  # its jobs tabled together afterwards
+    return (f"a -m sweep cannot run under {processes} launched processes: each job destroys the process group "
+            "when it ends and Accelerate makes it once per process, so the second job would have none. Fix: launch "
+            f"one `accelerate launch --num_processes {processes} ... -m peagle_train.cli {command} key=value"
+            + (" output_dir=DIR" if train else "") + "` per job (a shell loop over the swept values)"
+            + (", then table them with `peagle sweep output_dir=NEW_DIR jobs=[DIR,...]`" if train else "")
+            + f"; or run the sweep in one process (`peagle {command} -m ...`).")
+
+
 def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None:
     """Run before Hydra by every entry point. `--help` / `-h` in `argv` (default sys.argv[1:]): print
     `describe(command)` (or of the group named after it) and exit 0. Otherwise `check_command_line`,
-    then `composed_problems` (ranges and rules between keys of the composed config); errors are
-    printed as `<program>: error: ...` on stderr and the process exits with status 2."""
+    `multirun_problem` (a `-m` sweep under several launched processes), then `composed_problems`
+    (ranges and rules between keys of the composed config); errors are printed as
+    `<program>: error: ...` on stderr and the process exits with status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--help" in argv or "-h" in argv:
         names = [a for a in argv if not a.startswith("-") and "=" not in a]
@@ -213,6 +251,9 @@ def check_or_exit(argv: list[str] | None = None, command: str = "train") -> None
     errors = check_command_line(argv, command)
     if errors:
         _exit("\n  ".join(errors))
+    problem = multirun_problem(argv, command)
+    if problem:
+        _exit(problem)
     problems = composed_problems(argv, command)
     if problems:
         _exit("\n  ".join(problems))

@@ -38,7 +38,8 @@ class TrainSettings:
 
     training: the `training` group (`TrainingConfig`: the loop, schedule, sampling, checkpoints),
     draft: the `draft` group, of which the trainer reads num_depths (K_train: the depths trained);
-    distributed: the `distributed` group (engine, zero_stage; default: the schema's, ddp);
+    distributed: the `distributed` group (engine, zero_stage, timeout_minutes of the groups the engine
+    makes; default: the schema's, ddp);
     algorithm: peagle | eagle3 | dflash (its objective, algorithms/); seed: data split, packing and
     sampling; precision: auto | fp32 | bf16 of the draft's autocast and the target's forward (None =
     fp32; `peagle train` passes the one it resolved).

@@ -20,12 +20,16 @@ steps the engine inside `accelerator.backward`, on its own accumulation counter.
 
 The process group comes from Accelerate (`accelerate launch --multi_gpu ...`; on GPUs
 `--use_deepspeed` / `--use_fsdp` also work: the engine is then taken from Accelerate's plugin).
+Every group an engine creates (DeepSpeed clones the world group for ZeRO) gets the run's
+`distributed.timeout_minutes` too (`default_group_timeout`), not torch's default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -282,22 +286,59 @@ def single_process_backend(device: torch.device | str) -> str:
     return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+@contextlib.contextmanager
+def default_group_timeout(timeout: timedelta | None):
+    """Within it, a process group created without a timeout (`torch.distributed.new_group`,
+    `new_subgroups`, `split_group`, a DeviceMesh's groups) gets `timeout` instead of torch's default
+    (NCCL 10 minutes, gloo 30). None: torch's default is left alone.
+
+    Needed because `timeout=` of `init_process_group` (Accelerate's `InitProcessGroupKwargs`) is the
+    default group's alone, and DeepSpeed makes its own groups without one: `deepspeed.initialize`
+    clones the world group for ZeRO (utils/groups.py `_clone_world_group` → comm/torch.py
+    `new_group(ranks)`), whose collectives would then abort after NCCL's 10 minutes whatever
+    `distributed.timeout_minutes` says. torch reads the default at each call
+    (distributed_c10d.py `_get_default_timeout`: `default_pg_timeout`, `default_pg_nccl_timeout`),
+    so both are set here and restored on leaving."""
+    if timeout is None:
+        yield
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    saved = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved
+
+
 def make_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum: int,
-                grad_clip: float | None, autocast_dtype: torch.dtype | None = None) -> DDPEngine | ShardedEngine:
+                grad_clip: float | None, autocast_dtype: torch.dtype | None = None,
+                timeout_minutes: float | None = None) -> DDPEngine | ShardedEngine:
     """The engine of `draft` (already on its device, identical on every process) and its optimizer
     `opt` (built over its parameters): DDP (the optimizer prepared by `accelerator`), or DeepSpeed
     ZeRO-`zero_stage` or FSDP2 wrapping them. The optimizer's param_groups stay the ones the caller's
     LR scheduler drives. A sharded engine in a single process without a process group (a plain
     `python train.py`, the dry run) gets a 1-process group (`single_process_backend`).
     `autocast_dtype`: the loop's autocast dtype (None or fp32: none), which DeepSpeed must be told
-    (`deepspeed_config`). Raises ValueError for another kind."""
-    import torch.distributed as dist
-
+    (`deepspeed_config`). `timeout_minutes` (`distributed.timeout_minutes`; None: torch's default):
+    the timeout of that 1-process group and of every group DeepSpeed or FSDP2 creates
+    (`default_group_timeout`), as Accelerate gives it to the default group (`process_group_kwargs`).
+    Raises ValueError for another kind."""
     if kind == "ddp":
         return DDPEngine(draft, accelerator.prepare(opt), accelerator, grad_clip)
-    world_size = accelerator.num_processes
+    timeout = timedelta(minutes=float(timeout_minutes)) if timeout_minutes is not None else None
+    with default_group_timeout(timeout):
+        return _sharded_engine(kind, zero_stage, draft, opt, accelerator, grad_accum, grad_clip, autocast_dtype)
 
-    if not dist.is_initialized():
+
+def _sharded_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_accum: int,
+                    grad_clip: float | None, autocast_dtype: torch.dtype | None) -> ShardedEngine:
+    """`make_engine` for DeepSpeed and FSDP2 (see there)."""
+    import torch.distributed as dist
+
+    world_size = accelerator.num_processes
+    if not dist.is_initialized():  # its timeout: default_group_timeout's
         dist.init_process_group(single_process_backend(accelerator.device), store=dist.HashStore(), rank=0,
                                 world_size=1)
     if kind == "deepspeed":

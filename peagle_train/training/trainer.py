@@ -249,7 +249,8 @@ class Trainer:
                 dist.broadcast(x.data, 0)                     # merged copies (draft/embedding.py)
         # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
         self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, self.A, self.training.grad_clip,
-                               autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None)
+                               autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None,
+                               timeout_minutes=settings.distributed.timeout_minutes)
         self.model = self.eng.model
         logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)
 

@@ -107,26 +107,31 @@ def test_cpu_and_gpu_give_the_same_fp32_step(cuda_setup):
         torch.testing.assert_close(g_c[k], g_g[k].cpu(), rtol=1e-3, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp"])
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "deepspeed-zero3", "fsdp"])
 def test_each_engine_as_a_world_of_one_trains_in_bf16_with_ddps_losses(tmp_path, engine):
     """Each engine for 4 steps on one GPU (a sharded engine makes its own 1-process NCCL group),
     precision bf16, partitions 2: every Linear of the head outputs bf16 inside the engine's forward,
-    and the losses follow DDP's."""
-    if engine == "deepspeed":
+    and the losses follow DDP's. deepspeed is ZeRO-2; deepspeed-zero3 trains a 2-layer head with
+    gradient checkpointing, as recipes/gpt-oss-20b.yaml does (DDP's reference the same head)."""
+    if engine.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     from .test_loop import tiny_rows
 
+    checkpointing = engine == "deepspeed-zero3"
+
     def run(kind, out):
         target = tiny_llama().cuda()
-        t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=1)
+        t, d = make_draft(target, torch.arange(0, 128, 2), K=4, layers=2 if checkpointing else 1)
+        d.config.gradient_checkpointing = checkpointing
         seen = set()
         for m in d.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(lambda mod, a, o: seen.add(o.dtype))
+        kind, stage = ("deepspeed", 3) if kind == "deepspeed-zero3" else (kind, 2)
         cfg = TrainSettings(OmegaConf.merge(default_config().training, {
             "tokens_per_step": 64, "max_steps": 4, "warmup_steps": 1, "lr": 3e-3, "max_anchors": 16, "partitions": 2}),
             draft={"num_depths": 4}, algorithm="peagle", seed=0, precision="bf16",
-            distributed=OmegaConf.merge(default_config().distributed, {"engine": kind, "zero_stage": 2}))
+            distributed=OmegaConf.merge(default_config().distributed, {"engine": kind, "zero_stage": stage}))
         train(Accelerator(), d.cuda(), t, tiny_rows(n=14), torch.arange(0, 128, 2), cfg, out)
         import json
 

@@ -7,12 +7,17 @@ steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL i
 `algorithm=dflash` trains a DFlash head instead of a P-EAGLE one; `draft.key=value` sets a key of
 the head, e.g. draft.train_embeddings=mask_row.)
 
+With PEAGLE_TEST_PROBE=DIR set, each process writes DIR/rank{r}.json (`probe`): the gradient
+reductions of every optimizer step and the files it read with torch.load.
+
 Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes). With a
 process group (2 processes; or DeepSpeed/FSDP's 1-process one) it writes OUT_DIR/process_groups_rank{r}.json,
 the timeout in seconds of every process group after training (tests/test_engines.py).
 """
 
+import builtins
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +42,81 @@ class SlowTarget(FeatureTarget):
     def __call__(self, *a, **k):
         time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
         return super().__call__(*a, **k)
+
+
+REDUCTIONS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+              "reduce_scatter_single", "_reduce_scatter_base")
+
+
+def probe(folder: Path) -> None:
+    """Record, in this process, every reduction collective (torch.distributed) entered inside the
+    engine's `backward` and `step` and every file read by torch.load or opened for reading; written
+    to folder/rank{r}.json at exit as {"steps": [[phase, ...] per optimizer step], "loads": [path, ...]}
+    where a phase is "backward i" or "step" for each call that reduced a tensor of more than 1 element
+    (the gradients; the clip norm is a scalar), with (function, numel, dtype) of each reduction."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from peagle_train.training import engines
+
+    rec = {"steps": [[]], "loads": []}
+    where = {"phase": None, "depth": 0}
+
+    def counted(name, fn):
+        def run(*a, **k):
+            t = [x for x in (*a, *k.values()) if isinstance(x, torch.Tensor)]
+            t = t[-1] if name.startswith(("reduce_scatter", "_reduce_scatter")) else (t[0] if t else None)
+            if where["phase"] is not None and where["depth"] == 0 and t is not None and t.numel() > 1:
+                rec["steps"][-1].append([where["phase"], name, t.numel(), str(t.dtype)])
+            where["depth"] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                where["depth"] -= 1
+        return run
+
+    for name in REDUCTIONS:
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+
+    def phased(cls, meth):
+        fn = getattr(cls, meth)
+
+        def run(self, *a, **k):
+            where["phase"] = meth if meth == "step" else f"backward {where.setdefault('n', 0)}"
+            where["n"] = where["n"] + 1 if meth == "backward" else 0
+            try:
+                return fn(self, *a, **k)
+            finally:
+                where["phase"] = None
+                if meth == "step":
+                    rec["steps"].append([])
+        setattr(cls, meth, run)
+
+    for cls in (engines.DDPEngine, engines.ShardedEngine):
+        phased(cls, "backward")
+        phased(cls, "step")
+    load, opener = torch.load, builtins.open
+
+    def loading(f, *a, **k):
+        rec["loads"].append(str(f))
+        return load(f, *a, **k)
+
+    def opening(f, mode="r", *a, **k):
+        if "r" in mode and isinstance(f, (str, Path)):
+            rec["loads"].append(str(f))
+        return opener(f, mode, *a, **k)
+
+    torch.load, builtins.open = loading, opening
+
+    def write():
+        rank = int(os.environ.get("RANK", 0))  # the group is gone by now (end_distributed)
+        rec["steps"] = [s for s in rec["steps"] if s]
+        folder.mkdir(parents=True, exist_ok=True)
+        with opener(folder / f"rank{rank}.json", "w") as f:
+            json.dump(rec, f)
+    atexit.register(write)
 
 
 def main(out: Path, resume: bool):
@@ -67,4 +147,6 @@ def main(out: Path, resume: bool):
 
 
 if __name__ == "__main__":
+    if os.environ.get("PEAGLE_TEST_PROBE"):
+        probe(Path(os.environ["PEAGLE_TEST_PROBE"]))
     main(Path(sys.argv[1]), len(sys.argv) > 2 and sys.argv[2] == "resume")

@@ -326,6 +326,7 @@ def test_a_row_without_blocks_still_runs_one_forward_and_backward(target_model):
     loss, counts = obj.step(d, [(row, obj.sample(row, torch.Generator().manual_seed(0)))], accelerator=One(),
                             amp=torch.autocast("cpu", enabled=False), backward=lambda x: (calls.append(1), x.backward()))
     assert calls == [1] and loss == 0.0 and not counts.any()
+    assert obj.backward_passes([(row, None)] * 3) == 3  # announced to a sharded engine (one per row)
     grads = [p.grad for p in d.parameters() if p.grad is not None]
     assert grads and all(not g.any() for g in grads)
     forwards = []

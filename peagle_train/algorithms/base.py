@@ -32,6 +32,12 @@ class Objective:
         (re-seeded per row by the trainer, so a row's sample does not depend on processes)."""
         raise NotImplementedError
 
+    def backward_passes(self, micro: list[tuple]) -> int | None:
+        """How many times `step` calls `backward` over `micro` (the same on every process), or None
+        when unknown. A sharded engine reduces the gradients only in the last of them (FSDP2,
+        training/engines.py `expect_backward_passes`); None makes it reduce in every one."""
+        return None
+
     def step(self, model, micro: list[tuple], *, accelerator, amp, backward=None) -> tuple[float, torch.Tensor]:
         """Forward, loss and backward over this process's micro-rows [(row, sample), ...] of one
         optimizer step, under `amp` (an autocast context). Gradients are left in `model`'s

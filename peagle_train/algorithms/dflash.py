@@ -214,6 +214,10 @@ class DFlashObjective(Objective):
         t = self.training
         return dflash_blocks(row.valid, row.doc_ids, self.num_depths, t.max_anchors, generator)
 
+    def backward_passes(self, micro) -> int:
+        """One per micro-row (`with_a_block` gives every row a block)."""
+        return len(micro)
+
     def step(self, model, micro, *, accelerator, amp, backward=None):
         t = self.training
         backward = backward or (lambda x: x.backward())

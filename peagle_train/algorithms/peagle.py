@@ -143,6 +143,11 @@ class PEagleObjective(Objective):
         return cod_sample(row.valid.cpu(), row.doc_ids.cpu(), self.num_depths, t.down_sample_ratio,
                           t.down_sample_ratio_min, t.max_anchors, generator)
 
+    def backward_passes(self, micro) -> int:
+        """One per micro-row, or partitions + 1 with sequence partitioning (`draft_step`)."""
+        p = int(self.training.partitions)
+        return len(micro) * (p + 1 if p > 1 else 1)
+
     def step(self, model, micro, *, accelerator, amp, backward=None):
         t = self.training
         norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())

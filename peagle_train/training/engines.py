@@ -4,17 +4,29 @@ backward / step / full state dict / save / load, so that the trainer has no bran
 
 Why an adapter and not `accelerator.prepare(model)`: a P-EAGLE step runs several backward passes
 per optimizer step (sequence partitioning: one per part plus one through the kept context; one per
-micro-row with grad_accum), and their number varies with the row. Accelerate's DeepSpeed wrapper
-steps the engine inside `accelerator.backward`, on its own accumulation counter. Here:
+micro-row with grad_accum), and their number varies with the configuration. Accelerate's DeepSpeed
+wrapper steps the engine inside `accelerator.backward`, on its own accumulation counter. Here every
+engine reduces the gradients once per optimizer step, as DDP does:
 
-- DeepSpeed: `deepspeed.initialize` with `managed_gradient_accumulation: false` (DeepSpeed ≥ 0.18):
-  every `engine.backward(loss, scale_wrt_gas=False)` reduces (ZeRO-2) or partitions (ZeRO-3) its
-  gradients into the accumulated partition, and `engine.step()` is the boundary. Gradients are
-  averaged over ranks, which with the loop's global loss normaliser (`global_loss_norm`) gives the
-  gradient of Σ loss / Σ count over all rows, as DDP does. `train_batch_size` = processes ×
-  grad_accum (DeepSpeed checks it). Clipping: DeepSpeed's `gradient_clipping` (global norm).
-- FSDP2 (`torch.distributed.fsdp.fully_shard`): each draft layer and the root are sharded; every
-  backward reduce-scatters (mean) into the sharded gradients, which accumulate until the step.
+- DeepSpeed (≥ 0.19, `DeepSpeedEngine.coalesce_grad_reduction`): the step's backward passes
+  (`engine.backward(loss, scale_wrt_gas=False)`) run inside one `coalesce_grad_reduction` block,
+  which leaves each pass's gradients on the parameters (full size, fp32, as DDP's); leaving the
+  block (in `step`) reduces (ZeRO-2) or reduce-scatters (ZeRO-3) them once, then `engine.step()`
+  updates. That block needs `managed_gradient_accumulation: true`; every `step()` is made the
+  accumulation boundary (`set_gradient_accumulation_boundary(True)`). An older DeepSpeed has no
+  such block: `managed_gradient_accumulation: false` (≥ 0.18), and every backward reduces or
+  partitions its gradients into the accumulated partition (`engine.no_sync()` refuses ZeRO-2/3).
+  Gradients are averaged over ranks, which with the loop's global loss normaliser
+  (`global_loss_norm`) gives the gradient of Σ loss / Σ count over all rows, as DDP does.
+  `train_batch_size` = processes × grad_accum (DeepSpeed checks it). Clipping: DeepSpeed's
+  `gradient_clipping` (global norm).
+- FSDP2 (`torch.distributed.fsdp.fully_shard`): each draft layer and the root are sharded. The
+  trainer announces the step's number of backward passes (`expect_backward_passes`, from
+  `Objective.backward_passes`); every pass but the last runs with `set_requires_gradient_sync(False)`
+  (unsharded gradients accumulate locally) and the last reduce-scatters (mean) them into the
+  sharded gradients. Under `precision: bf16` a `MixedPrecisionPolicy` all-gathers and computes with
+  bf16 parameters while the sharded master weights, the locally accumulated gradients and their
+  reduce-scatter stay fp32 (`fsdp_mixed_precision`).
 - ZeRO-3 and FSDP shard parameters: the loop reads the head only through `forward` (mask_hidden is
   substituted inside it), and state dicts are gathered here (`full_state_dict`).
 
@@ -81,12 +93,22 @@ def fused_optimizer(kind: str) -> bool:
     return kind == "ddp"
 
 
+def deepspeed_coalesces() -> bool:
+    """Whether the installed DeepSpeed can reduce a step's gradients once over several backward
+    passes (`DeepSpeedEngine.coalesce_grad_reduction`, DeepSpeed 0.19)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return hasattr(DeepSpeedEngine, "coalesce_grad_reduction")
+
+
 def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_clip: float | None,
-                     autocast_dtype: torch.dtype | None = None) -> dict:
+                     autocast_dtype: torch.dtype | None = None, coalesce: bool = False) -> dict:
     """The DeepSpeed config of a run: fp32 weights and optimizer (bf16 is the loop's autocast),
-    batch sizes in packed rows (train_batch_size = world_size × grad_accum), caller-owned
-    accumulation boundary (`managed_gradient_accumulation: false`), no communication overlap
-    (DeepSpeed allows it only with ZeRO-2 in that mode; the step is compute-bound anyway).
+    batch sizes in packed rows (train_batch_size = world_size × grad_accum), no communication
+    overlap (the step is compute-bound). `coalesce`: the engine will reduce each step's gradients
+    once (`coalesce_grad_reduction`, which needs `managed_gradient_accumulation: true`; the
+    boundary is then set by `make_engine`); without it the caller owns the boundary
+    (`managed_gradient_accumulation: false`) and every backward reduces.
 
     `autocast_dtype` (the loop's autocast: torch.bfloat16 under `precision: bf16`, None for fp32)
     goes into a `torch_autocast` section. It must: DeepSpeed ≥ 0.17.2 runs `engine.forward` inside
@@ -103,7 +125,7 @@ def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_cli
         "train_batch_size": world_size * grad_accum,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": grad_accum,
-        "managed_gradient_accumulation": False,
+        "managed_gradient_accumulation": bool(coalesce),
         "gradient_clipping": float(grad_clip or 0.0),
         "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True,
                               "stage3_gather_16bit_weights_on_model_save": True},
@@ -126,6 +148,9 @@ class DDPEngine:
     def __init__(self, model, opt, accelerator, grad_clip: float | None):
         self.model = self.module = model
         self.opt, self.accelerator, self.grad_clip = opt, accelerator, grad_clip
+
+    def expect_backward_passes(self, n: int | None) -> None:
+        """Nothing to prepare: the gradients are reduced in `step` whatever the number of passes."""
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -174,27 +199,61 @@ class DDPEngine:
 
 class ShardedEngine:
     """A draft head under DeepSpeed or FSDP2. `model` is what the loop calls (forward only);
-    `backward(loss)` per scalar loss; `step()` clips, updates and zeroes the gradients. Every
-    process runs every forward (`lockstep`: ZeRO-3 and FSDP gather shards collectively)."""
+    `expect_backward_passes(n)` before a step's first backward; `backward(loss)` per scalar loss;
+    `step()` reduces what is left to reduce, clips, updates and zeroes the gradients. Every process
+    runs every forward (`lockstep`: ZeRO-3 and FSDP gather shards collectively).
+
+    The gradients are reduced once per optimizer step: DeepSpeed inside one
+    `coalesce_grad_reduction` block per step (`coalesce`, left in `step`); FSDP2 in the last of the
+    announced backward passes (the earlier ones run with `set_requires_gradient_sync(False)`).
+    Without an announcement (None) every backward reduces."""
 
     lockstep = True
 
-    def __init__(self, kind: str, model, opt, module, grad_clip: float | None, zero_stage: int | None = None):
+    def __init__(self, kind: str, model, opt, module, grad_clip: float | None, zero_stage: int | None = None,
+                 coalesce: bool = False):
         self.kind, self.model, self.opt, self.module = kind, model, opt, module
-        self.grad_clip, self.zero_stage = grad_clip, zero_stage
+        self.grad_clip, self.zero_stage, self.coalesce = grad_clip, zero_stage, coalesce
+        self.announced, self.passes, self.sync = None, 0, True
+        self.coalescing = contextlib.ExitStack()
 
     @property
     def name(self) -> str:
         return f"deepspeed ZeRO-{self.zero_stage}" if self.kind == "deepspeed" else "fsdp2"
 
+    def expect_backward_passes(self, n: int | None) -> None:
+        """The number of `backward` calls of the coming optimizer step (Objective.backward_passes),
+        or None (unknown: every backward reduces). `step` raises RuntimeError when another number ran."""
+        self.announced, self.passes = n, 0
+
     def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one scalar loss of the step, accumulating into the gradients; reduce them over
+        processes only in the step's last announced pass (FSDP2) or in `step` (DeepSpeed with `coalesce`)."""
+        self.passes += 1
         if self.kind == "deepspeed":
+            if self.coalesce and self.passes == 1:
+                self.coalescing.enter_context(self.model.coalesce_grad_reduction())
             self.model.backward(loss, scale_wrt_gas=False)
-        else:
-            loss.backward()
+            return
+        sync = self.announced is None or self.passes >= self.announced
+        if sync != self.sync:
+            self.module.set_requires_gradient_sync(sync)  # FSDP2's no_sync: every sharded module of the head
+            self.sync = sync
+        loss.backward()
 
     def step(self) -> None:
+        """Reduce (DeepSpeed with `coalesce`: leaving the step's block), clip, update, zero the
+        gradients. Raises RuntimeError when the step ran another number of backward passes than
+        announced (its gradients would not all be reduced)."""
+        announced, passes = self.announced, self.passes
+        self.announced, self.passes = None, 0
+        if announced is not None and passes != announced:
+            self.coalescing.close()
+            raise RuntimeError(f"{self.name}: the optimizer step ran {passes} backward passes where {announced} were "
+                               "announced, so its gradients were not reduced once over the processes. Fix: make the "
+                               "objective's backward_passes count every backward its step runs (algorithms/).")
         if self.kind == "deepspeed":
+            self.coalescing.close()  # the one reduction of the step's accumulated gradients
             self.model.step()  # clips (gradient_clipping), steps the optimizer, zeroes the gradients
             return
         if self.grad_clip:
@@ -254,8 +313,10 @@ class ShardedEngine:
 
     def load(self, ckpt: Path, state: dict, fix: str) -> None:
         """Restore what `save` wrote into `ckpt`/engine (collective; the checkpoint's unsharded
-        weights are not read, and `state`'s "optimizer", None here, is popped). Raises
-        FileNotFoundError naming the missing file."""
+        weights are not read, and `state`'s "optimizer", None here, is popped). FSDP: the main
+        process alone reads fsdp_full_state.pt and broadcasts it tensor by tensor
+        (`broadcast_from_rank0`); each process keeps its shards. Raises FileNotFoundError naming
+        the missing file."""
         state.pop("optimizer", None)
         folder = Path(ckpt) / "engine"
         if self.kind == "deepspeed":
@@ -270,13 +331,19 @@ class ShardedEngine:
         f = folder / "fsdp_full_state.pt"
         if not f.is_file():
             raise FileNotFoundError(f"{f}: no FSDP state in this checkpoint. Fix: resume with the run's distributed.engine.")
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
-        # memory-mapped onto the host: the processes of a node share the file's pages (the page cache) instead
-        # of each holding a full copy, and nothing lands on the device the state was saved from
-        st = torch.load(f, weights_only=False, map_location="cpu", mmap=True)
-        set_state_dict(self.module, self.opt, model_state_dict=st["model"], optim_state_dict=st["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        # rank 0 reads the file, memory-mapped onto the host (nothing lands on the device the state was saved
+        # from), and broadcasts each tensor; the others read nothing and receive only their shards. Two calls:
+        # torch 2.13's set_state_dict takes an empty model state dict (the other ranks') for "optimizer only"
+        # and skips the model's broadcast there, which leaves rank 0 waiting in it
+        st = ({"model": {}, "optimizer": {}} if dist.get_rank() != 0
+              else torch.load(f, weights_only=False, map_location="cpu", mmap=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.module, st["model"], options=options)
+        set_optimizer_state_dict(self.module, self.opt, st["optimizer"], options=options)
 
 
 def single_process_backend(device: torch.device | str) -> str:
@@ -347,24 +414,47 @@ def _sharded_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_ac
         set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; removed again by ShardedEngine.close
         if set_local_rank:
             os.environ["LOCAL_RANK"] = "0"
+        coalesce = deepspeed_coalesces()
+        if not coalesce:
+            logger.info("DeepSpeed %s has no coalesce_grad_reduction (0.19): every backward reduces its gradients",
+                        deepspeed.__version__)
         engine, ds_opt, _, _ = deepspeed.initialize(
-            model=draft, optimizer=opt, config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip, autocast_dtype),
+            model=draft, optimizer=opt,
+            config=deepspeed_config(zero_stage, world_size, grad_accum, grad_clip, autocast_dtype, coalesce),
             dist_init_required=False)
-        eng = ShardedEngine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage)
+        if coalesce:  # every engine.step() is an accumulation boundary (the block's flush has reduced by then)
+            engine.set_gradient_accumulation_boundary(True)
+        eng = ShardedEngine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage, coalesce)
         eng.set_local_rank = set_local_rank
         return eng
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        mp = fsdp_mixed_precision(autocast_dtype)
         for layer in draft.layers:
-            fully_shard(layer)
-        fully_shard(draft)
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(draft, mp_policy=mp)
         # FSDP2 swaps the parameters for sharded DTensors (same order): the fresh optimizer must hold those
         if len(opt.param_groups) != 1 or opt.state:
             raise ValueError("make_engine(fsdp): needs a fresh optimizer with one parameter group")
         opt.param_groups[0]["params"] = [p for p in draft.parameters() if p.requires_grad]
         return ShardedEngine("fsdp", draft, opt, draft, grad_clip)
     raise ValueError(f"make_engine: {kind!r} is not an engine ({', '.join(ENGINES)})")
+
+
+def fsdp_mixed_precision(autocast_dtype: torch.dtype | None):
+    """FSDP2's `MixedPrecisionPolicy` for the loop's autocast dtype: under bf16 the parameters are
+    all-gathered and used in bf16 (half the gather traffic; the matmuls run in bf16 under autocast
+    anyway) while the sharded master weights and the optimizer stay fp32, and the gradients are
+    accumulated over the step's backward passes and reduce-scattered in fp32 (`reduce_dtype`), as
+    DDP and DeepSpeed (`lower_precision_safe_modules: []`) reduce them: one reduction per step, so
+    bf16 would save little traffic and lose precision in the sums over passes and ranks. fp32
+    (None): the default policy, everything fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if autocast_dtype is None or autocast_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
 
 
 def average_gradients(model, accelerator) -> None:

@@ -309,6 +309,7 @@ class Trainer:
             self.gen.manual_seed(self.settings.seed * 1_000_003 + g)
             n_docs, n_tok = n_docs + nd, n_tok + row.tokens.numel()
             micro.append((row, self.objective.sample(row, self.gen)))
+        self.eng.expect_backward_passes(self.objective.backward_passes(micro))  # FSDP2 reduces in the last one
         loss_value, counts = self.objective.step(self.model, micro, accelerator=acc, amp=self.amp,
                                                  backward=self.eng.backward)
         # the step's loss over all processes (each process's share is already divided by the global count / W)

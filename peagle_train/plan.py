@@ -456,7 +456,9 @@ def format_plan(plan: Plan, title: str = "") -> str:
             "dense": "dense M×M boolean mask and its additive bias", "sparse": "sparse plan: nothing quadratic"}[s["attention"]]
     rows = [("target weights", m["target_weights"], f"{_b(tg['total'])} × {s['target_bytes']} B, whole on every GPU"),
             ("head weights", m["head_weights"], f"{_b(hd['total'])} × 4 B (fp32 master){wshard}"),
-            ("head gradients", m["head_grads"], f"{_b(P)} trainable × 4 B{shard}"),
+            ("head gradients", m["head_grads"], f"{_b(P)} trainable × 4 B" + (
+                shard if s["grad_accum"] * max(1, s["partitions"] + (s["partitions"] > 1)) == 1 or not shard
+                else ", whole on every GPU until the step's one reduction")),
             ("AdamW state", m["optimizer"], f"{_b(P)} × 8 B (exp_avg, exp_avg_sq){shard}"),
             ("engine buffers", m["engine_buffers"], {"ddp": "none",
                                                     "deepspeed": "DeepSpeed's fp32 partition copy and gradient bucket"

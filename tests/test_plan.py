@@ -89,6 +89,10 @@ def test_engine_states_by_hand():
     assert engine_state_bytes(p, 4, "deepspeed", 3)["engine_buffers"] == 1000 + 4000 + 2 * 4 * 300
     assert engine_state_bytes(p, 4, "fsdp") == {"head_weights": 1000, "head_grads": 1000, "optimizer": 2000,
                                                 "engine_buffers": 4 * 400 + 2 * 4 * 150}
+    # several backward passes per step (partitions, grad_accum): the whole local gradient until the step's reduction
+    for engine, stage in (("deepspeed", 2), ("deepspeed", 3), ("fsdp", 2)):
+        assert engine_state_bytes(p, 4, engine, stage, backward_passes=6)["head_grads"] == 4000
+    assert engine_state_bytes(p, 4, "ddp", backward_passes=6)["head_grads"] == 4000
     frozen = {**p, "trainable": 600}  # draft.train_embeddings=mask_row: frozen rows have weights only
     assert engine_state_bytes(frozen, 1, "ddp") == {"head_weights": 4000, "head_grads": 2400, "optimizer": 4800,
                                                     "engine_buffers": 0}

@@ -7,7 +7,9 @@ built: the head on the meta device, arithmetic for the rest).
 Terms (bytes on one process; W = world size, P = the head's parameters, all trainable, fp32):
     target_weights     the frozen target, in its dtype (bf16: 2 B per parameter), whole on every process
     head_weights       fp32 master weights: 4P (ZeRO-3 / FSDP: 4P / W)
-    head_grads         fp32 gradients: 4P (ZeRO-2/3, FSDP: 4P / W)
+    head_grads         fp32 gradients: 4P (ZeRO-2/3, FSDP: 4P / W when the step runs one backward
+                       pass; with several (partitions > 1 or grad_accum > 1) each process holds its
+                       whole local gradient until the step's one reduction: 4P, as DDP)
     optimizer          AdamW's exp_avg and exp_avg_sq, fp32: 8P (sharded engines: 8P / W)
     engine_buffers     DeepSpeed: its fp32 copy of the process's partition (4P / W) and its gradient
                        bucket (min(P, 5e8) elements × 4 B); ZeRO-3 also the gathered weights of the
@@ -205,22 +207,26 @@ def draft_element_bytes(draft_cfg: DraftConfig, act_bytes: int = 2, feature_byte
             "head_loss": V * (2 * a + 4), "head_backward": V * 3 * a}
 
 
-def engine_state_bytes(params: dict, world_size: int, engine: str, zero_stage: int = 2) -> dict:
+def engine_state_bytes(params: dict, world_size: int, engine: str, zero_stage: int = 2,
+                       backward_passes: int = 1) -> dict:
     """{"head_weights", "head_grads", "optimizer", "engine_buffers"} in bytes per process for a head
     with the parameter counts `params` (`head_parameters`) under `engine` (ddp | deepspeed | fsdp)
-    on `world_size` processes (see the module docstring)."""
+    on `world_size` processes (see the module docstring). `backward_passes` per optimizer step:
+    above 1, a sharded engine holds each process's whole gradient until the step's one reduction
+    (training/engines.py)."""
     P, W = params["trainable"], world_size
     frozen = params["total"] - P
+    grads = 4 * P if backward_passes > 1 else 4 * P // W
     if engine == "ddp":
         return {"head_weights": 4 * (P + frozen), "head_grads": 4 * P, "optimizer": 8 * P, "engine_buffers": 0}
     if engine == "deepspeed" and zero_stage == 2:
-        return {"head_weights": 4 * (P + frozen), "head_grads": 4 * P // W, "optimizer": 8 * P // W,
+        return {"head_weights": 4 * (P + frozen), "head_grads": grads, "optimizer": 8 * P // W,
                 "engine_buffers": 4 * P // W + 4 * min(P, DS_BUCKET_ELEMENTS)}
     if engine == "deepspeed":
-        return {"head_weights": 4 * (P + frozen) // W, "head_grads": 4 * P // W, "optimizer": 8 * P // W,
+        return {"head_weights": 4 * (P + frozen) // W, "head_grads": grads, "optimizer": 8 * P // W,
                 "engine_buffers": 4 * P // W + 4 * min(P, DS_BUCKET_ELEMENTS) + 2 * 4 * params["largest_module"]}
     if engine == "fsdp":
-        return {"head_weights": 4 * (P + frozen) // W, "head_grads": 4 * P // W, "optimizer": 8 * P // W,
+        return {"head_weights": 4 * (P + frozen) // W, "head_grads": grads, "optimizer": 8 * P // W,
                 "engine_buffers": 4 * params["root"] + 2 * 4 * params["per_layer"]}
     raise ValueError(f"engine {engine!r} must be ddp, deepspeed or fsdp")
 
@@ -291,7 +297,8 @@ def estimate_step_memory(target_config, draft_cfg: DraftConfig, tokens: int, max
         target_forward = int(nf * (4 * I * target_bytes + 10 * H * target_bytes + 8 * H + 4 * H * target_bytes
                                    + V_d * target_bytes) + V_d * H * target_bytes)
     out = {"target_weights": tp["total"] * target_bytes,
-           **engine_state_bytes(hp, world_size, engine, zero_stage),
+           **engine_state_bytes(hp, world_size, engine, zero_stage,
+                                backward_passes=grad_accum * (partitions + 1 if partitions > 1 else 1)),
            "row_features": grad_accum * n * T3 * feature_bytes,
            "row_target_logits": grad_accum * n * V_d * 4,
            "target_forward": target_forward,

@@ -236,3 +236,24 @@ def test_file_damage_of_each_kind(tmp_path):
     with pytest.raises(CorruptFileError) as e:
         check_checkpoint_files(ckpt, 2, "start again")
     assert str(e.value) == f"{ckpt / 'rng_rank1.pt'}: missing (RNG state). Fix: start again."
+
+
+def test_too_little_data_for_the_processes_is_a_one_line_refusal():
+    """One packed row for 2 processes: a user error (one line and exit 2 on every process, as
+    runtime.user_error_message prints it), not a ValueError traceback."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from peagle_train.errors import UserError
+    from peagle_train.runtime import user_error_message
+    from peagle_train.training.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.accelerator = SimpleNamespace(num_processes=2, process_index=1)
+    t.training = OmegaConf.create({"grad_accum": 1, "max_steps": None})
+    t.batches, t.save_every = [[0, 1, 2]], None
+    with pytest.raises(UserError) as e:
+        t._count_steps(0)
+    assert user_error_message(e.value) == ("No training step: 1 packed rows for 2 processes × grad_accum 1. Fix: more "
+                                           "data.num_conversations.")

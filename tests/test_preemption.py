@@ -1,7 +1,9 @@
-"""Preemption of a multi-process run (training/preemption.py), with 2 real processes of the real
-`peagle train` over gloo: SIGTERM to the launcher alone (Kubernetes, SageMaker) or to the workers
-(Slurm) stops every rank after the same step, writes that step's checkpoint, and every rank says so
-in one line with exit status 143; the run then resumes from it. The signal-to-exit time is bounded."""
+"""Preemption and lost peers of a multi-process run (training/preemption.py), with 2 real processes
+of the real `peagle train` over gloo: SIGTERM to the launcher alone (Kubernetes, SageMaker) or to
+the workers (Slurm) stops every rank after the same step, writes that step's checkpoint, and every
+rank says so in one line with exit status 143; the run then resumes from it. The signal-to-exit time
+is bounded. A rank killed mid-run leaves the other with one line naming the loss, the newest
+checkpoint and the resume, and no traceback of ours."""
 
 import json
 import os
@@ -79,3 +81,38 @@ def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert json.loads((out / "summary.json").read_text())["training"]["steps"] == 30 > steps
     assert f"resuming from {ckpt}" in r.stdout + r.stderr
+
+
+def _worker(launcher: int, rank: int):
+    for c in psutil.Process(launcher).children(recursive=True):
+        if "gpu_semantics_launch" in " ".join(c.cmdline()) and c.environ().get("RANK") == str(rank):
+            return c
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def test_a_killed_rank_leaves_the_other_with_one_line(tiny_recipe):  # noqa: F811
+    """Rank 1 SIGKILLed after its 3rd step, checkpoints every 2 steps: rank 0's collective fails and
+    it ends with one line naming the loss, the newest checkpoint and training.resume=true, and
+    prints no traceback from peagle_train (the launcher's own summary follows)."""
+    out = tiny_recipe[0] / "lost-peer"
+    p, log_path = _start(tiny_recipe, out, "training.epochs=20", "training.max_steps=30", "training.save_every=2",
+                         "eval.enabled=false", "export.enabled=false")
+    try:
+        deadline = time.monotonic() + 180
+        while _steps_logged(out) < 3:
+            assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(_worker(p.pid, 1).pid, signal.SIGKILL)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    lines = re.findall(r"process 0 of 2: another process of the run was lost during step (\d+) at [0-9: -]+ \((.+?)\); "
+                       r"the newest complete checkpoint is (\S+)\. Fix: read the first error line of the other "
+                       r"processes \(the launcher's summary names the first that failed\), then resume with "
+                       r"training\.resume=true \(the same command\)\.", text)
+    assert len(lines) == 1, text[-3000:]
+    step, cause, ckpt = lines[0]
+    assert int(step) >= 3 and ckpt == str(sorted((out / "checkpoints").glob("step_*"))[-1])
+    assert not re.search(r'File ".*peagle_train/', text), text[-3000:]  # no traceback through our code

@@ -1,4 +1,5 @@
-"""Stopping a training run on a signal at a step that every process agrees on, with a checkpoint of it.
+"""How a multi-process training run ends on a signal or a lost peer: at a step every process agrees
+on, with a checkpoint of it, or with one line naming the lost peer.
 
 A scheduler that takes the machine back sends SIGTERM: Slurm to every task (`--signal`), Kubernetes
 and SageMaker to the container's first process (the launcher, whose torchrun agent passes SIGTERM
@@ -15,6 +16,11 @@ A person presses Ctrl-C (SIGINT to every process of the terminal's group). Insid
 
 The time from the signal to the last exit is at most the step in progress, one checkpoint save and
 the process's exit (docs/TRAINING.md "Preemption").
+
+A peer process that dies, freezes past the process-group timeout or stops on its own error leaves
+the others in a collective that fails (gloo: "Connection closed by peer", "Timed out waiting";
+NCCL: a DistBackendError). `peer_lost` recognises it, and `PeerLost` is the one line each
+surviving process ends with: the failure, when, the newest complete checkpoint and the resume.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 from ..errors import UserError
 
@@ -78,3 +85,41 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
+
+
+# what a failed collective says when its peer is gone (gloo's transport, NCCL's watchdog, the c10d store)
+PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe",
+                "NCCL communicator was aborted", "ProcessGroupNCCL", "Watchdog caught collective operation timeout",
+                "failed to recv", "Socket Timeout", "Connection refused")
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """The first line of `e` (or of its causes) when it is a collective that failed because a peer
+    process is gone (a torch.distributed DistError, or a RuntimeError carrying one of
+    PEER_MARKERS), else None."""
+    import torch.distributed as dist
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(m in text for m in PEER_MARKERS)):
+            return (text.strip().splitlines() or [type(e).__name__])[0][:300]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class PeerLost(UserError):
+    """This process stopped because another process of the run was lost. `exit_status` 1."""
+
+    exit_status = 1
+
+    @classmethod
+    def during(cls, rank: int, world: int, step: int, cause: str, checkpoint: Path | None) -> PeerLost:
+        """The one line of process `rank` of `world`, lost at `step` (1-based), with the newest
+        complete checkpoint (or None)."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        ckpt = (f"the newest complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet")
+        return cls(f"process {rank} of {world}: another process of the run was lost during step {step} at {when} "
+                   f"({cause}); {ckpt}. Fix: read the first error line of the other processes (the launcher's summary "
+                   "names the first that failed), then resume with training.resume=true (the same command).")

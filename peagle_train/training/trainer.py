@@ -31,7 +31,7 @@ from ..precision import autocast_context, resolve_precision
 from ..target.capture import FeatureTarget
 from .checks import TrainSettings, check_same_data, check_schedule
 from .memory import check_step_memory
-from .preemption import Preempted, StopSignals
+from .preemption import PeerLost, Preempted, StopSignals, peer_lost
 from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
                          flat_fingerprint, list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
@@ -414,23 +414,29 @@ class Trainer:
                    initial=self.start_step, total=steps)
         step = self.start_step - 1
         with logging_redirect_tqdm(), StopSignals() as self.stop_signals:  # log lines go above the bar
-            for step in bar:
-                rec = self.step(step)
-                if self.logf:
-                    self.logf.write(json.dumps(rec) + "\n")
-                    self.logf.flush()
-                acc.log(step_scalars(rec), step=step + 1)  # the trackers (main process; none: a no-op)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", EAL=f"{rec['eal']:.2f}",
-                                tok_s=f"{rec['tokens_per_second']:.0f}")
-                if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
+            try:
+                for step in bar:
+                    rec = self.step(step)
+                    if self.logf:
+                        self.logf.write(json.dumps(rec) + "\n")
+                        self.logf.flush()
+                    acc.log(step_scalars(rec), step=step + 1)  # the trackers (main process; none: a no-op)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", EAL=f"{rec['eal']:.2f}",
+                                    tok_s=f"{rec['tokens_per_second']:.0f}")
+                    if self.save_every and (step + 1) % self.save_every == 0 and step + 1 < steps:
+                        self.checkpoint(step + 1)
+                    if self.stop_now:  # agreed by all processes in the step's reduction: they stop at the same step
+                        logger.info("stopping after %d steps: %s", step + 1, "a stop signal" if self.preempted else
+                                    f"max_minutes={self.training.max_minutes} reached")
+                        break
+                # the last step, so that a run stopped by max_minutes or a signal resumes too (the same on every rank)
+                if (self.save_every or self.preempted) and self.last_saved != step + 1:
                     self.checkpoint(step + 1)
-                if self.stop_now:  # agreed by all processes in the step's reduction: they stop at the same step
-                    logger.info("stopping after %d steps: %s", step + 1, "a stop signal" if self.preempted else
-                                f"max_minutes={self.training.max_minutes} reached")
-                    break
-            # the last step, so that a run stopped by max_minutes or a signal resumes too (the same on every rank)
-            if (self.save_every or self.preempted) and self.last_saved != step + 1:
-                self.checkpoint(step + 1)
+            except Exception as e:  # a collective that failed because another process is gone: one line
+                if (cause := peer_lost(e)) is None or self.W == 1:
+                    raise
+                ckpts = list_checkpoints(self.ckpt_root)
+                raise PeerLost.during(self.r, self.W, step + 1, cause, ckpts[-1] if ckpts else None) from e
         self.stop_signals = None
         if self.preempted:
             self._end_preempted(step + 1)

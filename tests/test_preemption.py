@@ -39,8 +39,11 @@ def _steps_logged(out) -> int:
     return sum(1 for x in f.read_text().splitlines() if '"loss"' in x) if f.is_file() else 0
 
 
-@pytest.mark.parametrize("to", ["launcher", "workers"])
+@pytest.mark.parametrize("to", ["launcher", "workers", "ctrl-c"])
 def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe, to):  # noqa: F811
+    """SIGTERM to the launcher alone, or to each worker, or Ctrl-C (SIGINT to the whole process group,
+    as a terminal sends it; the launcher passes it on again within the same second): both ranks stop
+    after the same step, its checkpoint is complete, each says so in one line, all within the bound."""
     out = tiny_recipe[0] / f"preempt-{to}"
     settings = ("training.epochs=20", "training.max_steps=30", "training.save_every=null", "eval.enabled=false",
                 "export.enabled=false")
@@ -53,6 +56,8 @@ def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe
         t0 = time.monotonic()
         if to == "launcher":
             os.kill(p.pid, signal.SIGTERM)
+        elif to == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)
         else:
             workers = [c for c in psutil.Process(p.pid).children(recursive=True) if "gpu_semantics_launch" in " ".join(c.cmdline())]
             assert len(workers) == 2, workers
@@ -65,7 +70,8 @@ def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe
             os.killpg(p.pid, signal.SIGKILL)
     text = log_path.read_text()
     steps = _steps_logged(out)
-    lines = re.findall(r"stopped by SIGTERM after step (\d+) of \d+: checkpoint (\S+) written\. Fix: resume with "
+    name = "SIGINT" if to == "ctrl-c" else "SIGTERM"
+    lines = re.findall(rf"stopped by {name} after step (\d+) of \d+: checkpoint (\S+) written\. Fix: resume with "
                        r"training\.resume=true", text)
     assert len(lines) == 2 and {int(n) for n, _ in lines} == {steps}, text[-3000:]  # one line from each rank
     ckpt = out / "checkpoints" / f"step_{steps:06d}"
@@ -74,6 +80,7 @@ def test_sigterm_stops_every_rank_after_one_step_with_its_checkpoint(tiny_recipe
     assert p.returncode != 0 and took < STOP_BOUND_S, (p.returncode, took)
     if to == "workers":  # the workers' status, as the launcher reports it (signalled itself, it says nothing)
         assert re.search(r"exitcode\s*:\s*143", text), text[-2000:]
+    assert "Traceback" not in text.split("stopped by")[0], text[-3000:]  # nothing before the lines
     if to != "launcher":
         return
     # the same command with training.resume=true continues from that checkpoint to the end
@@ -116,3 +123,28 @@ def test_a_killed_rank_leaves_the_other_with_one_line(tiny_recipe):  # noqa: F81
     step, cause, ckpt = lines[0]
     assert int(step) >= 3 and ckpt == str(sorted((out / "checkpoints").glob("step_*"))[-1])
     assert not re.search(r'File ".*peagle_train/', text), text[-3000:]  # no traceback through our code
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """In one process: the first SIGINT is recorded, a repeat within REPEAT_WINDOW_S (the launcher
+    passing the same keypress on) is ignored, one after it raises KeyboardInterrupt; SIGTERM is
+    recorded once and never escalates; the handlers are restored on leaving."""
+    from peagle_train.training.preemption import REPEAT_WINDOW_S, StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the same keypress, relayed
+        time.sleep(0.05)
+        assert stop.requested == signal.SIGINT
+        time.sleep(REPEAT_WINDOW_S + 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    assert signal.getsignal(signal.SIGINT) is before
+    with StopSignals() as stop:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert stop.requested == signal.SIGTERM

@@ -148,3 +148,32 @@ def test_a_second_ctrl_c_stops_at_once():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
         assert stop.requested == signal.SIGTERM
+
+
+def test_a_frozen_rank_past_the_timeout_leaves_the_other_with_one_line(tiny_recipe):  # noqa: F811
+    """Rank 1 frozen (SIGSTOP) after its 3rd step, a 15 s process-group timeout: rank 0's collective
+    times out and it ends with the one line; rank 1, let go again, ends with it too (its peer is
+    gone), neither with a traceback through our code."""
+    out = tiny_recipe[0] / "frozen-peer"
+    p, log_path = _start(tiny_recipe, out, "training.epochs=20", "training.max_steps=30", "training.save_every=2",
+                         "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=0.25")
+    try:
+        deadline = time.monotonic() + 180
+        while _steps_logged(out) < 3:
+            assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        frozen = _worker(p.pid, 1)
+        frozen.suspend()
+        while "process 0 of 2: another process" not in log_path.read_text():
+            assert p.poll() is None and time.monotonic() < deadline + 60, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        frozen.resume()
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    causes = dict(re.findall(r"process (\d) of 2: another process of the run was lost during step \d+ at [0-9: -]+ "
+                             r"\((.+?)\); the newest complete checkpoint is ", text))
+    assert "Timed out" in causes.get("0", ""), text[-3000:]
+    assert not re.search(r'File ".*peagle_train/', text), text[-3000:]

@@ -198,9 +198,9 @@ def _check_checkpoint(rank, world, store, ckpt, out):
 
 
 def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
-    """2 gloo processes check a checkpoint whose files they share out (file i by process i mod 2):
-    rank 1's DeepSpeed optimizer shard with a flipped byte and a cut-off model.safetensors are each
-    found by one process, and both processes stop with the same line naming both files and the
+    """2 gloo processes check a checkpoint: rank 1 its own DeepSpeed optimizer shard (a flipped
+    byte), rank 0 model.safetensors (cut off; the files all read are shared out): each is found by
+    one process, and both processes stop with the same line naming both files and the
     checkpoint to fall back to (before: the shard failed inside DeepSpeed's load on rank 1 alone,
     "PytorchStreamReader failed reading zip archive", naming no file, and rank 0 went on)."""
     import torch.multiprocessing as mp
@@ -211,11 +211,10 @@ def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
     assert got[0] == got[1], got
     size = (ckpt / "model.safetensors").stat().st_size
     record = got[0].split("(record ")[1].split(" fails")[0]
-    assert got[0] == (f"{shard}: cannot read the engine state (DeepSpeed's or FSDP's, engine/) (record {record} fails "
-                      f"its CRC (corrupted)): the file is cut off or corrupted; {ckpt / 'model.safetensors'}: cannot "
-                      f"read the draft weights (holds {size} bytes, its header needs {size + 100} (cut off)): the file "
-                      "is cut off or corrupted. Fix: delete it and resume again (from the previous checkpoint "
-                      "step_000002).")
+    assert got[0] == (f"{ckpt / 'model.safetensors'}: cannot read the draft weights (holds {size} bytes, its header "
+                      f"needs {size + 100} (cut off)): the file is cut off or corrupted; {shard}: cannot read the engine "
+                      f"state (DeepSpeed's or FSDP's, engine/) (record {record} fails its CRC (corrupted)): the file is "
+                      "cut off or corrupted. Fix: delete it and resume again (from the previous checkpoint step_000002).")
 
 
 def test_file_damage_of_each_kind(tmp_path):

@@ -13,6 +13,8 @@ Injected, from the environment (all optional):
                                 `t0` is moved after the set-up's last collective, so that no barrier
                                 evens it out): the ranks' clocks stand apart, as when rank 0 prepared
                                 and saved the data first
+  PEAGLE_TEST_RANK0_FULL_DISK   set: rank 0's first write of a checkpoint's model.safetensors fails with
+                                ENOSPC, as on a full disk
   PEAGLE_TEST_SLOW_EVAL_S       rank 0's evaluation sleeps this long before decoding (an evaluation
                                 longer than the process-group timeout)
   PEAGLE_TEST_RANK1_DROP_ROWS   rank 1's trainer loses its last n prepared rows (a node whose data
@@ -37,6 +39,15 @@ def inject() -> None:
     slow_eval = float(os.environ.get("PEAGLE_TEST_SLOW_EVAL_S", "0"))
     rank1_drop = int(os.environ.get("PEAGLE_TEST_RANK1_DROP_ROWS", "0"))
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 and os.environ.get("PEAGLE_TEST_RANK0_FULL_DISK"):
+        import errno
+
+        from peagle_train.training import checkpoint
+
+        def full_disk(sd, path, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        checkpoint.save_file = full_disk
 
     hold_file = os.environ.get("PEAGLE_TEST_HOLD_FILE")
     hold_after = int(os.environ.get("PEAGLE_TEST_HOLD_AFTER", "2"))

@@ -177,3 +177,20 @@ def test_a_frozen_rank_past_the_timeout_leaves_the_other_with_one_line(tiny_reci
                              r"\((.+?)\); the newest complete checkpoint is ", text))
     assert "Timed out" in causes.get("0", ""), text[-3000:]
     assert not re.search(r'File ".*peagle_train/', text), text[-3000:]
+
+
+def test_a_full_disk_on_rank_0_during_a_save_gives_each_process_one_line(tiny_recipe):  # noqa: F811
+    """Rank 0's first checkpoint (step 2) fails on a full disk: rank 0 says which save failed and how
+    to resume, rank 1 (waiting for it) that its peer was lost; no traceback through our code."""
+    out = tiny_recipe[0] / "full-disk"
+    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_RANK0_FULL_DISK": "1"}, "training.max_steps=6", "training.save_every=2",
+                "eval.enabled=false", "export.enabled=false")
+    text = p.stdout + p.stderr
+    ckpt = out / "checkpoints" / "step_000002"
+    assert p.returncode != 0
+    assert (f"gpu_semantics_launch.py: error: saving checkpoint {ckpt} failed (No space left on device); no earlier "
+            f"checkpoint exists. Fix: free disk space in {out / 'checkpoints'} (or lower training.keep_last) and resume "
+            "with training.resume=true.") in text, text[-3000:]
+    assert re.search(r"process 1 of 2: another process of the run was lost during step 2 at [0-9: -]+ \(.+?\); no "
+                     r"checkpoint was written yet\. Fix: ", text), text[-3000:]
+    assert not re.search(r'File ".*peagle_train/', text), text[-3000:]

@@ -35,7 +35,7 @@ from .preemption import PeerLost, Preempted, StopSignals, peer_lost
 from .checkpoint import (best_checkpoint, check_output_dir, check_shared_folder, checkpoints_root, data_fingerprint,
                          flat_fingerprint, list_checkpoints, load_training_checkpoint, save_training_checkpoint)
 from ..algorithms.cod import attention_kind
-from .engines import fused_optimizer, make_engine, resolve_engine
+from .engines import end_distributed, fused_optimizer, make_engine, resolve_engine
 from ..algorithms.loss import metrics_from_counts
 from .schedule import lr_lambda, warmup_steps_of
 from .tracking import step_scalars, tracker_name
@@ -396,6 +396,7 @@ class Trainer:
         if self.logf:
             self.logf.close()
         self.eng.close()
+        end_distributed(self.accelerator)  # every process is here after the same step: none exits with a live group
         name = signal.Signals(self.preempted).name
         raise Preempted(f"stopped by {name} after step {done} of {self.steps}: checkpoint "
                         f"{self.ckpt_root / f'step_{done:06d}'} written. Fix: resume with training.resume=true "

@@ -29,6 +29,7 @@ import os
 import re
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -254,21 +255,28 @@ def test_a_multirun_under_two_processes_is_refused_on_every_rank(tiny_recipe):
 
 
 # ---------------------------------------------------------------------------------------------- B7
-def _check_folder(rank, world, store, folders, out):
+def each_rank_says(rank, world, store, out, check, ok):
+    """Process `rank` of a `world` of gloo processes (mp.spawn's target): run `check(rank)` and write
+    `ok`, or the message of the UserError it raised, to out/rank<rank>.txt."""
     import torch.distributed as dist
 
-    from peagle_train.errors import ConfigError
-    from peagle_train.training.checkpoint import check_shared_folder
+    from peagle_train.errors import UserError
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        check_shared_folder(folders[rank])
-        msg = "shared"
-    except ConfigError as e:
+        check(rank)
+        msg = ok
+    except UserError as e:
         msg = str(e)
     with open(f"{out}/rank{rank}.txt", "w") as f:
         f.write(msg)
     dist.destroy_process_group()
+
+
+def _check_folder(folders, rank):
+    from peagle_train.training.checkpoint import check_shared_folder
+
+    check_shared_folder(folders[rank])
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -278,7 +286,8 @@ def test_a_checkpoint_folder_not_shared_by_every_process_is_refused(tmp_path, sh
     import torch.multiprocessing as mp
 
     folders = [str(tmp_path / "ckpt")] * 2 if shared else [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    mp.spawn(_check_folder, args=(2, str(tmp_path / "store"), folders, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(each_rank_says, args=(2, str(tmp_path / "store"), str(tmp_path), partial(_check_folder, folders), "shared"),
+             nprocs=2, join=True)
     got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     if shared:
         assert got == ["shared", "shared"] and not list((tmp_path / "ckpt").iterdir())  # the probe is removed

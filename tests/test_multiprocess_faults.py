@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import datasets
 import pytest
@@ -27,7 +28,7 @@ from peagle_train.provenance import digest, rows_fingerprint
 from peagle_train.training.checks import _ranks, check_same_data, data_identity
 from .conftest import REPO_ROOT
 from .test_engines import _free_port
-from .test_gpu_semantics import LAUNCH, _launch, tiny_recipe  # noqa: F401 (tiny_recipe: a fixture)
+from .test_gpu_semantics import LAUNCH, _launch, each_rank_says, tiny_recipe  # noqa: F401 (tiny_recipe: a fixture)
 
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 QUICK = ("training.max_steps=2", "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=1")
@@ -180,21 +181,10 @@ def _damaged_checkpoint(root):
     return ckpt, shard
 
 
-def _check_checkpoint(rank, world, store, ckpt, out):
-    import torch.distributed as dist
-
-    from peagle_train.errors import CorruptFileError
+def _check_checkpoint(ckpt, rank):
     from peagle_train.training.checkpoint import check_checkpoint_files
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        check_checkpoint_files(ckpt, world, "delete it and resume again (from the previous checkpoint step_000002)")
-        msg = "ok"
-    except CorruptFileError as e:
-        msg = str(e)
-    with open(f"{out}/rank{rank}.txt", "w") as f:
-        f.write(msg)
-    dist.destroy_process_group()
+    check_checkpoint_files(ckpt, 2, "delete it and resume again (from the previous checkpoint step_000002)")
 
 
 def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
@@ -206,7 +196,8 @@ def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
     import torch.multiprocessing as mp
 
     ckpt, shard = _damaged_checkpoint(tmp_path)
-    mp.spawn(_check_checkpoint, args=(2, str(tmp_path / "store"), ckpt, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(each_rank_says, args=(2, str(tmp_path / "store"), str(tmp_path), partial(_check_checkpoint, ckpt), "ok"),
+             nprocs=2, join=True)
     got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert got[0] == got[1], got
     size = (ckpt / "model.safetensors").stat().st_size

@@ -32,7 +32,7 @@ from peagle_train.jobs.builders import build_target, run_metadata, write_json
 from peagle_train.jobs.training_job import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import TrainSettings, check_training_config
-from peagle_train.training.engines import check_distributed_config, process_group_kwargs
+from peagle_train.training.engines import check_distributed_config, gather_object, process_group_kwargs
 from peagle_train.training.run_lock import check_not_locked, claim_at_run_start, claim_output_dir, release_lock
 from peagle_train.training.tracking import start_trackers, untracked_accelerator
 
@@ -69,17 +69,6 @@ def check_data_preparation(cfg, tokenizer, target_vocab_size: int, world: int, g
     flags = gather(cold) if gather is not None else [cold]
     if any(flags):
         raise ConfigError(f"{problem} ({sum(flags)} of {len(flags)} processes find no prepared copy in data.cache_dir)")
-
-
-def _gather_object(value) -> list:
-    """`value` of every process (torch.distributed all_gather_object; [value] without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def run_dir(cfg) -> Path:
@@ -143,7 +132,7 @@ def train_job(cfg: DictConfig) -> dict:
     # 1. target (frozen) and data: template, assistant-only mask, draft vocabulary, mask token
     target, tok = build_target(cfg.target, acc.device, str(cfg.algorithm))
     # a cold preparation longer than the process-group timeout is refused here, on every process
-    check_data_preparation(cfg, tok, target.config.vocab_size, acc.num_processes, gather=_gather_object)
+    check_data_preparation(cfg, tok, target.config.vocab_size, acc.num_processes, gather=gather_object)
     with acc.main_process_first():
         # data.prepared_dir (`peagle prepare`; refused if made for another target), else prepared here
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)

@@ -84,24 +84,22 @@ def check_checkpoint_files(ckpt: Path, num_processes: int, fix: str) -> None:
     """Check every file of checkpoint `ckpt` that a resume reads, ours and the engine's (DeepSpeed's
     shards, FSDP's state under engine/), before any is loaded (`file_damage`); each file is checked
     by one process (`_checker`: the one that reads it, else shared out) and every process learns every finding
-    (all_gather_object: collective under a process group). A missing rng_rank<r>.pt of one of the
+    (`engines.gather_object`: collective under a process group). A missing rng_rank<r>.pt of one of the
     `num_processes` processes counts too. Raises CorruptFileError on every process, naming each
     damaged file, what it holds and `fix` (the checkpoint to fall back to)."""
     import torch.distributed as dist
 
+    from .engines import gather_object
+
     ckpt = Path(ckpt)
-    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     files = sorted(p for p in ckpt.rglob("*") if p.is_file())
     mine = [f"{p}: cannot read the {_what(ckpt, p)} ({why}): the file is cut off or corrupted"
             for i, p in enumerate(files) if _checker(p, i, world) == rank and (why := file_damage(p))]
     if rank == 0:
         mine += [f"{ckpt / f'rng_rank{r}.pt'}: missing (RNG state)" for r in range(num_processes)
                  if not (ckpt / f"rng_rank{r}.pt").is_file()]
-    found = [mine]
-    if grouped:
-        found = [None] * world
-        dist.all_gather_object(found, mine)
+    found = gather_object(mine)
     problems = [x for part in found for x in part]
     if problems:
         raise CorruptFileError(f"{'; '.join(problems)}. Fix: {fix}.")
@@ -109,12 +107,10 @@ def check_checkpoint_files(ckpt: Path, num_processes: int, fix: str) -> None:
 
 def _checker(path: Path, index: int, world: int) -> int:
     """The process that checks a checkpoint file: the one that reads it alone (rng_rank<r>.pt and
-    DeepSpeed's zero_pp_rank_<r>_* shard: r; FSDP's full state, read by rank 0 and broadcast: 0),
-    else `index` mod `world` (files every process reads, checked once)."""
+    DeepSpeed's zero_pp_rank_<r>_* shard: r), else `index` mod `world` (a file every process reads,
+    checked once)."""
     import re
 
-    if path.name == "fsdp_full_state.pt":
-        return 0
     m = re.match(r"(?:rng_rank|zero_pp_rank_)(\d+)", path.name)
     return int(m.group(1)) % world if m else index % world
 

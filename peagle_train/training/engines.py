@@ -464,6 +464,18 @@ def average_gradients(model, accelerator) -> None:
         i += g.numel()
 
 
+def gather_object(value) -> list:
+    """`value` of every process, in rank order (torch.distributed `all_gather_object`: collective
+    under a process group of more than one process); `[value]` otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def process_group_kwargs(timeout_minutes: float) -> list:
     """Accelerate's `kwargs_handlers` that set the process-group timeout (`distributed.timeout_minutes`):
     how long a collective waits for the slowest process (rank 0 preparing the data, saving a

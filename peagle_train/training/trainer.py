@@ -149,8 +149,8 @@ class Trainer:
     def _count_steps(self, n_val: int) -> None:
         """`self.steps`: optimizer steps, len(batches) // (W · grad_accum), at most training.max_steps;
         sets W, r (this process's index) and A (grad_accum). Raises ConfigError (a ValueError) when
-        there is no step,
-        and what `check_schedule` raises for a warm-up or checkpoint cadence sized for another run;
+        there is no step, and what `check_schedule` raises for a warm-up or checkpoint cadence sized
+        for another run;
         warns when validation rows are held out but no checkpoint would run it."""
         acc, training = self.accelerator, self.training
         W, A = acc.num_processes, training.get("grad_accum") or 1

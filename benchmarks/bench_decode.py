@@ -6,10 +6,11 @@ engine and, side by side in the same run, another checkout's code (e.g. main bef
     python benchmarks/bench_decode.py --head /tmp/h18/checkpoint --base /tmp/base [--num-prompts 2]
 
 One process, one torch thread, on the SmolLM2-135M-Instruct target (pkg:smollm2) with the given
-head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder
-(peagle_train/decoding/decoder.py) is loaded beside this tree's engine and runs on the same target
-and head weights. This tree's engine runs on a copy whose bf16 linears are packed for oneDNN and,
-on a CPU with AMX, for the AMX kernel, with its norms fused (`fuse_ops`) and the AMX attention, as
+head, greedy, K = 5, MT-Bench first turns. The other checkout's per-sequence decoder (its
+tests/reference_decoder.py; in checkouts before bd2cd07, the decoder.py of its package's decoding
+folder) is loaded beside this tree's engine and runs on the same target and head weights. This
+tree's engine runs on a copy whose bf16 linears are packed for oneDNN and, on a CPU with AMX, for
+the AMX kernel, with its norms fused (`fuse_ops`) and the AMX attention, as
 `peagle evaluate` decodes; with AMX a third copy runs oneDNN's kernels only. The codes alternate prompt by prompt, so that a shared machine's load hits
 all of them. Step ms = wall time after the first token ÷ decoding steps (target alone: one token
 per step; speculative: one verify step). The baseline of every ratio and speedup is the fastest
@@ -46,13 +47,19 @@ def _prompts(tok, n: int) -> list[list[int]]:
 
 
 def _old_decoder(base: Path):
-    """The per-sequence decoder of another checkout (its peagle_train/decoding/decoder.py), loaded
-    as a module of this tree's package, so that it runs on the same target and head objects."""
+    """The per-sequence decoder of another checkout `base` (its tests/reference_decoder.py, or in
+    checkouts before bd2cd07 the decoder.py of its package's decoding folder), loaded as a module of
+    this tree's package, so that it runs on the same target and head objects. Raises SystemExit
+    when `base` holds neither."""
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("peagle_train.decoding._base_decoder",
-                                                  base / "peagle_train" / "decoding" / "decoder.py")
+    found = [p for p in (base / "tests" / "reference_decoder.py", base / "peagle_train" / "decoding" / "decoder.py")
+             if p.is_file()]
+    if not found:
+        raise SystemExit(f"--base {base}: no per-sequence decoder there (tests/reference_decoder.py, or the decoding "
+                         "package's decoder.py before bd2cd07). Fix: --base <a checkout of this repository>")
+    spec = importlib.util.spec_from_file_location("peagle_train.decoding._base_decoder", found[0])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -158,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head", required=True, help="a training checkpoint (runs/<run>/checkpoint)")
     ap.add_argument("--base", default=None, help="another checkout (git worktree add --detach /tmp/base main) whose "
-                    "peagle_train/decoding/decoder.py runs beside this tree's engine")
+                    "per-sequence decoder (tests/reference_decoder.py) runs beside this tree's engine")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)

@@ -1,6 +1,7 @@
-"""The table of a quality-ablation run (experiments/ablations.sh) into docs/RESULTS.md.
+"""The table of a quality-ablation run (experiments/ablations.sh) into docs/BENCHMARKS.md (the reading, by
+hand: docs/RESULTS.md, "Which training settings matter").
 
-    python experiments/ablation_report.py run_dir=runs/ablations [out=docs/RESULTS.md]
+    python experiments/ablation_report.py run_dir=runs/ablations [out=docs/BENCHMARKS.md]
 
 Reads RUN/eval/<arm>__<arm>[__<arm>...]/step_N/eval/acceptance.json (the first arm is the head, the
 second the baseline head of that evaluation, the others its more_heads in order) and RUN/<arm>/train_log.jsonl (token-passes at step N), and
@@ -49,7 +50,7 @@ WHAT = {  # arm -> what differs from the base
 @dataclass
 class Args:
     run_dir: str = MISSING  # the ablation run directory (experiments/ablations.sh OUTPUT_DIR)
-    out: str = str(ROOT / "docs" / "RESULTS.md")  # the markdown file (its ablation section)
+    out: str = str(ROOT / "docs" / "BENCHMARKS.md")  # the markdown file (its ablation section)
 
 
 def tokens_at(run: Path, step: int) -> int | None:

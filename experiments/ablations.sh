@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Quality ablations at equal token budget on SmolLM2-135M-Instruct (docs/RESULTS.md, "Quality ablations").
+# Quality ablations at equal token budget on SmolLM2-135M-Instruct (docs/RESULTS.md, "Which training settings matter";
+# the table: docs/BENCHMARKS.md, "Quality ablations at equal token budget").
 #   bash experiments/ablations.sh runs/ablations          # every stage resumes after a kill
 #   python experiments/ablation_report.py run_dir=runs/ablations
 # 1. the target regenerates the first turn of CONVS ShareGPT conversations (BACKEND: vLLM, or hf, the

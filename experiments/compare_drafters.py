@@ -1,8 +1,9 @@
-"""P-EAGLE, DFlash and EAGLE-3 side by side on the same target, data and budget (docs/RESULTS.md).
+"""P-EAGLE, DFlash and EAGLE-3 side by side on the same target, data and budget (the tables: docs/BENCHMARKS.md;
+the reading: docs/RESULTS.md, "Which head should I train?").
 
     python experiments/compare_drafters.py command=bench out=runs/cmp/bench.json     # costs, machine idle
     python experiments/compare_drafters.py command=report run_dir=runs/cmp bench=runs/cmp/bench.json
-        [budgets=[48,96,192]] [speed_eval=runs/cmp/speed/eval/acceptance.json] [out=docs/RESULTS.md]
+        [budgets=[48,96,192]] [speed_eval=runs/cmp/speed/eval/acceptance.json] [out=docs/BENCHMARKS.md]
     python experiments/compare_drafters.py command=parity parity_dirs=[runs/parity,runs/parity-dflash] \
         [out=docs/BENCHMARKS.md]
 
@@ -62,7 +63,7 @@ ORDER = ("peagle", "dflash", "eagle3")
 @dataclass
 class Args:
     command: str = MISSING  # bench | report | parity
-    out: str = ""           # bench: the JSON written; report: the markdown file (default docs/RESULTS.md)
+    out: str = ""           # bench: the JSON written; report, parity: the markdown file (default docs/BENCHMARKS.md)
     run_dir: str = ""       # report: the comparison's run directory
     bench: str = ""         # report: the JSON of `bench`
     budgets: list[int] = field(default_factory=lambda: [48, 96, 192])
@@ -288,7 +289,7 @@ def report(a: Args) -> str:
             sp = "—" if m.get("speedup") is None else f"{m['speedup']:.2f}×"
             lines.append(f"| {name} | {m['acceptance_length']:.3f} | {m['tokens_per_second']:.1f} | {sp} | "
                          f"{1000 * m['draft_seconds_per_step']:.1f} |")
-    out = Path(a.out or ROOT / "docs" / "RESULTS.md")
+    out = Path(a.out or ROOT / "docs" / "BENCHMARKS.md")
     png = plot(points, fits, b["drafting"], out.with_name("drafters.png"))
     lines += ["", f"![τ against token-passes, and drafting time against K]({png.name})"]
     text = "\n".join(lines)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DFlash's recipe options one at a time against the port it replaces, at equal steps, on SmolLM2-135M
-# (docs/RESULTS.md, "DFlash: the paper's recipe, option by option"):
+# (docs/BENCHMARKS.md, "DFlash options one at a time"; the reading: docs/RESULTS.md):
 #   bash experiments/dflash_options.sh runs/dflash-options        # trained arms are kept and skipped
 # Every arm: the demo recipe's 300 ShareGPT conversations, STEPS steps of 1,024 tokens (online
 # features), 64 anchors per row, lr 2e-3. The port: 3 target layers [2, 15, 27], block 6 (K 5),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The per-benchmark evaluations of a recipe run's two heads (docs/RESULTS.md, "K = 3, 5, 7 per
-# benchmark"): target alone, P-EAGLE (RUN/peagle/checkpoint) and EAGLE-3 (RUN/eagle3/checkpoint) in
-# one `peagle evaluate` per benchmark and K, greedy; then the tables (experiments/results_tables.py).
+# The per-benchmark evaluations of a recipe run's two heads (docs/RESULTS.md, "Which K should I
+# serve with"; every row: experiments/ARCHIVE.md, "Recipe heads per benchmark"): target alone,
+# P-EAGLE (RUN/peagle/checkpoint) and EAGLE-3 (RUN/eagle3/checkpoint) in one `peagle evaluate` per
+# benchmark and K, greedy; then the tables (experiments/results_tables.py).
 #
 #   bash experiments/recipe_results.sh runs/smollm2          # every evaluation resumes after a kill
 #   KS="3 5 7" BENCHES="mtbench humaneval specbench" bash experiments/recipe_results.sh runs/smollm2

@@ -1,9 +1,10 @@
 """The fair regeneration test: the same prompts answered by the target against their original answers,
-at equal distinct tokens and equal token-passes (experiments/regen_fair.sh; docs/RESULTS.md).
+at equal distinct tokens and equal token-passes (experiments/regen_fair.sh; the tables: docs/BENCHMARKS.md,
+the reading: docs/RESULTS.md).
 
     python experiments/regen_fair.py command=arms regenerated=RUN/regenerate/regenerated.jsonl out=RUN/arms \
         [data=pkg:sharegpt] [max_length=640] [target=pkg:smollm2]
-    python experiments/regen_fair.py command=report run_dir=RUN [out=docs/RESULTS.md]
+    python experiments/regen_fair.py command=report run_dir=RUN [out=docs/BENCHMARKS.md]
 
 `arms` pairs every conversation of a finished `peagle regenerate` output with the original record of
 the same id in `data` (its user turns cut to the regenerated ones: a run with regenerate.max_turns
@@ -18,9 +19,9 @@ pairs without an original counted).
 
 `report` reads RUN/eval-<bench>/base__regen/step_N/eval/acceptance.json (one `peagle evaluate` of
 both heads per benchmark, the original arm as head, the regenerated as baseline_head's column
-"regen") and RUN/arms/arms.json, and writes the section "## Should I regenerate the answers with the target?"
-of `out`: per benchmark and arm, token-passes, τ ± s.e., the paired Δτ (clustered by prompt),
-P(≥ i) and c1 = P(≥2) / P(≥1).
+"regen") and RUN/arms/arms.json, and writes the section HEADING ("## Regenerated answers against the
+originals at equal tokens") of `out`: per benchmark and arm, token-passes, τ ± s.e., the paired Δτ
+(clustered by prompt), P(≥ i) and c1 = P(≥2) / P(≥1).
 """
 
 import json
@@ -38,7 +39,7 @@ from peagle_train.errors import UserError
 from peagle_train.runtime import cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "## Should I regenerate the answers with the target?"
+HEADING = "## Regenerated answers against the originals at equal tokens (experiments/regen_fair.py)"
 BENCHES = {"mt_bench": "80 MT-Bench first turns (Spec-Bench)", "humaneval": "HumanEval prompts (no prompt shared "
                                                                                "with training)"}
 

@@ -107,6 +107,8 @@ def test_train_dry_run_through_the_command_from_an_empty_directory(tmp_path):
     assert s["dry_run"]["steps"] == 2 and s["dry_run"]["num_depths"] == 8 and s["dry_run"]["family"] == "llama"
     assert (out / ".hydra" / "config.yaml").is_file() and (out / "train.log").is_file()
     assert (out / "export" / "config.json").is_file()
+    card = (out / "export" / "README.md").read_text()  # τ under the benchmark the job evaluated
+    assert "| random | " in card and "mt_bench" not in card
     assert list(cwd.iterdir()) == []
 
 

@@ -13,8 +13,19 @@ Not paths of this repository, so never checked: URLs, other projects' paths (vLL
 DeepSpeed's `runtime/...`: their first folder is none of ours, or the token continues one, as in
 `src/speculators/train/...`), placeholders (`RUN/...`, `recipes/NAME.yaml`, `<dir>/...`, `…`),
 globs (`bench_*.py`), and what a run writes (`data/summary.json`, `output_dir/...`: see
-`RUN_OUTPUTS`)."""
+`RUN_OUTPUTS`).
 
+The benchmark, experiment and install scripts and the tests are held to the same paths (not
+experiments/ARCHIVE.md nor CHANGELOG.md, which cite paths as they were), and every dotted name of
+the package that any of them cites (`peagle_train.evaluation.report.summarize`) names a module, a
+function or class defined at a module's top, or a class's member: code that moved is cited where it
+lives now.
+
+And the pages a reader opens first stay short (`DOC_LINE_LIMITS`): README.md at most 200 lines,
+docs/RESULTS.md and docs/STATUS.md under 300; long tables go to docs/BENCHMARKS.md, superseded runs
+to experiments/ARCHIVE.md."""
+
+import ast
 import re
 from pathlib import Path
 
@@ -35,7 +46,7 @@ FILE_EXTS = ("py", "md", "sh", "yaml", "yml", "png", "cpp", "toml", "json", "jso
 # Files a run writes under its output_dir, named in the docs by their place there (REFERENCE.md,
 # "What a run writes"; DATA.md): not files of the repository.
 RUN_OUTPUTS = ("data/summary.json", "data/rows", "data/draft_vocab.safetensors", "data/manifest.json",
-               "data/packed", "data/rows.jsonl")
+               "data/packed", "data/rows.jsonl", "export/config.json", "export/model.safetensors")
 
 _URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 _TOKEN = re.compile(r"(?<![\w./~$<{-])((?:[\w.-]+/)+[\w.-]*)")
@@ -106,6 +117,76 @@ def _sources() -> list[Path]:
     return docs + sorted(PKG.rglob("*.py"))
 
 
+def _script_sources() -> list[Path]:
+    """The benchmark, experiment and install scripts and the tests (this file, whose samples are
+    made up, left out). Not experiments/ARCHIVE.md nor CHANGELOG.md: they cite paths as they were."""
+    out = [f for d in ("benchmarks", "experiments", "scripts") for ext in ("py", "sh")
+           for f in sorted((REPO_ROOT / d).glob(f"*.{ext}"))]
+    return out + [f for f in sorted((REPO_ROOT / "tests").glob("*.py")) if f.name != Path(__file__).name]
+
+
+# A dotted name of the package (`peagle_train.evaluation.report.summarize`); not one that a call
+# makes up as it stands (a logger's name, a module loaded from a file) nor a dunder (`__file__`).
+_DOTTED = re.compile(r"(?<![\w.])peagle_train(?:\.[A-Za-z_]\w*)+")
+_NAMING_CALLS = ("getLogger(", "spec_from_file_location(")
+
+
+def _top_level_names(path: Path) -> dict[str, ast.AST | None]:
+    """{name: its node (a class's, to look its members up) or None} of what module `path` defines
+    or imports at its top level."""
+    out: dict[str, ast.AST | None] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for tgt in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(tgt, ast.Name):
+                    out[tgt.id] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                out[(alias.asname or alias.name).split(".")[0]] = None
+    return out
+
+
+def dotted_name_exists(name: str) -> bool:
+    """Whether `peagle_train.a.b[.c]` names a module of the package, a name defined at the top of
+    one, or a member (method, attribute) of a class defined there; read from the source, nothing
+    imported."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        base = REPO_ROOT.joinpath(*parts[:i])
+        module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if not module.is_file():
+            continue
+        rest = parts[i:]
+        if not rest:
+            return True
+        names = _top_level_names(module)
+        if rest[0] not in names:
+            return False
+        node = names[rest[0]]
+        if len(rest) == 1 or not isinstance(node, ast.ClassDef):
+            return True
+        members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        members |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        members |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        return rest[1] in members
+    return False
+
+
+def missing_names(text: str) -> list[str]:
+    """The package's dotted names cited in `text` that name nothing (a module moved or a function
+    renamed), each once."""
+    out = []
+    for m in _DOTTED.finditer(text):
+        name = m.group(0)
+        if "__" in name or text[max(0, m.start() - 30):m.start()].rstrip("\"'").endswith(_NAMING_CALLS):
+            continue
+        if not dotted_name_exists(name) and name not in out:
+            out.append(name)
+    return out
+
+
 def test_extractor_finds_a_made_up_path():
     sample = ("The trainer (`training/trainer.py`) reads docs/RESULTS.md and peagle_train/nowhere/gone.py; "
               "see [the status](docs/STATUS.md), https://github.com/x/y/blob/main/docs/absent.md, vLLM's "
@@ -121,6 +202,28 @@ def test_extractor_finds_a_made_up_path():
         "peagle_train/accel/cpu", "docs/sweeps/k_train/"]
 
 
+def test_a_moved_function_is_found_by_its_dotted_name():
+    assert dotted_name_exists("peagle_train.evaluation.report.summarize")
+    assert dotted_name_exists("peagle_train.evaluation.run.ResultLog.add")
+    assert dotted_name_exists("peagle_train.training")
+    assert missing_names("see peagle_train.decoding.decoder.speculative_generate and "
+                         "peagle_train.export.speculators.model_card; logging.getLogger(\"peagle_train.train\"), "
+                         "peagle_train.__file__") == ["peagle_train.decoding.decoder.speculative_generate"]
+
+
+def test_every_cited_package_name_exists():
+    problems = [f"{f.relative_to(REPO_ROOT)}: {n}" for f in _sources() + _script_sources() if f.name != Path(__file__).name
+                for n in missing_names(f.read_text(encoding="utf-8"))]
+    assert not problems, "package names cited but defined nowhere (moved or renamed? cite where it lives now):\n  " + \
+        "\n  ".join(problems)
+
+
+def test_every_path_the_scripts_and_tests_cite_exists():
+    problems = [f"{f.relative_to(REPO_ROOT)}: {p}" for f in _script_sources()
+                for p in missing_paths(f.read_text(encoding="utf-8"))]
+    assert not problems, "paths cited but not in the repository:\n  " + "\n  ".join(problems)
+
+
 def test_every_cited_path_exists():
     problems = []
     for f in _sources():
@@ -129,3 +232,33 @@ def test_every_cited_path_exists():
         for p in missing_paths(text, f if md else None):
             problems.append(f"{f.relative_to(REPO_ROOT)}: {p}")
     assert not problems, "paths cited but not in the repository:\n  " + "\n  ".join(problems)
+
+
+# The pages a reader opens first stay short enough to read: detail moves out instead of piling up.
+DOC_LINE_LIMITS = {"README.md": 200, "docs/RESULTS.md": 299, "docs/STATUS.md": 299}
+
+
+def overlong_docs(limits: dict[str, int], root: Path = REPO_ROOT) -> list[str]:
+    """One message per file of `limits` ({path relative to `root`: most lines allowed}) that holds
+    more lines than its limit, naming the file, its count, the limit and the fix."""
+    out = []
+    for rel, limit in limits.items():
+        n = len((root / rel).read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{rel}: {n} lines, over its limit of {limit}. Fix: keep the newest answer there and move "
+                       f"detail to docs/BENCHMARKS.md (long tables) or experiments/ARCHIVE.md (superseded runs, history)")
+    return out
+
+
+def test_the_front_pages_stay_short():
+    problems = overlong_docs(DOC_LINE_LIMITS)
+    assert not problems, "\n".join(problems)
+
+
+def test_an_overlong_page_is_named_with_its_count_and_the_fix(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "RESULTS.md").write_text("line\n" * 301)
+    (tmp_path / "README.md").write_text("line\n" * 200)
+    assert overlong_docs({"README.md": 200, "docs/RESULTS.md": 299}, tmp_path) == [
+        "docs/RESULTS.md: 301 lines, over its limit of 299. Fix: keep the newest answer there and move detail to "
+        "docs/BENCHMARKS.md (long tables) or experiments/ARCHIVE.md (superseded runs, history)"]

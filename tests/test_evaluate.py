@@ -121,9 +121,10 @@ def test_evaluate_writes_tau_latency_calibration_and_skips(tmp_path, chatml_toke
                {"id": 3, "category": "math", "turns": ["  "]},                      # empty: skipped
                {"id": 4, "category": "math", "turns": ["hello " * 400, "again"]}]  # > 512 context: skipped
     r = evaluate_acceptance(t, d, tok, prompts, EvalSettings(num_speculative_tokens=3, max_new_tokens=12,
-                                                           batch_size=batch_size), out_dir=tmp_path,
-                            baseline_draft=e3, train_metrics={"cond_acc": [0.5, 0.2, 0.0, 0.0]})
+                                                           batch_size=batch_size, benchmark="spec_bench"),
+                            out_dir=tmp_path, baseline_draft=e3, train_metrics={"cond_acc": [0.5, 0.2, 0.0, 0.0]})
     saved = json.loads((tmp_path / "acceptance.json").read_text())
+    assert saved["benchmark"] == "spec_bench"  # the export's model card lists τ under it
     assert saved["lossless"] is True and saved["baseline"]["lossless"] is True
     assert saved["skipped"] == {"empty_prompt": 1, "too_long": 1}
     assert saved["num_turns"] == 3 and saved["num_prompts"] == 2

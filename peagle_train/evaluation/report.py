@@ -483,7 +483,8 @@ def k_table(results: dict[int, dict]) -> str:
     a `baseline` head (the head and the baseline decoded in the same run): τ (± its standard error
     over prompts, `acceptance_length_stderr`, where recorded), P(≥ i accepted) for
     i = 1..3, drafting ms per verify step, speedup over the target alone (its tokens/s) and the
-    lossless counts. The table of docs/RESULTS.md, "K = 3, 5, 7 per benchmark".
+    lossless counts. The tables of experiments/ARCHIVE.md, "Recipe heads per benchmark"
+    (experiments/results_tables.py).
 
     Raises KeyError naming a run without a baseline head."""
     lines = ["| K | P-EAGLE τ | EAGLE-3 τ | P-EAGLE P(≥ 1, 2, 3 accepted) | EAGLE-3 P(≥ 1, 2, 3 accepted) | drafting per "

@@ -440,7 +440,8 @@ def _turn_jobs(prompts: list[dict], idx: list[int], turn: int, tokenizer, histor
 def _write_acceptance(done_turns: list, decoders: list[tuple], settings: EvalSettings, out_dir: Path, *, decoded: int,
                       results: ResultLog, skipped: dict[str, int], num_prompts: int, precision: str, baseline_draft,
                       more_heads: list[tuple], train_metrics: dict | None) -> dict:
-    """The acceptance dict of the decoded turns (report.summarize, in the prompts' order), written
+    """The acceptance dict of the decoded turns (report.summarize, in the prompts' order, with
+    "benchmark": settings.benchmark, the name the export's model card lists it under), written
     to out_dir (report.write_report: per_prompt.csv, acceptance.png when settings.plot,
     acceptance.json) and logged. done_turns: `_decode_turns`'s; precision: its name (fp32, bf16, ...).
     Raises BenchmarkError when no turn was decoded (every prompt skipped)."""
@@ -457,6 +458,7 @@ def _write_acceptance(done_turns: list, decoders: list[tuple], settings: EvalSet
                        baseline_algorithm=baseline_draft.config.algorithm if baseline_draft is not None else None,
                        train_metrics=train_metrics,
                        more_heads=[(n, d.config.algorithm) for n, d, _ in more_heads])
+    result["benchmark"] = settings.benchmark
     write_report(result, rows, out_dir, settings.plot)
     logger.info(format_acceptance(result))
     return result

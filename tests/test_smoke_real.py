@@ -32,7 +32,7 @@ def test_demo_recipe_shrunk_end_to_end(tmp_path):
     assert (out / "export" / "model.safetensors").stat().st_size > 1_000_000
     assert "τ (acceptance length)" in proc.stdout
     log = (out / "train.log").read_text()  # Hydra's run log holds the run's messages (the console's too)
-    assert log.count("precision: ") == 2  # resolved for training, then for the evaluation
+    assert log.count("precision: ") == 2  # resolved once; logged for training, then by the evaluation
     for line in ("bf16 unit: ", "data summary:", "trained 2 steps, ", "τ (acceptance length) = ",
                  f"export written and validated: {out / 'export'}", "done in "):
         assert log.count(line) == 1 and line in proc.stdout, line

@@ -7,7 +7,8 @@
 `head` (and `baseline_head`) is a training checkpoint (draft_config.json) or an export directory
 (config.json). The target alone, the head and the baseline head decode every prompt in the same run.
 Writes output_dir/eval/acceptance.json, per_prompt.csv and acceptance.png. The target and heads
-decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32).
+decode in `precision` (auto: bf16 on CUDA and on CPUs with AMX / AVX512-BF16, else fp32), resolved once at
+the start, for our decoder and for vLLM alike.
 A rerun into the same output_dir after an interruption decodes only what eval/results.jsonl lacks.
 
     peagle evaluate head=runs/demo/checkpoint eval.engine=both       # our decoder and vLLM, side by side
@@ -39,13 +40,14 @@ from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
 from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
 from peagle_train.jobs.builders import build_target
+from peagle_train.precision import ResolvedPrecision, resolve_precision
 from peagle_train.target.aux_layers import AuxLayers
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids
 from peagle_train.export.speculators import validate_export, verifier_name, write_export
-from peagle_train.serving.vllm_engine import evaluate_with_vllm, vllm_python
+from peagle_train.serving.vllm_engine import evaluate_with_vllm, vllm_dtype, vllm_python
 from peagle_train.target.load import model_source
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ def main(cfg: DictConfig) -> dict:
     check_config(cfg, "evaluate")  # every setting in range (config.py), before any work
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # resolved once, on the device that decodes (ours, and vLLM's: CUDA where there is one)
+    prec = resolve_precision(cfg.precision, "cuda" if torch.cuda.is_available() else "cpu")
     head = cfg.get("head")
     if not head:
         raise SystemExit("Give the head to evaluate: head=runs/<run>/checkpoint (or an export directory).")
@@ -114,24 +118,27 @@ def main(cfg: DictConfig) -> dict:
                          "eval.engine=reference for sampling.")
     prompts = prompts_from_config(cfg.eval)
     if engine == "vllm":
-        return evaluate_in_vllm(cfg, head, draft, target, tok, prompts)
+        return evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec)
     acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
                               cpu=device == "cpu")
     result = evaluate_acceptance(target, draft, tok, prompts, settings, out_dir=Path(cfg.output_dir) / "eval",
-                                 precision=cfg.precision, baseline_draft=baseline, baseline_target=btarget,
+                                 precision=prec, baseline_draft=baseline, baseline_target=btarget,
                                  train_metrics=train_metrics, more_heads=more)
     acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
     acc.end_training()
     if engine == "both":
-        result["vllm"] = evaluate_in_vllm(cfg, head, draft, target, tok, prompts, reference=result)
+        result["vllm"] = evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec, reference=result)
     return result
 
 
-def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: list[dict],
+def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: list[dict], precision: ResolvedPrecision,
                      reference: dict | None = None) -> dict:
     """τ of `head` served by vLLM on the first turns of `prompts` (their chat token ids, as our
-    decoder sees them), greedy, batch 1, in `precision`; writes eval/acceptance_vllm.json and, beside
-    a `reference` result, eval/engines.md (the two side by side)."""
+    decoder sees them), greedy, batch 1, in `precision` (the run's: vLLM's dtype, and the dtype a
+    checkpoint is exported in for it); writes eval/acceptance_vllm.json and, beside a `reference`
+    result, eval/engines.md (the two side by side). Raises VllmError for a precision vLLM is not run
+    in (serving/vllm_engine.py `vllm_dtype`), before anything is exported."""
+    vllm_dtype(precision)  # refused now, not after the export
     out = Path(cfg.output_dir) / "eval"
     if target.model.device.type == "cuda":  # after the reference decoder: give vLLM the GPU memory
         target.model.to("cpu")
@@ -146,7 +153,7 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
             verifier = str(cfg.target.path)
         write_export(draft, export_dir, verifier_name_or_path=verifier,
                      verifier_architectures=list(target.config.architectures or ["LlamaForCausalLM"]),
-                     dtype=torch.bfloat16, overwrite=True)
+                     dtype=precision.dtype, overwrite=True)
     else:
         validate_export(export_dir)  # an export vLLM would mis-read (older numbering, fc_norm) is refused here
     ids = [first_turn_ids(q, tok) for q in prompts]
@@ -154,7 +161,7 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
     eos = _eos_ids(target, tok)
     result = evaluate_with_vllm(model_source(cfg.target.path), export_dir, ids, K=int(cfg.eval.num_speculative_tokens),
                                 max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos),
-                                precision=str(cfg.precision), out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
+                                precision=precision, out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
                                 threads=cfg.threads, target_outputs_dir=cfg.eval.get("vllm_target_outputs"))
     logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
                 "(%d mismatches, %s)", result["vllm_version"], result["acceptance_length"],

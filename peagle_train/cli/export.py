@@ -21,7 +21,7 @@ from peagle_train.paths import CONF_DIR
 from peagle_train.export.speculators import (ExportError, head_name, installed_vllm_problem, installed_vllm_version,
                                              serve_commands, validate_export, verifier_name, vllm_release,
                                              write_export)
-from peagle_train.jobs.builders import dtype_of
+from peagle_train.precision import dtype_of
 from peagle_train.target.load import load_target_config
 from peagle_train.draft.head_files import load_checkpoint
 
@@ -121,7 +121,7 @@ def main(cfg: DictConfig) -> None:
         verifier = verifier_name(name, cfg.target.path) if cfg.check_target or not name else name
         write_export(draft, out, verifier_name_or_path=verifier,
                      verifier_architectures=meta.get("verifier_architectures", ["LlamaForCausalLM"]),
-                     dtype=dtype_of(cfg.export.dtype), card=card, overwrite=bool(cfg.overwrite))
+                     dtype=dtype_of(cfg.export.dtype, "export.dtype"), card=card, overwrite=bool(cfg.overwrite))
     except ValueError as e:  # ExportError, or a verifier name that does not match target.path
         raise SystemExit(f"export refused: {e}")
     logger.info(f"export written and validated: {out}")

@@ -78,7 +78,7 @@ def main(cfg: DictConfig) -> dict:
                                        python=vllm_python(cfg.features.get("vllm_python") or cfg.eval.get("vllm_python")),
                                        storage_dir=Path(cfg.features.dir) / ".vllm-hidden-states",
                                        hidden_size=target.config.hidden_size,
-                                       dtype=vllm_dtype(prec.name), threads=cfg.threads)
+                                       dtype=vllm_dtype(prec), threads=cfg.threads)
     with autocast_context(prec, acc.device):
         summary = write_features_from_config(cfg.features, target, tok, data.rows,
                                              template_kwargs=OmegaConf.to_container(cfg.data.template_kwargs),

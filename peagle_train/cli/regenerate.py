@@ -161,13 +161,14 @@ def engine_devices(rcfg, gpus: list[str]) -> list[str | None]:
     return [",".join(gpus[i * tp: (i + 1) * tp]) for i in range(dp)]
 
 
-def backend_from_config(rcfg, target_cfg, data_cfg, precision: str = "auto", seed: int = 0,
+def backend_from_config(rcfg, target_cfg, data_cfg, precision="auto", seed: int = 0,
                         devices: str | None = None, log_name: str = "vllm_regenerate.log"):
     """(backend, tokenizer or None) of the `regenerate` config group: `hf` loads the target of
     target.path in-process (with data.chat_template; decoding/hf_backend.py); `endpoint` talks to
     regenerate.endpoint_url serving regenerate.model (serving/backends.py). Both render with
     data.template_kwargs and use regenerate.max_new_tokens; `vllm` runs vLLM on target.path in its
-    own environment, in `precision` (auto: bf16 where the hardware has it; serving/backends.py).
+    own environment, in `precision` (the command's ResolvedPrecision, or a setting auto | fp32 | bf16:
+    bf16 where the hardware has it; serving/vllm_engine.py `vllm_dtype`, serving/backends.py).
     hf and vllm sample with `sampling_of` the target's generation_config (`backend.sampling`);
     endpoint sends the regenerate.temperature, top_p, top_k that are set and leaves the others to
     the server (which applies the served model's generation_config). `seed`: the run's seed.
@@ -252,7 +253,14 @@ def main(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     r = cfg.regenerate
     devices = engine_devices(r, visible_gpus() if r.backend == "vllm" else [])
-    backend, tok = backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed), devices=devices[0])
+    prec = str(cfg.precision)
+    if r.backend == "vllm":  # vLLM's precision, resolved once for every engine (the other backends have none)
+        import torch
+
+        from peagle_train.precision import resolve_precision
+
+        prec = resolve_precision(prec, "cuda" if torch.cuda.is_available() else "cpu")
+    backend, tok = backend_from_config(r, cfg.target, cfg.data, prec, int(cfg.seed), devices=devices[0])
     engines = None
     try:
         convs, too_long = conversations(cfg, tok)
@@ -273,7 +281,7 @@ def main(cfg: DictConfig) -> dict:
             stats = regenerate(convs, backend, r.output, **run)
         else:  # one engine per GPU group, each on its shard of the conversations (data/regenerate_shards.py)
             def make_backend(k):
-                return backend_from_config(r, cfg.target, cfg.data, str(cfg.precision), int(cfg.seed),
+                return backend_from_config(r, cfg.target, cfg.data, prec, int(cfg.seed),
                                            devices=devices[k], log_name=f"vllm_regenerate.engine-{k}.log")[0]
 
             stats, engines = regenerate_sharded(convs, make_backend, r.output, devices=devices, **run)

@@ -117,9 +117,10 @@ def train_job(cfg: DictConfig) -> dict:
     claim_output_dir(out, "peagle train")
     start_trackers(acc, cfg.training.tracker, out, config=OmegaConf.to_container(cfg, resolve=True))  # training.tracker
     log = logger.info
-    # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it
+    # precision: bf16 compute for the target's forward and the draft's autocast where the hardware has it; resolved
+    # here, once: the trainer and the evaluation take this object (jobs/training_job.py), never the setting
     prec = resolve_precision(cfg.precision, acc.device)
-    settings.precision = prec.name  # the target forward and the draft's autocast
+    settings.precision = prec  # the target forward, the draft's autocast and the evaluation's decoding
     prec_rec = precision_record(prec, acc.device, target_weight_dtype(cfg.target.dtype), prec)
     log_precision(prec)
     logger.info("bf16 unit: %s; target forward %s (weights %s), draft autocast %s",

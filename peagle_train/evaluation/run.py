@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ..decoding.engine import GenerationResult, generate
 from ..errors import CorruptFileError, UserError, read_json
 from ..io import atomic_write_text
-from ..precision import log_precision, resolve_precision
+from ..precision import ResolvedPrecision, as_resolved, log_precision, short_name
 from .benchmarks import BenchmarkError, chat_ids
 from .report import _tau, format_acceptance, summarize, write_report
 from .settings import EvalSettings
@@ -72,10 +72,11 @@ def check_head_target(draft, target, tokenizer=None, head_name: str = "head") ->
                                 + ". Fix: evaluate it with the target it was trained for (its checkpoint's `target`).")
 
 
-def prepare_for_decoding(target, heads: list, precision: str = "auto"):
-    """Put the target (in place) and copies of the heads in the dtype that `precision` resolves to
-    on the target's device (peagle_train/precision.py; the same setting as training), so that any
-    mix of target dtype and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
+def prepare_for_decoding(target, heads: list, precision: ResolvedPrecision | str = "auto"):
+    """Put the target (in place) and copies of the heads in the dtype of `precision` (the command's
+    ResolvedPrecision, logged here and taken as it is; a setting auto | fp32 | bf16 is resolved on
+    the target's device: peagle_train/precision.py `as_resolved`), so that any mix of target dtype
+    and head dtype decodes. Returns (ResolvedPrecision, [head copies]) (None
     stays None); the heads given are left as they are (a trained head keeps its fp32 weights).
     The target and the copies then go through the optional CPU plug-in (peagle_train/accel/cpu
     `accelerate_for_decoding`: in bf16 on CPU, packed linears, fused norms and the AMX attention;
@@ -83,7 +84,7 @@ def prepare_for_decoding(target, heads: list, precision: str = "auto"):
     from ..accel.cpu import accelerate_for_decoding  # the CPU plug-in: loaded only when evaluation decodes
 
     dev = target.model.device
-    res = resolve_precision(precision, dev)
+    res = as_resolved(precision, dev)
     log_precision(res)
     target.model.to(res.dtype)
     accelerate_for_decoding(target.model)
@@ -243,7 +244,7 @@ def check_unique_ids(prompts: list[dict], benchmark: str = "prompts") -> None:
 
 def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings: EvalSettings, *,
                         out_dir: str | Path, baseline_draft=None, baseline_target=None,
-                        train_metrics: dict | None = None, precision: str | None = None,
+                        train_metrics: dict | None = None, precision: ResolvedPrecision | str | None = None,
                         more_heads: list[tuple] | None = None) -> dict:
     """Decode every prompt (every turn) with the target alone, with `draft`, with `baseline_draft`
     (optional, e.g. an EAGLE-3 head) and with each of `more_heads` (optional [(name, head, target
@@ -258,7 +259,8 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings:
     benchmark name (`EvalSettings.from_config` of the eval group; the caller checks every head's
     K_train with `EvalSettings.check_head`).
     precision: None decodes in the dtypes the target and heads have (the head's features are cast
-    to its dtype); auto | fp32 | bf16 first puts both in that precision (`prepare_for_decoding`).
+    to its dtype); the command's ResolvedPrecision (or a setting auto | fp32 | bf16, resolved on the
+    target's device) first puts both in that precision (`prepare_for_decoding`).
     Greedy with batch_size > 1 decodes each batch with shared forwards: speeds are then batch
     throughputs, and per-row seconds are shares of the batch's wall time (latency needs batch 1).
     Batches are formed from prompts of similar first-turn length (`_by_first_turn_length`); the
@@ -314,9 +316,10 @@ def evaluate_acceptance(target, draft, tokenizer, prompts: list[dict], settings:
                              baseline_draft=baseline_draft, more_heads=more_heads, train_metrics=train_metrics)
 
 
-def _in_precision(target, draft, baseline_draft, more_heads: list[tuple] | None, precision: str | None) -> tuple:
+def _in_precision(target, draft, baseline_draft, more_heads: list[tuple] | None,
+                  precision: ResolvedPrecision | str | None) -> tuple:
     """The heads to decode with and the precision's name (evaluate_acceptance): with `precision`
-    (auto | fp32 | bf16) the target is put in it in place and the heads are copies in it
+    (a ResolvedPrecision, or auto | fp32 | bf16) the target is put in it in place and the heads are copies in it
     (`prepare_for_decoding`); with None all stay as they are and the name is the target's dtype
     (bf16, fp32, fp16, else str(dtype)). more_heads: [(name, head, target or None)].
     Returns (draft, baseline_draft or None, more_heads as a list, precision name)."""
@@ -327,8 +330,7 @@ def _in_precision(target, draft, baseline_draft, more_heads: list[tuple] | None,
         more_heads = [(n, d, t) for (n, _, t), d in zip(more_heads, more)]
         prec_name = resolved.name
     else:
-        prec_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(target.model.dtype,
-                                                                                                str(target.model.dtype))
+        prec_name = short_name(target.model.dtype)
     return draft, baseline_draft, more_heads, prec_name
 
 

@@ -37,6 +37,7 @@ from .. import provenance
 from ..config import FeatureStorage, Int8Scale
 from ..errors import ConfigError, CorruptFileError, UserError, io_cause, io_failure, read_json
 from ..io import atomic_write_json
+from ..precision import dtype_of
 from ..target.capture import FeatureTarget
 from .online import PackedRowSource
 from .rows import PackedRow, TargetLogitsAt, pack_row
@@ -142,7 +143,7 @@ def _shard_tensors(ids: list[torch.Tensor], aux: list[torch.Tensor], final: list
         out["aux"], out["aux_scale"] = quantize_int8(a, 3, int8_scale)
         out["final"], out["final_scale"] = quantize_int8(f, 1, int8_scale)
     else:
-        dt = getattr(torch, storage)
+        dt = dtype_of(storage, "features.storage")
         out["aux"], out["final"] = a.to(dt), f.to(dt)
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -195,8 +196,8 @@ def write_features_from_config(fcfg, target: FeatureTarget, tok, rows, **kw) -> 
 def staged_bytes_per_token(hidden_size: int, num_states: int, dtype: str) -> int:
     """Bytes an engine's hidden-state file holds per token: num_states (the aux states + the final
     one) × hidden_size × bytes of `dtype` (bfloat16 | float16: 2, float32: 4); 32,768 for an 8B
-    target (hidden 4,096, 3 aux + final, bfloat16). KeyError for another dtype name."""
-    return num_states * hidden_size * {"bfloat16": 2, "float16": 2, "float32": 4}[str(dtype)]
+    target (hidden 4,096, 3 aux + final, bfloat16). ConfigError for another dtype name (precision.py `dtype_of`)."""
+    return num_states * hidden_size * dtype_of(dtype).itemsize
 
 
 def job_tokens(bytes_per_job: int, bytes_per_token: int) -> int:

@@ -7,27 +7,14 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import torch
-
 from ..draft import DraftConfig, DraftHead, make_draft_head
 from ..config import train_embeddings_of
-from ..errors import ConfigError
 from ..io import atomic_write_json
 from ..paths import PACKAGE_DIR
+from ..precision import dtype_of
 from ..target.aux_layers import AuxLayers
 from ..target.capture import FeatureTarget
 from ..target.load import load_target
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_of(name: str | None) -> torch.dtype:
-    """torch dtype from its config name (None = float32, the default of `target.dtype`); raises
-    ConfigError (a ValueError) naming the accepted ones."""
-    name = name or "float32"
-    if name not in DTYPES:
-        raise ConfigError(f"dtype '{name}' is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 def build_target(target_cfg, device, algorithm: str = "peagle", aux_layer_ids: list[int] | None = None):
@@ -36,7 +23,7 @@ def build_target(target_cfg, device, algorithm: str = "peagle", aux_layer_ids: l
     The aux layers are `aux_layer_ids` (a trained head's), else `target.aux_layer_ids`, else the
     default; `algorithm` sets how many are admitted (target/aux_layers.py `AuxLayers`). Raises
     ConfigError (a ValueError) for ids the target cannot give."""
-    model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype")), device)
+    model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype"), "target.dtype"), device)
     ids = aux_layer_ids if aux_layer_ids is not None else target_cfg.aux_layer_ids
     return FeatureTarget(model, ids, aux_count=AuxLayers.count(algorithm)), tok
 

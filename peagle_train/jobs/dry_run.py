@@ -56,8 +56,8 @@ def dry_run(cfg, out_dir: Path) -> dict:
     "export" (its directory)}."""
     from ..data.vocab import DraftVocab
     from ..draft.head_files import load_checkpoint
-    from .builders import dtype_of
     from .training_job import JobInputs, run_training_job
+    from ..precision import dtype_of, resolve_precision
     from ..target.capture import FeatureTarget
     from ..training.checks import TrainSettings, check_training_config
     from ..training.tracking import tracked_accelerator
@@ -65,14 +65,15 @@ def dry_run(cfg, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     family = family_of(cfg.target.name_or_path or cfg.target.path)
     V = 256
-    target = FeatureTarget(tiny_target(family, V, dtype=dtype_of(cfg.target.dtype)))
+    prec = resolve_precision(cfg.precision, "cpu")  # once, for the training and the evaluation (which logs it)
+    target = FeatureTarget(tiny_target(family, V, dtype=dtype_of(cfg.target.dtype, "target.dtype")))
     vocab = DraftVocab.from_ids(torch.arange(0, V - 1, 2)[: cfg.data.draft_vocab_size], V)
     g = torch.Generator().manual_seed(cfg.seed)
     ids = [torch.randint(0, V - 1, (48,), generator=g).tolist() for _ in range(8)]
     rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * 8 + [1] * 40 for _ in ids]})
     prompts = [{"id": i, "category": "random", "input_ids": torch.randint(0, V - 1, (12,), generator=g).tolist()}
                for i in range(2)]
-    settings = TrainSettings.from_config(cfg, training=OmegaConf.merge(cfg.training, {
+    settings = TrainSettings.from_config(cfg, precision=prec, training=OmegaConf.merge(cfg.training, {
         "tokens_per_step": 96, "max_steps": 2, "epochs": 1, "save_every": None, "val_conversations": 0, "resume": False,
         "grad_accum": 1, "max_anchors": 32, "attention": "dense",
         # 2 steps: the recipe's warm-up is sized for its data (peagle plan)

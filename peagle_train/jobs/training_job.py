@@ -13,7 +13,8 @@ from ..draft.head_files import save_checkpoint
 from ..evaluation.run import evaluate_acceptance
 from ..evaluation.settings import EvalSettings
 from ..export.speculators import write_export
-from .builders import build_draft, dtype_of
+from .builders import build_draft
+from ..precision import ResolvedPrecision, dtype_of
 from ..target.capture import FeatureTarget
 from ..training.checks import TrainSettings
 from ..training.engines import end_distributed
@@ -47,13 +48,20 @@ class JobInputs:
 def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_settings: TrainSettings, *,
                      verifier: str, eval_settings: dict | None = None) -> dict:
     """Build the head of `cfg.draft` / `cfg.algorithm` on `inputs.target` (jobs/builders.py `build_draft`), train
-    it (training/trainer.py, with `train_settings`), release the process group (`end_distributed`:
+    it (training/trainer.py, with `train_settings`, whose `precision` is the run's ResolvedPrecision: resolved
+    once, at the command's start, and handed to the trainer and the evaluation alike), release the process group (`end_distributed`:
     the other processes return at once), then on the main process alone save it to `out`/checkpoint
     (with the target, `verifier` and the training summary), evaluate it when `cfg.eval.enabled`
     (`evaluate_acceptance` into `out`/eval, `eval_settings` overriding the eval group's keys; its
     τ goes to the trackers) and export it when `cfg.export.enabled` (`out`/export, validated, with
     the model card). Returns {"data", "training", "eval"?, "export"?}.
-    Raises what the stages raise (ConfigError, ExportError, WriteError, ...)."""
+    Raises TypeError when `train_settings.precision` is not resolved (fix: peagle_train/precision.py
+    `resolve_precision` at the command's start), and what the stages raise (ConfigError, ExportError, WriteError, ...)."""
+    precision = train_settings.precision
+    if not isinstance(precision, ResolvedPrecision):
+        raise TypeError(f"run_training_job: train_settings.precision={precision!r} is a setting, not the run's "
+                        "ResolvedPrecision. Fix: resolve it once at the command's start (peagle_train/precision.py "
+                        "resolve_precision) and pass that.")
     out = Path(out)
     draft = build_draft(inputs.target, cfg.draft, inputs.vocab, inputs.mask_token_id, cfg.algorithm)
     result = train(accelerator, draft, inputs.target, inputs.rows, inputs.vocab.draft_ids, train_settings, out,
@@ -75,13 +83,13 @@ def run_training_job(cfg, accelerator, out: Path, inputs: JobInputs, train_setti
         settings = EvalSettings.from_config(cfg.eval, **{"benchmark": "spec_bench", **(eval_settings or {})})
         summary["eval"] = evaluate_acceptance(
             inputs.target, draft, inputs.tokenizer, inputs.prompts, settings, out_dir=out / "eval",
-            precision=cfg.precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
+            precision=precision, train_metrics={**result["last20_metrics"], "source": "last 20 training steps"})
         accelerator.log(eval_scalars(summary["eval"]), step=result["steps"])  # τ, per-position acceptance
     if cfg.export.enabled:
         used = {t for ids in inputs.rows["input_ids"] for t in ids}
         summary["export"] = str(write_export(
             draft, out / "export", verifier_name_or_path=verifier, verifier_architectures=architectures,
-            dtype=dtype_of(cfg.export.dtype), data_token_ids=used, overwrite=True,
+            dtype=dtype_of(cfg.export.dtype, "export.dtype"), data_token_ids=used, overwrite=True,
             card={"data": inputs.data_summary,
                   "acceptance": {summary["eval"]["benchmark"]: summary["eval"]} if "eval" in summary else {}}))
         logger.info(f"export written and validated: {out / 'export'}")

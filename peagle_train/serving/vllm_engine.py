@@ -70,15 +70,25 @@ def vllm_python(setting: str | None = None) -> str:
                     "~/.cache/peagle_train/vllm-venv), or eval.vllm_python=<python with vllm>.")
 
 
-def vllm_dtype(precision: str) -> str:
-    """vLLM's dtype for our `precision` setting (auto | fp32 | bf16, or a resolved name): float32 for
-    fp32, else bfloat16; auto resolves as the in-process paths do (peagle_train/precision.py)."""
+VLLM_DTYPES = ("float32", "bfloat16")  # what vLLM is run in here (its CPU backend has no float16)
+
+
+def vllm_dtype(precision) -> str:
+    """vLLM's `dtype` for the run's precision: the name of its dtype (peagle_train/precision.py
+    `DTYPE_NAMES`), "float32" for fp32, "bfloat16" for bf16. precision: the command's
+    ResolvedPrecision, or a setting auto | fp32 | bf16 (a script's), resolved on this machine's
+    compute device (CUDA where there is one: where vLLM runs). Raises VllmError for a precision vLLM
+    is not run in here (float16: vLLM's CPU backend has none), naming the fix; what
+    `resolve_precision` raises for a setting."""
     import torch
 
-    from ..precision import resolve_precision
+    from ..precision import as_resolved
 
-    name = resolve_precision(precision, "cuda" if torch.cuda.is_available() else "cpu").name
-    return "float32" if name == "fp32" else "bfloat16"
+    prec = as_resolved(precision, "cuda" if torch.cuda.is_available() else "cpu")
+    if prec.dtype_name not in VLLM_DTYPES:
+        raise VllmError(f"precision {prec.name} ({prec.dtype_name}): vLLM is run here in {' or '.join(VLLM_DTYPES)} "
+                        "only (its CPU backend has no float16). Fix: precision=fp32 or precision=bf16.")
+    return prec.dtype_name
 
 
 def worker_env(python: str, threads: int | None = None, devices: str | None = None) -> dict:
@@ -261,7 +271,8 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     each prompt's counters are known (τ's standard error). With `target_outputs_dir`, the run without
     the head is reused from an earlier evaluation of the same request there (`target_alone`); the
     result then names it (`target_alone_reused`) and gives no speed-up, since that run's time is not
-    this run's. precision: auto | fp32 | bf16 (`vllm_dtype`).
+    this run's. precision: the run's ResolvedPrecision (or a setting auto | fp32 | bf16): vLLM's
+    `dtype` in the request (`vllm_dtype`; VllmError for one vLLM is not run in).
     Writes out_dir/acceptance_vllm.json and returns its dict: acceptance_length (τ = 1 + accepted /
     drafts), acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts),
     num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
@@ -271,6 +282,8 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     if not prompts:
         raise VllmError("no prompt to serve in vLLM (every prompt was empty). Fix: check eval.prompts and "
                         "eval.num_prompts.")
+    from ..precision import dtype_of, short_name
+
     out_dir = Path(out_dir)
     dtype = vllm_dtype(precision)
     longest = max(len(p) for p in prompts) + max_new_tokens + K + 8
@@ -295,7 +308,7 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
         "tau_convention": TAU_CONVENTION,
         "per_position_acceptance": per_pos,
         "num_prompts": len(prompts), "num_speculative_tokens": K, "max_new_tokens": max_new_tokens,
-        "precision": "fp32" if dtype == "float32" else "bf16", "batch_size": 1,
+        "precision": short_name(dtype_of(dtype)), "batch_size": 1,
         "num_drafts": drafts, "num_accepted_tokens": acc,
         "lossless": all(same), "lossless_mismatches": sum(not s for s in same),
         "lossless_definition": f"vLLM's greedy output with the head == vLLM's output without it ({dtype})",

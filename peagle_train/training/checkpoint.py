@@ -190,7 +190,7 @@ def flat_fingerprint(settings, draft_config: dict, data_fingerprint: dict) -> di
 
     t = OmegaConf.to_container(settings.training, resolve=True)
     t.update(num_depths=settings.num_depths, seed=settings.seed, algorithm=settings.algorithm,
-             precision=settings.precision, engine=settings.distributed.engine,
+             precision=settings.precision_name, engine=settings.distributed.engine,
              zero_stage=settings.distributed.zero_stage)
     flat = {f"training.{k}": v for k, v in t.items()}
     flat.update({f"draft.{k}": v for k, v in draft_config.items()})

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import REMOVED_KEYS, Config, bad_value_message, default_config, range_problem, schema_entries
 from ..errors import ConfigError
+from ..precision import ResolvedPrecision
 
 
 def _group(value: Any) -> DictConfig:
@@ -41,8 +42,10 @@ class TrainSettings:
     distributed: the `distributed` group (engine, zero_stage, timeout_minutes of the groups the engine
     makes; default: the schema's, ddp);
     algorithm: peagle | eagle3 | dflash (its objective, algorithms/); seed: data split, packing and
-    sampling; precision: auto | fp32 | bf16 of the draft's autocast and the target's forward (None =
-    fp32; `peagle train` passes the one it resolved).
+    sampling; precision: of the draft's autocast and the target's forward, the run's ResolvedPrecision
+    (peagle_train/precision.py; what `peagle train` and its dry run pass: resolved once, at the
+    command's start) or a setting auto | fp32 | bf16 that the trainer resolves on its device (None =
+    fp32), as tests and scripts pass it; `precision_name` is its name either way.
 
     Groups are kept as plain DictConfigs (Enums as their strings), whatever they were given as.
     `from_config` builds them from a composed config; `check_training_config` checks them."""
@@ -52,12 +55,18 @@ class TrainSettings:
     distributed: Any = field(default_factory=lambda: default_config().distributed)
     algorithm: str = "peagle"
     seed: int = 0
-    precision: str | None = None
+    precision: ResolvedPrecision | str | None = None
 
     def __post_init__(self):
         self.training, self.draft, self.distributed = map(_group, (self.training, self.draft, self.distributed))
         self.algorithm = str(_plain(self.algorithm))
-        self.precision = None if self.precision is None else str(_plain(self.precision))
+        if not isinstance(self.precision, ResolvedPrecision):
+            self.precision = None if self.precision is None else str(_plain(self.precision))
+
+    @property
+    def precision_name(self) -> str | None:
+        """The precision's name: a resolved one's ("fp32" | "bf16"), else the setting as given (None: unset)."""
+        return self.precision.name if isinstance(self.precision, ResolvedPrecision) else self.precision
 
     @property
     def num_depths(self) -> int:
@@ -74,7 +83,7 @@ class TrainSettings:
     def items(self) -> Iterator[tuple[str, Any]]:
         """(schema key, value) of every setting: "training.lr", "draft.num_depths", "seed", ..."""
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value = self.precision_name if f.name == "precision" else getattr(self, f.name)
             if isinstance(value, DictConfig):
                 yield from ((f"{f.name}.{k}", value[k]) for k in value)
             else:

@@ -49,6 +49,7 @@ import torch
 from ..config import DistributedEngine
 from ..errors import ConfigError, CorruptFileError, load_safetensors
 from ..extras import require
+from ..precision import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def deepspeed_config(zero_stage: int, world_size: int, grad_accum: int, grad_cli
     section it re-enters autocast in that dtype. `lower_precision_safe_modules: []` keeps gradient
     communication in fp32 (DeepSpeed would otherwise reduce the Linear gradients in bf16), so the
     engines' updates stay those of DDP."""
-    autocast = ({"torch_autocast": {"enabled": True, "dtype": str(autocast_dtype).removeprefix("torch."),
+    autocast = ({"torch_autocast": {"enabled": True, "dtype": dtype_name(autocast_dtype),
                                     "lower_precision_safe_modules": []}}
                 if autocast_dtype is not None and autocast_dtype != torch.float32 else {})
     return {**autocast,

@@ -60,6 +60,7 @@ import torch
 
 from ..algorithms.cod import FLEX_MASK_BYTES_PER_PAIR  # eager build's bytes per (query, key) pair
 from ..draft import DraftConfig, make_draft_head
+from ..precision import dtype_of
 
 DS_BUCKET_ELEMENTS = 500_000_000   # DeepSpeed's default reduce_bucket_size (elements)
 FLEX_BLOCK_TABLE_BYTES = 16        # compiled create_block_mask: its int32 tables per 128×128 block (kv/q indices, counts)
@@ -68,10 +69,9 @@ RESERVE_BYTES = 2 * GIB            # per GPU, outside the estimate: CUDA context
 
 
 def dtype_bytes(name: str | torch.dtype | None) -> int:
-    """Bytes per element of a dtype given by its config name (None = float32) or torch dtype."""
-    if isinstance(name, torch.dtype):
-        return torch.tensor([], dtype=name).element_size()
-    return {None: 4, "float32": 4, "bfloat16": 2, "float16": 2}[None if name is None else str(name)]
+    """Bytes per element of a dtype given by its config name (None = float32; precision.py `dtype_of`,
+    whose ConfigError it raises for another name) or torch dtype."""
+    return (name if isinstance(name, torch.dtype) else dtype_of(name)).itemsize
 
 
 def cod_elements(tokens: int, num_depths: int, max_anchors: int | None, down_sample_ratio: float = 0.7,

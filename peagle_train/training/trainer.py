@@ -27,7 +27,7 @@ from ..data.prepare import row_keys
 from ..errors import ConfigError
 from ..features.rows import mask_out_of_vocab, pack_documents, split_validation
 from ..features.online import PackedRowSource, OnlineFeatures
-from ..precision import autocast_context, resolve_precision
+from ..precision import as_resolved, autocast_context
 from ..target.capture import FeatureTarget
 from .checks import TrainSettings, check_same_data, check_schedule
 from .memory import check_step_memory
@@ -68,7 +68,8 @@ class Trainer:
     it a folder holding checkpoints is refused), val_conversations (documents held out for validation
     loss/EAL at each checkpoint, which choose the best one), grad_accum, tracker), draft.num_depths
     (K_train), distributed.engine and zero_stage, algorithm (peagle | eagle3: TTT steps = num_depths |
-    dflash), seed and precision (auto | fp32 | bf16; None = fp32). Process r of W takes packed rows r, r+W, ... Writes
+    dflash), seed and precision (the run's ResolvedPrecision, taken as it is; or a setting auto | fp32 | bf16
+    resolved here, None = fp32). Process r of W takes packed rows r, r+W, ... Writes
     out_dir/train_log.jsonl (and out_dir/checkpoints/); every record also goes to the accelerator's
     trackers (`accelerator.log`; a `tracker` other than none needs an accelerator from
     `tracking.tracked_accelerator`, whose caller ends it with `end_training`).
@@ -100,7 +101,7 @@ class Trainer:
         self.save_every, self.keep_last = self.training.get("save_every"), self.training.get("keep_last", 3)
         all_lengths, n_val = self._pack_rows()
         self._count_steps(n_val)
-        self._resolve_precision()
+        self._take_precision()
         self._open_checkpoints(all_lengths)
         engine_kind, zero_stage = self._optimizer_and_checks()
         self._start_engine(engine_kind, zero_stage)
@@ -168,19 +169,20 @@ class Trainer:
             logger.warning("training.val_conversations=%d are held out, but training.save_every is null: validation "
                            "runs only at checkpoints, so never. Fix: set training.save_every", n_val)
 
-    def _resolve_precision(self) -> None:
-        """`self.prec` (settings.precision resolved on the device; unset = fp32) and the autocast
-        contexts of the draft (`amp`) and the frozen target (`target_amp`). Raises ConfigError for the
-        removed training.mixed_precision and for Accelerate's fp16 (never applied by this loop)."""
+    def _take_precision(self) -> None:
+        """`self.prec` (settings.precision: the run's ResolvedPrecision as it is, or a setting resolved
+        on the device, unset = fp32; precision.py `as_resolved`) and the autocast contexts of the
+        draft (`amp`) and the frozen target (`target_amp`). Raises ConfigError for the removed
+        training.mixed_precision and for Accelerate's fp16 (never applied by this loop)."""
         acc, training = self.accelerator, self.training
-        # `precision` (train.py passes the resolved one; unset = fp32): the draft's autocast and the frozen target's forward
+        # `precision` (train.py passes the one it resolved; unset = fp32): the draft's autocast and the frozen target's forward
         if "mixed_precision" in training:  # removed: refused, not silently ignored
             raise ConfigError(REMOVED_KEYS["*"]["training.mixed_precision"])
         if getattr(acc, "mixed_precision", "no") == "fp16":  # Accelerate's fp16 + GradScaler: never applied here
             raise ConfigError("accelerate launch --mixed_precision fp16: peagle-train does not train in fp16 (its loop "
                               "autocasts to `precision`, and Accelerate's GradScaler would never run). Fix: "
                               "accelerate launch --mixed_precision no ... precision=bf16.")
-        self.prec = resolve_precision(self.settings.precision or "fp32", acc.device)
+        self.prec = as_resolved(self.settings.precision, acc.device)
         self.amp = autocast_context(self.prec, acc.device)
         self.target_amp = autocast_context(self.prec, acc.device)
 
@@ -249,7 +251,7 @@ class Trainer:
                 dist.broadcast(x.data, 0)                     # merged copies (draft/embedding.py)
         # the engine: DDP, DeepSpeed or FSDP (training/engines.py); model: what the step calls (its wrapper under DeepSpeed)
         self.eng = make_engine(engine_kind, zero_stage, draft, self.opt, acc, self.A, self.training.grad_clip,
-                               autocast_dtype=torch.bfloat16 if self.prec.is_bf16 else None,
+                               autocast_dtype=self.prec.autocast_dtype,
                                timeout_minutes=settings.distributed.timeout_minutes)
         self.model = self.eng.model
         logger.info("distributed engine: %s on %d process(es)", self.eng.name, W)

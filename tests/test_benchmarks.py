@@ -43,7 +43,7 @@ def test_every_benchmark_script_has_the_shared_options():
     a = bench_arguments(argparse.ArgumentParser(), Path("d.md")).parse_args(["--out", "o.md", "--no-docs", "--threads", "3"])
     assert (a.out, a.no_docs, a.threads) == (Path("o.md"), True, 3)
     scripts = sorted(p for p in (REPO_ROOT / "benchmarks").glob("bench_*.py") if p.name != "bench_tables.py")
-    assert len(scripts) == 15  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
+    assert len(scripts) == 16  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
     for path in scripts:
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)
@@ -75,3 +75,15 @@ def test_regeneration_rows_resume_only_under_the_same_settings(tmp_path):
     old.write_text(json.dumps(["hf", "greedy", 16, 16, 900, 1500, 9.5, None]) + "\n")  # a file from before the record
     with pytest.raises(SystemExit, match="old.jsonl: its first line is not a settings record"):
         finished_rows(old, settings)
+
+
+def test_versions_table_gives_each_package_sets_medians():
+    """bench_versions.table: one row per package set with its versions and the medians of its runs."""
+    from bench_versions import table
+
+    ver = {"transformers": "5.25.0", "accelerate": "1.16.0", "torch": "2.13.0+cpu", "tokenizers": "0.23.3"}
+    runs = [{"wall_min": w, "train_tps": t, "head_tps": h, "target_tps": g, "tau": 1.18}
+            for w, t, h, g in ((4.7, 757, 38.4, 39.6), (7.7, 609, 24.3, 23.9), (5.0, 700, None, 30.0))]
+    assert table([("installed", ver, runs)]).splitlines()[2] == (
+        "| installed | 5.25.0 | 1.16.0 | 2.13.0+cpu | 0.23.3 | 3 | 5.00 min | 700 tokens/s | 38.4 tokens/s | "
+        "30.0 tokens/s | 1.180 |")

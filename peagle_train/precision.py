@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # The package's one dtype-name table: torch dtype → (its name in the configs, which is also vLLM's
 # `dtype`; its short precision name). Every name ↔ dtype conversion goes through it
-# (tests/test_layout.py keeps it the only one).
+# (tests/unit/test_layout.py keeps it the only one).
 DTYPE_NAMES = {torch.float32: ("float32", "fp32"), torch.bfloat16: ("bfloat16", "bf16"),
                torch.float16: ("float16", "fp16")}
 

@@ -22,6 +22,16 @@ from pathlib import Path
 
 from .errors import UserError, WriteError, io_cause, io_failure
 
+
+def usable_cores() -> list[int]:
+    """The ids of the CPUs this process may run on, sorted: its affinity mask (taskset, a cgroup's
+    cpuset, a test worker's core), which its children inherit; 0..os.cpu_count()-1 where the
+    platform has no affinity call."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 RERUN = "run the same command again"

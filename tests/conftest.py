@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,12 +82,81 @@ def fresh_root_logging():
     root.setLevel(level)
 
 
+TIERS = ("unit", "integration", "e2e")  # the folders of tests/, and the pytest markers (pyproject.toml)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by `-m`
 def pytest_collection_modifyitems(items):
-    """Each test gets its module's tier marker (unit | integration | e2e, tests/tiers.py)."""
-    from .tiers import TIER_OF
-
+    """Each test gets its folder's tier marker: tests/unit, tests/integration, tests/e2e."""
     for item in items:
-        tier = TIER_OF.get(item.path.stem)
-        if tier is not None:
-            item.add_marker(tier)
+        if item.path.parent.name in TIERS and item.path.parent.parent == REPO_ROOT / "tests":
+            item.add_marker(item.path.parent.name)
+    # the `serial` modules first, each whole (a stable sort): under -n 2 they run one after another at
+    # the start, the other worker waiting, and then every other test in parallel
+    items.sort(key=lambda item: item.get_closest_marker("serial") is None)
+
+
+# Parallel workers (pytest-xdist, `-n 2`, the README's test command): each worker runs on a core of
+# its own (the affinity its subprocesses inherit: runtime.usable_cores gives them one thread) and one
+# torch thread. A test marked `serial` (multi-process runs timed against timeouts, signals, step
+# limits) runs alone: it takes an exclusive lock that every other test takes shared, and all the
+# cores while it holds it.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_ALL_CORES = sorted(os.sched_getaffinity(0))
+_LOCK = None
+_HELD: bool | None = None  # the lock this worker holds: True exclusive, False shared, None none
+
+
+def _own_core() -> set[int]:
+    return {_ALL_CORES[int(WORKER.removeprefix("gw")) % len(_ALL_CORES)]}
+
+
+def pytest_configure(config):
+    global _LOCK
+    if WORKER is not None:
+        os.sched_setaffinity(0, _own_core())
+        torch.set_num_threads(1)
+        _LOCK = open(Path(tempfile.gettempdir()) / f"peagle-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock", "a")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _LOCK is None:
+        yield
+        return
+    global _HELD
+    serial = item.get_closest_marker("serial") is not None
+    if _HELD != serial:  # a run of serial tests keeps the exclusive lock from its first to its last
+        fcntl.flock(_LOCK, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        _HELD = serial
+    if serial:
+        os.sched_setaffinity(0, set(_ALL_CORES))
+        torch.set_num_threads(len(_ALL_CORES))
+    try:
+        yield
+    finally:
+        if serial:
+            os.sched_setaffinity(0, _own_core())
+            torch.set_num_threads(1)
+        if not (serial and nextitem is not None and nextitem.get_closest_marker("serial") is not None):
+            fcntl.flock(_LOCK, fcntl.LOCK_UN)
+            _HELD = None
+
+
+_TIER_SECONDS: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sums each tier's test durations (setup, call and teardown), on the process that reports."""
+    parts = report.nodeid.split("/")
+    if len(parts) > 2 and parts[1] in TIERS:
+        n_s = _TIER_SECONDS.setdefault(parts[1], [0, 0.0])
+        n_s[0] += report.when == "call"
+        n_s[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: each tier's tests and the sum of their durations (CI prints it with the run's wall time)."""
+    if _TIER_SECONDS and WORKER is None:
+        terminalreporter.write_line("tiers (tests, sum of their durations): " + ", ".join(
+            f"{t} {int(_TIER_SECONDS[t][0])} in {_TIER_SECONDS[t][1]:.0f} s" for t in TIERS if t in _TIER_SECONDS))

@@ -1,6 +1,6 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` (gloo on a CPU-only machine): each process trains on its own row with
 the global loss normaliser (rank 1 partitioned); rank 0 saves the averaged gradients and the
-reduced metric counts. Needs the checkout on PYTHONPATH (tests/test_distributed.py sets it)."""
+reduced metric counts. Needs the checkout on PYTHONPATH (tests/integration/test_distributed.py sets it)."""
 
 import sys
 
@@ -9,8 +9,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from tests.conftest import tiny_llama
-from tests.test_decoding import make_draft
-from tests.test_training import random_row
+from tests.unit.test_decoding import make_draft
+from tests.unit.test_training import random_row
 from peagle_train.algorithms.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step, global_loss_norm
 from peagle_train.training.engines import average_gradients

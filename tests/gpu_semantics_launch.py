@@ -1,5 +1,5 @@
 """`peagle train` (the real command, cli/train.py) with the drifts of a GPU world injected, for
-tests/test_gpu_semantics.py. Run under `accelerate launch --multi_gpu --num_processes 2` (gloo on
+tests/integration/test_gpu_semantics.py. Run under `accelerate launch --multi_gpu --num_processes 2` (gloo on
 a CPU machine); the recipe's `distributed.timeout_minutes` makes the process-group timeout short.
 
     PYTHONPATH=. python tests/gpu_semantics_launch.py key=value ...

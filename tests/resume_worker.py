@@ -1,4 +1,4 @@
-"""A real training process for tests/test_resume.py: tiny in-process target, checkpoints every 3
+"""A real training process for tests/integration/test_resume.py: tiny in-process target, checkpoints every 3
 steps, each step slowed down (target forward + 0.15 s) so the test can SIGKILL it mid-epoch.
 
     PYTHONPATH=. python tests/resume_worker.py OUT_DIR fresh|resume SECONDS_OF_SLEEP_PER_STEP [key=value ...]
@@ -10,9 +10,9 @@ the head, e.g. draft.train_embeddings=mask_row.)
 With PEAGLE_TEST_PROBE=DIR set, each process writes DIR/rank{r}.json (`probe`): the gradient
 reductions of every optimizer step and the files it read with torch.load.
 
-Also the training job of tests/test_scale.py (1 process with grad_accum=2 vs 2 processes). With a
+Also the training job of tests/integration/test_scale.py (1 process with grad_accum=2 vs 2 processes). With a
 process group (2 processes; or DeepSpeed/FSDP's 1-process one) it writes OUT_DIR/process_groups_rank{r}.json,
-the timeout in seconds of every process group after training (tests/test_engines.py).
+the timeout in seconds of every process group after training (tests/integration/test_engines.py).
 """
 
 import builtins
@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from tests.conftest import tiny_llama
-from tests.test_loop import tiny_rows
+from tests.integration.test_loop import tiny_rows
 from peagle_train.config import default_config
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.jobs.builders import build_draft

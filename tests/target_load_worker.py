@@ -1,4 +1,4 @@
-"""One launched process's view of the target load under ZeRO-3 or FSDP (tests/test_target_load.py).
+"""One launched process's view of the target load under ZeRO-3 or FSDP (tests/integration/test_target_load.py).
 
     python tests/target_load_worker.py zero3|fsdp TARGET_DIR      (MASTER_PORT: a free port)
 

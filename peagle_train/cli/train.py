@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.errors import ConfigError
-from peagle_train.runtime import RESUME_TRAIN, cli_main
+from peagle_train.runtime import RESUME_TRAIN, cli_main, usable_cores
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.export.speculators import verifier_name
@@ -40,11 +40,12 @@ logger = logging.getLogger("peagle_train.train")  # a package logger: info from 
 
 
 def cpu_threads(threads: int | None) -> int:
-    """torch CPU threads: `threads`, or null = this process's share of the cores (cores / processes on
-    this node). `accelerate launch` sets OMP_NUM_THREADS=1 for CPU runs, which halves a 2-core run."""
+    """torch CPU threads: `threads`, or null = this process's share of the cores it may run on
+    (runtime.usable_cores / processes on this node). `accelerate launch` sets OMP_NUM_THREADS=1 for
+    CPU runs, which halves a 2-core run."""
     if threads:
         return threads
-    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, len(usable_cores()) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def check_data_preparation(cfg, tokenizer, target_vocab_size: int, world: int, gather=None) -> None:

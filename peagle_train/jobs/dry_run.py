@@ -3,7 +3,7 @@ settings on a tiny random target of the same family (Llama, Qwen3, gpt-oss, Gemm
 token rows, and runs two training steps, a checkpoint round trip, an acceptance evaluation of a few
 random prompts (the recipe's K, `precision` and target dtype: bf16 features into the fp32-trained
 head) and an export, tracked by `training.tracker` as a real run is (loss per step, then τ). Used by
-tests/test_recipes.py to check the GPU recipes on a CPU machine."""
+tests/integration/test_recipes.py to check the GPU recipes on a CPU machine."""
 
 from __future__ import annotations
 

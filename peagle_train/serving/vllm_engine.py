@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..io import atomic_write_text
+from ..runtime import usable_cores
 from ..evaluation.report import ratio_stderr, speedup_or_reason
 from ..features.shards import DocFeatures, staged_bytes_per_token
 
@@ -93,7 +94,8 @@ def vllm_dtype(precision) -> str:
 
 def worker_env(python: str, threads: int | None = None, devices: str | None = None) -> dict:
     """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
-    for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), threads bound to cores 0..threads-1, and
+    for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), `threads` threads (None: one per core) bound to the first
+    cores this process may run on (runtime.usable_cores), and
     PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
     environment win, but `devices`: the job's CUDA_VISIBLE_DEVICES (e.g. "3" or "0,1"; None: this
     process's)."""
@@ -106,8 +108,8 @@ def worker_env(python: str, threads: int | None = None, devices: str | None = No
     if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    n = threads or os.cpu_count() or 1
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    cores = usable_cores()
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:threads or len(cores)])))
     env["PYTHONPATH"] = ":".join(filter(None, [str(WORKER.parent), env.get("PYTHONPATH")]))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env

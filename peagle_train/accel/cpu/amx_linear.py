@@ -7,7 +7,7 @@ these shapes, and their time varies from one run to the next (docs/BENCHMARKS.md
 matrix products"). This kernel packs every weight once in the AMX
 (VNNI) layout and multiplies each group of 64 output features by up to 16 rows per tile, with
 fp32 accumulation and one rounding to bf16, like oneDNN's AMX kernel (the outputs are
-bit-identical to `F.linear`'s at decoding shapes, tests/test_packed_linear.py). Every output row
+bit-identical to `F.linear`'s at decoding shapes, tests/unit/test_packed_linear.py). Every output row
 depends on its own input row only, in the same order whatever the number of rows, so a 1-row
 target step and a (K+1)-row verify round each token identically.
 

@@ -5,7 +5,7 @@ out the weight for oneDNN at every call, most of a 1-row forward's time (docs/BE
 "Decoding step costs"). `pack_linears` replaces every `nn.Linear` of a bf16 CPU module by a `PackedLinear`
 that calls the same oneDNN kernel on a pre-packed copy of the weight (what torch.compile's
 freezing pass does for CPU linears, `torch.ops.mkldnn._linear_pointwise`), so the outputs are
-bit-identical to `F.linear`'s (tests/test_packed_linear.py) and lossless checks are unaffected.
+bit-identical to `F.linear`'s (tests/unit/test_packed_linear.py) and lossless checks are unaffected.
 
 On a CPU with Intel AMX, up to `amx_linear.MAX_ROWS` rows go to the AMX kernel of
 amx_linear.py instead (its own packing of the same weight): it reads each weight at the

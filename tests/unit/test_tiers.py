@@ -1,0 +1,41 @@
+"""The tier of a test is its folder (tests/unit, tests/integration, tests/e2e): no test module lies
+outside them, every tier is a registered marker, and the marker reaches the module's tests (so
+`python -m pytest -m unit` and the others select them)."""
+
+import subprocess
+import sys
+import tomllib
+
+from ..conftest import REPO_ROOT, TIERS
+
+
+def test_every_test_module_lies_in_one_tier_folder():
+    tests = REPO_ROOT / "tests"
+    outside = sorted(str(p.relative_to(tests)) for p in tests.rglob("test_*.py") if p.parent.name not in TIERS
+                     or p.parent.parent != tests)
+    assert not outside, f"test modules outside tests/unit, tests/integration, tests/e2e: {outside}. Fix: git mv them into one"
+    assert TIERS == ("unit", "integration", "e2e") and all((tests / t / "__init__.py").is_file() for t in TIERS)
+    assert len(list((tests / "unit").glob("test_*.py"))) >= 30 and len(list((tests / "e2e").glob("test_*.py"))) >= 5
+
+
+def test_the_tiers_are_registered_markers():
+    markers = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert {m.split(":")[0] for m in markers} >= set(TIERS)
+
+
+def test_a_test_carries_its_folders_tier_only(request):
+    assert {m.name for m in request.node.iter_markers() if m.name in TIERS} == {"unit"}
+
+
+def test_minus_m_selects_by_tier():
+    """`-m e2e` over a unit module and an e2e one collects the e2e module's tests only, `-m unit` the
+    unit one's: the tier is given before pytest deselects by marker."""
+    def collected(tier):
+        p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", tier,
+                            "tests/unit/test_tiers.py", "tests/e2e/test_smoke_real.py"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=300)
+        return {line.split("::")[0] for line in p.stdout.splitlines() if "::" in line}
+
+    assert collected("e2e") == {"tests/e2e/test_smoke_real.py"}
+    assert collected("unit") == {"tests/unit/test_tiers.py"}
+    assert collected("integration") == set()

@@ -121,7 +121,7 @@ def flex_mask(n: int) -> dict:
 READING = ("How to read it: the estimate counts every gradient beside the activations' peak, though the "
            "largest (embed_tokens') is written last, when the activations are mostly freed, so it reads high by "
            "up to the gradients; the activations alone are modelled from what autograd keeps per COD element "
-           "(tests/test_plan.py checks the forward's saved tensors against the model within 10%). A ratio above "
+           "(tests/unit/test_plan.py checks the forward's saved tensors against the model within 10%). A ratio above "
            "1 would mean the planner under-estimates; `peagle plan` adds a 2 GiB reserve per GPU on top.\n")
 
 

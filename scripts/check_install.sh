@@ -4,7 +4,7 @@
 # target and ShareGPT data, 4 training steps, evaluation on 2 prompts, export) and a dry run under
 # `accelerate launch -m peagle_train.cli`. Nothing is read from or written into the checkout.
 #   bash scripts/check_install.sh [VENV_DIR]     # default: a new temporary venv (removed after); ~4 min here
-#   PEAGLE_INSTALL_CHECK=1 python -m pytest tests/test_cli.py -k install   # the same, as a test
+#   PEAGLE_INSTALL_CHECK=1 python -m pytest tests/integration/test_cli.py -k install   # the same, as a test
 # pip installs from the machine's configured index (torch first and pinned: PEAGLE_TORCH, default
 # torch==2.13.0, the CPU build; a bare `torch` would pull a CUDA build).
 set -euo pipefail

@@ -61,11 +61,11 @@ CPU_SLACK = 2.0     # the rehearsal's limits, part and steps, are this many time
 # (name, limit in seconds, kind, arguments on a GPU, arguments in the CPU rehearsal)
 PARTS = {
     1: [("versions", 30, "py", ["versions"], ["versions"]),
-        ("cuda_tests", 150, "pytest", ["tests/test_cuda.py", "-k", "not each_engine and not cpu_and_gpu"], None),
+        ("cuda_tests", 150, "pytest", ["tests/integration/test_cuda.py", "-k", "not each_engine and not cpu_and_gpu"], None),
         ("step8b", 210, "py", ["step8b", "--tokens", "2048,8192,16384"], ["step8b", "--tokens", "128,256"])],
     2: [("groups", 40, "py", ["groups"], ["groups"]),
-        ("engines", 150, "pytest", ["tests/test_cuda.py", "-k", "each_engine"], None),
-        ("cpu_vs_gpu", 50, "pytest", ["tests/test_cuda.py", "-k", "cpu_and_gpu"], None),
+        ("engines", 150, "pytest", ["tests/integration/test_cuda.py", "-k", "each_engine"], None),
+        ("cpu_vs_gpu", 50, "pytest", ["tests/integration/test_cuda.py", "-k", "cpu_and_gpu"], None),
         ("eval8b", 150, "py", ["eval8b", "--prompts", "4", "--new-tokens", "64"],
          ["eval8b", "--prompts", "2", "--new-tokens", "16"])],
 }
@@ -366,7 +366,7 @@ def run_part(part: int, out: Path, device: str = "cuda", config: str | None = No
     """Part 1 or 2 of the check (`PARTS`): each step's lines printed and appended to
     out/part<N>.jsonl as it ends, then a summary line. On a GPU every step runs; in the rehearsal
     (`device` cpu) each with its rehearsal arguments, pytest steps on CPU where a test can
-    (tests/test_cuda.py, PEAGLE_CHECK_DEVICE=cpu), every limit times CPU_SLACK. No step starts
+    (tests/integration/test_cuda.py, PEAGLE_CHECK_DEVICE=cpu), every limit times CPU_SLACK. No step starts
     past `part_limit`."""
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / f"part{part}.jsonl"

@@ -23,6 +23,24 @@ from pathlib import Path
 from .errors import UserError, WriteError, io_cause, io_failure
 
 
+def exit_at_once(status: int):
+    """End this process with `status` now: the atexit functions run, logging and the standard streams
+    are flushed, then os._exit skips the interpreter's finalization. For a process that took part in a
+    multi-process group: with the group destroyed but its gloo backend still referenced (FSDP2's
+    device mesh holds it), the backend's worker threads can meet an interpreter being torn down and
+    abort the process ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. Never returns."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 def usable_cores() -> list[int]:
     """The ids of the CPUs this process may run on, sorted: its affinity mask (taskset, a cgroup's
     cpuset, a test worker's core), which its children inherit; 0..os.cpu_count()-1 where the

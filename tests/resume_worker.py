@@ -32,6 +32,7 @@ from peagle_train.config import default_config
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.jobs.builders import build_draft
 from peagle_train.logs import setup_logging
+from peagle_train.runtime import exit_at_once
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.checks import TrainSettings
 from peagle_train.training.engines import process_group_kwargs
@@ -142,8 +143,11 @@ def main(out: Path, resume: bool):
 
         timeouts = [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in c10d._world.pg_map]
         (out / f"process_groups_rank{torch.distributed.get_rank()}.json").write_text(json.dumps(timeouts))
+    multi = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     acc.wait_for_everyone()  # as `peagle train` ends: no rank tears its group down while another still works
     acc.end_training()  # a process that exits with a live gloo group can abort ("terminate called ...")
+    if multi:  # and so can one whose destroyed group's backend is still referenced (FSDP2): as `peagle train`
+        exit_at_once(0)
 
 
 if __name__ == "__main__":

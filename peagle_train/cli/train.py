@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from peagle_train.config import check_config, register
 from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.errors import ConfigError
-from peagle_train.runtime import RESUME_TRAIN, cli_main, usable_cores
+from peagle_train.runtime import RESUME_TRAIN, cli_main, exit_at_once, usable_cores
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
 from peagle_train.export.speculators import verifier_name
@@ -32,6 +32,7 @@ from peagle_train.jobs.builders import build_target, run_metadata, write_json
 from peagle_train.jobs.training_job import JobInputs, run_training_job
 from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
 from peagle_train.training.checks import TrainSettings, check_training_config
+from peagle_train.training import engines
 from peagle_train.training.engines import check_distributed_config, gather_object, process_group_kwargs
 from peagle_train.training.run_lock import check_not_locked, claim_at_run_start, claim_output_dir, release_lock
 from peagle_train.training.tracking import start_trackers, untracked_accelerator
@@ -166,4 +167,7 @@ def run(argv: list[str] | None = None) -> int:
     from peagle_train.cli import run_hydra
 
     claim_at_run_start("peagle train")  # output_dir's run lock taken before Hydra writes there (training/run_lock.py)
-    return run_hydra(main, argv, __doc__, "train")
+    status = run_hydra(main, argv, __doc__, "train")
+    if engines.LEFT_A_GROUP:  # a process of a multi-process run: no interpreter teardown (runtime.exit_at_once)
+        exit_at_once(status or 0)
+    return status

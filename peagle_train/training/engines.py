@@ -488,6 +488,11 @@ def process_group_kwargs(timeout_minutes: float) -> list:
     return [InitProcessGroupKwargs(timeout=timedelta(minutes=float(timeout_minutes)))]
 
 
+# set by end_distributed in a process of a multi-process group: its entry point ends it with
+# runtime.exit_at_once (cli/train.py `run`)
+LEFT_A_GROUP = False
+
+
 def end_distributed(accelerator) -> None:
     """The end of the collective part of a job: every process meets in one last barrier, then the
     process group is destroyed (a no-op in a single process without one).
@@ -502,8 +507,10 @@ def end_distributed(accelerator) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    global LEFT_A_GROUP
     logger.info("training done on %d processes: the process group is released; the main process evaluates "
                 "and exports alone", dist.get_world_size())
     dist.barrier()
     dist.destroy_process_group()
+    LEFT_A_GROUP = True
 

@@ -38,3 +38,32 @@ def test_two_processes_match_one(tmp_path):
     assert torch.equal(got["counts"], counts)
     for k, p in d.named_parameters():
         torch.testing.assert_close(got["grads"][k], p.grad, rtol=1e-5, atol=1e-5)  # summation order differs
+
+
+def test_exit_at_once_runs_atexit_and_flushes_then_skips_finalization(tmp_path):
+    """runtime.exit_at_once (how a process of a multi-process `peagle train` ends): the status given,
+    atexit functions run, buffered output and log records reach their files; objects' finalizers
+    (what interpreter teardown would run) do not."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import atexit, logging, sys
+        from peagle_train.runtime import exit_at_once
+        atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, 'w').write('ran'))
+        logging.basicConfig(filename={str(tmp_path / 'log')!r}, level=logging.INFO)
+        logging.info('logged')
+        class Finalized:
+            def __del__(self):
+                open({str(tmp_path / 'finalized')!r}, 'w').write('ran')
+        keep = Finalized()
+        sys.stdout.write('buffered, no newline')
+        exit_at_once(3)
+        print('never')
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (p.returncode, p.stdout) == (3, "buffered, no newline"), p.stderr
+    assert (tmp_path / "atexit").read_text() == "ran" and "INFO:root:logged" in (tmp_path / "log").read_text()
+    assert not (tmp_path / "finalized").exists()

@@ -92,14 +92,14 @@ def pytest_collection_modifyitems(items):
         if item.path.parent.name in TIERS and item.path.parent.parent == REPO_ROOT / "tests":
             item.add_marker(item.path.parent.name)
     # the `serial` modules first, each whole (a stable sort): under -n 2 they run one after another at
-    # the start, the other worker waiting, and then every other test in parallel
-    items.sort(key=lambda item: item.get_closest_marker("serial") is None)
+    # the start, the other worker waiting; then every other test in parallel, the e2e modules first
+    items.sort(key=lambda item: (item.get_closest_marker("serial") is None, item.path.parent.name != "e2e"))
 
 
 # Parallel workers (pytest-xdist, `-n 2`, the README's test command): each worker runs on a core of
 # its own (the affinity its subprocesses inherit: runtime.usable_cores gives them one thread) and one
 # torch thread. A test marked `serial` (multi-process runs timed against timeouts, signals, step
-# limits) runs alone: it takes an exclusive lock that every other test takes shared, and all the
+# limits; vLLM's engine) runs alone: it takes an exclusive lock that every other test takes shared, and all the
 # cores while it holds it.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _ALL_CORES = sorted(os.sched_getaffinity(0))

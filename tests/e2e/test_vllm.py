@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 from ..conftest import REPO_ROOT
 
-pytestmark = pytest.mark.real
+# vLLM's CPU engine on one core takes 2.8× as long (its OpenMP threads bound to it): alone under -n 2 with
+# all the cores (conftest.py)
+pytestmark = [pytest.mark.real, pytest.mark.serial]
 
 
 def _vllm_python() -> str:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from peagle_train.runtime import usable_cores
+
 # The checkout the tests run from (its conf/, recipes/, scripts/, benchmarks/, experiments/, train.py). The package itself never
 # uses it: peagle_train finds its configs as package data (peagle_train/paths.py).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +104,7 @@ def pytest_collection_modifyitems(items):
 # limits; vLLM's engine) runs alone: it takes an exclusive lock that every other test takes shared, and all the
 # cores while it holds it.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-_ALL_CORES = sorted(os.sched_getaffinity(0))
+_ALL_CORES = usable_cores()
 _LOCK = None
 _HELD: bool | None = None  # the lock this worker holds: True exclusive, False shared, None none
 

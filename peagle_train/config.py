@@ -22,7 +22,6 @@ and every entry point runs `check_config` again on the config Hydra hands it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import enum
@@ -30,199 +29,15 @@ import functools
 import math
 import re
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Optional
 
+from .draft.head_config import DraftConfig
+from .options import (Algorithm, Attention, Backend, Benchmark,  # noqa: F401 (the schema's enums, importable from here)
+                      DistributedEngine, Dtype, EvalEngine, Extrapolate, FeatureEngine, FeatureSource,
+                      FeatureStorage, Int8Scale, Loss, Precision, Range, Schedule, SlotWeights, Tracker,
+                      group, opt)
 from .paths import CONF_DIR
-
-
-class Choice(str, enum.Enum):
-    """A config choice: a str Enum whose members equal (and print as) their values."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def values(cls) -> list[str]:
-        return [m.value for m in cls]
-
-
-class Algorithm(Choice):
-    peagle = "peagle"
-    eagle3 = "eagle3"
-    dflash = "dflash"
-
-
-class Precision(Choice):
-    """The `precision` key (resolved by peagle_train/precision.py `resolve_precision`)."""
-
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class EvalEngine(Choice):
-    """The `eval.engine` key of `peagle evaluate`: which decoder measures τ."""
-
-    reference = "reference"  # the framework's reference decoder (peagle_train/decoding)
-    vllm = "vllm"            # vLLM's offline LLM API on the head's export (peagle_train/serving)
-    both = "both"            # both, on the same prompt token ids, side by side
-
-
-class Dtype(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class FeatureEngine(Choice):
-    """The `features.engine` key of `peagle features`: what runs the target."""
-
-    target = "target"  # the in-process target (transformers), packed rows
-    vllm = "vllm"      # vLLM's extract_hidden_states method in its own environment (peagle_train/serving)
-
-
-class FeatureSource(Choice):
-    online = "online"
-    offline = "offline"
-
-
-class FeatureStorage(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    int8 = "int8"
-
-
-class Int8Scale(Choice):
-    channel = "channel"
-    token = "token"
-
-
-class Schedule(Choice):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-    wsd = "wsd"
-
-
-class Loss(Choice):
-    kl = "kl"
-    ce = "ce"
-    tv = "tv"
-
-
-class SlotWeights(Choice):
-    uniform = "uniform"
-    exp_decay = "exp_decay"
-    dpace = "dpace"
-
-
-class Attention(Choice):
-    auto = "auto"
-    flex = "flex"
-    sparse = "sparse"
-    dense = "dense"
-
-
-class Tracker(Choice):
-    none = "none"
-    tensorboard = "tensorboard"
-    wandb = "wandb"
-
-
-class DistributedEngine(Choice):
-    ddp = "ddp"
-    deepspeed = "deepspeed"
-    fsdp = "fsdp"
-
-
-class Benchmark(Choice):
-    spec_bench = "spec_bench"
-    mt_bench = "mt_bench"
-    humaneval = "humaneval"
-    jsonl = "jsonl"
-
-
-class Backend(Choice):
-    hf = "hf"
-    vllm = "vllm"
-    endpoint = "endpoint"
-
-
-class Extrapolate(Choice):
-    last = "last"
-    zero = "zero"
-
-
-class TrainEmbeddings(Choice):
-    """The `draft.train_embeddings` key: which rows of the head's `embed_tokens` train
-    (peagle_train/draft/embedding.py)."""
-
-    all = "all"            # every row: the target's embeddings move too
-    mask_row = "mask_row"  # the mask token's row only; the target's rows frozen (no gradient, no optimizer state)
-    none = "none"          # no row: the target's embedding, frozen (DFlash's recipe; the mask token's row too)
-
-
-# draft.train_embeddings=null, per algorithm: peagle mask_row (τ level with all at equal tokens, the
-# paired difference −0.003 ± 0.004: docs/RESULTS.md); eagle3 has no mask token, so no row of its own to learn
-TRAIN_EMBEDDINGS_DEFAULT = {"peagle": TrainEmbeddings.mask_row, "eagle3": TrainEmbeddings.all,
-                            "dflash": TrainEmbeddings.all}
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key admits (each item of a list key, which must not be empty): finite,
-    ≥ ge, > gt, ≤ le, or one of `one_of`. Null is admitted where the key's type is Optional."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    one_of: tuple | None = None
-
-    def admits(self, v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return False
-        if self.one_of is not None:
-            return v in self.one_of
-        return (math.isfinite(v) and (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
-                and (self.le is None or v <= self.le))
-
-    def text(self, integer: bool) -> str:
-        """'an integer ≥ 1', 'a number in (0, 1]', '2 or 3'."""
-        if self.one_of is not None:
-            return " or ".join(map(str, self.one_of))
-        kind = "an integer" if integer else "a number"
-        low = f"[{_num(self.ge)}" if self.ge is not None else (f"({_num(self.gt)}" if self.gt is not None else None)
-        if low is not None and self.le is not None:
-            return f"{kind} in {low}, {_num(self.le)}]"
-        if low is not None:
-            return f"{kind} {'≥' if low[0] == '[' else '>'} {low[1:]}"
-        return f"{kind} ≤ {_num(self.le)}" if self.le is not None else kind
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
-
-
-def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-        one_of: tuple | None = None) -> Any:
-    """A schema field: its default (a list or dict is copied per instance), its one-line help and,
-    for a number (or a list of numbers), the values it admits (`Range`: ge, gt, le, one_of), which
-    `config_problems` checks before any work."""
-    meta = {"help": help}
-    if (ge, gt, le, one_of) != (None, None, None, None):
-        meta["range"] = Range(ge, gt, le, tuple(one_of) if one_of is not None else None)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def group(cls: type, help: str) -> Any:
-    """A schema field holding a config group (a dataclass), with the group's one-line help."""
-    return field(default_factory=cls, metadata={"help": help})
 
 
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are unsigned 32/64-bit; one bound for all
@@ -289,29 +104,13 @@ class FeaturesConfig:
                                            "eval.vllm_python")
 
 
-@dataclass
-class DraftSchema:
-    num_layers: int = opt(1, "decoder layers of the draft head", ge=1)
-    num_depths: int = opt(8, "K_train: parallel draft depths trained", ge=1)
-    norm_before_fc: bool = opt(False, "RMSNorm over the 3H features before fc")
-    fc_norm: bool = opt(False, "RMSNorm per aux layer (H each) before fc")
-    norm_before_residual: bool = opt(False, "the first layer's residual is its normed input (else the raw one)")
-    gradient_checkpointing: bool = opt(False, "activation checkpointing of the draft layers (multi-layer heads)")
-    mask_hidden_std: float = opt(0.02, "peagle: standard deviation of the normal init of mask_hidden", gt=0)
-    block_causal: bool = opt(False, "dflash: the block attends to itself causally (else all of it, DFlash's default)")
-    sliding_window: Optional[int] = opt(None, "dflash: sliding-window draft layers: a query at position q sees "
-                                              "keys at positions > q - W (vLLM's window, served with "
-                                              "layer_types sliding_attention); null = full attention", ge=1)
-    train_embeddings: Optional[TrainEmbeddings] = opt(None, "rows of embed_tokens that train: all | mask_row (the "
-                                                            "mask token's row only; the target's rows frozen, no "
-                                                            "gradient or optimizer state for them); null = mask_row "
-                                                            "for peagle, all for eagle3 and dflash")
-    train_lm_head: bool = opt(True, "the head's lm_head (the target's rows of the draft vocabulary at init) trains; "
-                                    "false = frozen: with data.draft_vocab_size = the target's vocabulary and "
-                                    "train_embeddings=none, a DFlash head shares the target's embedding and LM head "
-                                    "as the DFlash paper trains it")
-    init_from: Optional[str] = opt(None, "continue from an existing head: runs/<run>/checkpoint, "
-                                         ".../checkpoints/step_N or an export (same sizes, data and mask token)")
+# the `draft` group: the keys DraftConfig declares for a recipe (draft/head_config.py `head_field`:
+# help, range and default written once, there), plus where a run's head starts from
+DraftSchema = dataclasses.make_dataclass("DraftSchema", [
+    *DraftConfig.recipe_schema_fields(),
+    ("init_from", Optional[str], opt(None, "continue from an existing head: runs/<run>/checkpoint, "
+                                           ".../checkpoints/step_N or an export (same sizes, data and mask token)")),
+])
 
 
 @dataclass
@@ -840,30 +639,6 @@ def sources_problems(sources: Any) -> list[str]:
     return problems
 
 
-def train_embeddings_of(value: Any, algorithm: Any) -> str:
-    """`draft.train_embeddings` resolved to "all" or "mask_row": `value`, or for null the default of
-    `algorithm` (TRAIN_EMBEDDINGS_DEFAULT)."""
-    return str(value if value is not None else TRAIN_EMBEDDINGS_DEFAULT[str(algorithm)])
-
-
-def train_embeddings_problem(value: Any, algorithm: Any) -> str | None:
-    """None unless draft.train_embeddings=`value` cannot apply to a head of `algorithm` (mask_row on an
-    EAGLE-3 head, which has no mask token); then why, and the fix."""
-    if value is None or str(value) != "mask_row" or str(algorithm) != "eagle3":
-        return None
-    return ("draft.train_embeddings=mask_row with algorithm=eagle3: an EAGLE-3 head has no mask token, so no row "
-            "would train. Fix: draft.train_embeddings=all, or null (the algorithm's default).")
-
-
-def sliding_window_problem(window: Any, algorithm: Any) -> str | None:
-    """None unless draft.sliding_window=`window` is set for a head of `algorithm` other than dflash (the
-    only head with sliding-window layers); then why, and the fix."""
-    if window is None or str(algorithm) == "dflash":
-        return None
-    return (f"draft.sliding_window={window} with algorithm={algorithm}: only a dflash head has sliding-window "
-            "layers. Fix: draft.sliding_window=null, or algorithm=dflash.")
-
-
 def k_beyond_k_train_problem(K: int, num_depths: int, head: str) -> str | None:
     """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
     K > K_train is refused and the fix."""
@@ -872,19 +647,6 @@ def k_beyond_k_train_problem(K: int, num_depths: int, head: str) -> str | None:
     return (f"eval.num_speculative_tokens={K} > K_train={num_depths} of {head}: the head never trained draft depths "
             f"beyond {num_depths}, so τ would measure untrained slots. Fix: eval.num_speculative_tokens={num_depths} or "
             f"less, or train a head with draft.num_depths={K} or more.")
-
-
-def dflash_block_note(K: int, head_cfg, head: str) -> str | None:
-    """A warning when a non-causal DFlash head (draft config `head_cfg`) drafts a block of K + 1
-    other than the K_train + 1 it was trained on: every slot attends to the whole block, so its
-    inputs differ from training (a causal block sees the same prefix of slots either way). None
-    otherwise."""
-    if getattr(head_cfg, "algorithm", None) != "dflash" or head_cfg.block_causal or K == head_cfg.num_depths:
-        return None
-    return (f"{head} is a DFlash head trained on blocks of {head_cfg.num_depths + 1} with non-causal attention; "
-            f"K={K} drafts blocks of {K + 1}, which every slot sees whole, unlike in training. vLLM serves it at "
-            f"num_speculative_tokens={K} the same way. Fix: eval.num_speculative_tokens={head_cfg.num_depths}, or "
-            f"train with draft.num_depths={K} (or draft.block_causal=true).")
 
 
 def range_problems(cfg, schema: type) -> list[str]:
@@ -926,15 +688,16 @@ def config_problems(cfg, command: str = "train") -> list[str]:
     problems = range_problems(cfg, schema_of(command))
     problems += mix_problems(get("data.mix"))
     problems += sources_problems(get("data.sources"))
+    head = DraftConfig.class_of(get("algorithm") or "peagle")  # the head's own rules (draft/head_config.py)
     ids = get("target.aux_layer_ids")
     if ids is not None:
         from .target.aux_layers import AuxLayers
 
-        if (m := AuxLayers.problem(ids, None, count=AuxLayers.count(get("algorithm") or "peagle"))):
+        if (m := AuxLayers.problem(ids, None, count=head.aux_count)):
             problems.append(m)
-    if (m := train_embeddings_problem(get("draft.train_embeddings"), get("algorithm") or "peagle")):
+    if (m := head.train_embeddings_problem(get("draft.train_embeddings"))):
         problems.append(m)
-    if (m := sliding_window_problem(get("draft.sliding_window"), get("algorithm") or "peagle")):
+    if (m := head.sliding_window_problem(get("draft.sliding_window"))):
         problems.append(m)
     frac, warm = get("training.warmup_fraction"), get("training.warmup_steps")
     if frac is not None and warm is not None and warm != TrainingConfig.warmup_steps:

@@ -411,9 +411,8 @@ def _train_embeddings(dcfg, algorithm: str) -> dict:
 
     if "train_embeddings" not in DraftConfig.__dataclass_fields__:
         return {}
-    from . import config
-
-    return {"train_embeddings": config.train_embeddings_of(dcfg.get("train_embeddings"), algorithm)}
+    value = dcfg.get("train_embeddings")
+    return {"train_embeddings": str(value) if value is not None else DraftConfig.class_of(algorithm).train_embeddings_default}
 
 
 def _b(n: float) -> str:

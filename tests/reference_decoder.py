@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from peagle_train.decoding.engine import GenerationResult
 from peagle_train.decoding.engine import finish as _finish
-from peagle_train.draft.peagle import Eagle3Draft, PEagleDraft
+from peagle_train.draft.peagle import PEagleDraft
 from peagle_train.target.capture import FeatureTarget
 
 
@@ -189,7 +189,7 @@ class SpeculativeState:
         self.target, self.draft, self.K = target, draft, K
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
         self.temperature, self.generator = temperature, generator
-        self.draft_fn = draft_sequential if isinstance(draft, Eagle3Draft) else draft_parallel
+        self.draft_fn = draft_parallel if draft.config.parallel else draft_sequential
         self.dev = target.model.device
         _sync(self.dev)
         self.t0 = time.perf_counter()

@@ -41,7 +41,6 @@ from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
 from peagle_train.jobs.builders import build_target
 from peagle_train.precision import ResolvedPrecision, resolve_precision
-from peagle_train.target.aux_layers import AuxLayers
 from peagle_train.target.capture import FeatureTarget
 from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
@@ -107,7 +106,7 @@ def main(cfg: DictConfig) -> dict:
         oids = list(other.config.aux_layer_ids)
         if not all(0 <= i < n_layers for i in oids):
             raise SystemExit(f"{setting}={path}: aux layers {oids} outside the target's {n_layers} layers.")
-        otarget = target if oids == ids else FeatureTarget(target.model, oids, aux_count=AuxLayers.count(other.config.algorithm))
+        otarget = target if oids == ids else FeatureTarget(target.model, oids, aux_count=other.config.aux_count)
         check_head_target(other, otarget, tok, f"{setting}={path}")
         return other.to(device=target.model.device), otarget
 

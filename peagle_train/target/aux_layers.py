@@ -6,7 +6,7 @@ it (`AUX_LAYER_NUMBERING`). Checkpoints and exports record it under `aux_layer_n
 without it were written with the older numbering "layer_output" (id i = the output of layer i =
 `output_hidden_states[i+1]`), read converted (`AuxLayers.read`).
 
-The rules: P-EAGLE and EAGLE-3 heads read 3 layers, DFlash 1 or more (`AuxLayers.count`); the ids
+The rules: P-EAGLE and EAGLE-3 heads read 3 layers, DFlash 1 or more (draft/head_config.py `aux_count`); the ids
 are distinct, ascending and in [0, N) for an N-layer target (`AuxLayers.problem`); none given means
 [2, N//2, N-3] for P-EAGLE and EAGLE-3, and for DFlash the paper's 5 layers spread from the 2nd to the
 third-to-last (`AuxLayers.default`, `AuxLayers.spread`).
@@ -52,12 +52,6 @@ class AuxLayers:
             return [num_layers // 2 + 1]
         start, end = 1, max(num_layers - 3, 1)
         return sorted({round(start + i * (end - start) / (n - 1)) + 1 for i in range(n)})
-
-    @staticmethod
-    def count(algorithm: str) -> int | None:
-        """How many aux layer ids a head of `algorithm` reads: 3 for P-EAGLE and EAGLE-3 (vLLM's EAGLE-3
-        path concatenates three), None (any number ≥ 1) for DFlash (its fc is sized from the ids)."""
-        return None if str(algorithm) == "dflash" else 3
 
     @classmethod
     def resolve(cls, ids: list | None, num_layers: int, setting: str = "target.aux_layer_ids",

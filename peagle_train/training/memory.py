@@ -85,31 +85,21 @@ def cod_elements(tokens: int, num_depths: int, max_anchors: int | None, down_sam
     S = int(valid_fraction * max(tokens - 1, 0))
     if max_anchors is not None:
         S = min(S, max_anchors)
-    if algorithm == "eagle3":
-        return tokens * num_depths
-    if algorithm == "dflash":
-        return tokens + S * (num_depths + 1)
-    total, P = tokens, S
-    for d in range(1, num_depths):
-        m = math.floor((S - d) * max(down_sample_ratio ** d, down_sample_ratio_min))
-        if m <= 0 or P == 0:
-            break
-        c = min(P, m)
-        total, P = total + c, c
-    return total
+    return DraftConfig.class_of(algorithm).training_elements(tokens, num_depths, S, down_sample_ratio,
+                                                            down_sample_ratio_min)
 
 
 def draft_config_for(target_config, num_layers: int, num_depths: int, draft_vocab_size: int,
                      algorithm: str = "peagle", aux_layer_ids: list[int] | None = None, **flags) -> DraftConfig:
     """The DraftConfig jobs/builders.py `build_draft` would make for a target with HF config `target_config`
-    (mask token 0 and the default aux ids stand in: they change no size). `flags`: norm_before_fc,
-    fc_norm, norm_before_residual, gradient_checkpointing, block_causal."""
+    (mask token 0 and the default aux ids stand in: they change no size). `flags`: other `draft.<key>`
+    recipe keys (norm_before_fc, gradient_checkpointing, train_embeddings, ...)."""
     from ..target.aux_layers import AuxLayers
 
     n = target_config.num_hidden_layers
-    ids = AuxLayers.resolve(aux_layer_ids, n, count=AuxLayers.count(algorithm)).to_json()
-    return DraftConfig.from_target(target_config, num_layers=num_layers, draft_vocab_size=draft_vocab_size,
-                                   mask_token_id=0, num_depths=num_depths, aux_layer_ids=ids, algorithm=algorithm,
+    ids = AuxLayers.resolve(aux_layer_ids, n, count=DraftConfig.class_of(algorithm).aux_count).to_json()
+    return DraftConfig.from_target(target_config, algorithm=algorithm, draft_vocab_size=draft_vocab_size,
+                                   mask_token_id=0, aux_layer_ids=ids, num_layers=num_layers, num_depths=num_depths,
                                    **flags)
 
 

@@ -36,7 +36,7 @@ def test_train_loop_runs_and_learns(tmp_path, target_model, algorithm):
                              "norm_before_residual": False,
                              "gradient_checkpointing": False})
     draft = build_draft(t, dcfg, vocab, 127, algorithm)
-    assert isinstance(draft, Eagle3Draft if algorithm == "eagle3" else PEagleDraft)
+    assert type(draft) is (Eagle3Draft if algorithm == "eagle3" else PEagleDraft)
     train_cfg = TrainSettings(OmegaConf.merge(default_config().training,
                                               {"tokens_per_step": 64, "epochs": 4, "lr": 3e-3, "warmup_steps": 2,
                                                "max_anchors": 16}), draft=dcfg, algorithm=algorithm, seed=0)

@@ -280,6 +280,48 @@ def test_no_module_registers_attention_at_import():
         "[] []", "['peagle_amx_decode', 'peagle_amx_decode', 'peagle_decode', 'peagle_decode', 'peagle_documents']"]
 
 
+ALGORITHMS = {"peagle", "eagle3", "dflash"}
+
+
+def algorithm_comparisons(source: str) -> list[str]:
+    """The comparisons in `source` that branch on an algorithm's name: an `algorithm` (name or
+    attribute) or `speculators_model_type` (key) compared with a string, or anything compared with
+    (or looked up in a collection of) "peagle", "eagle3" or "dflash"."""
+    def strings(node):
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {x.value for x in items if isinstance(x, ast.Constant) and isinstance(x.value, str)}
+
+    def names_algorithm(node):
+        return (getattr(node, "id", None) == "algorithm" or getattr(node, "attr", None) == "algorithm"
+                or "speculators_model_type" in ast.unparse(node))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            consts = set().union(*(strings(x) for x in operands))
+            if consts & ALGORITHMS or (consts and any(names_algorithm(x) for x in operands)):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_outside_draft_branches_on_an_algorithm_name():
+    """A head's rules live in its description class (draft/head_config.py: `masked`, `aux_count`,
+    `serve_method`, `train_embeddings_default`, ...): no module outside draft/ compares an algorithm
+    to a string."""
+    assert algorithm_comparisons('if cfg.algorithm == "x": pass') == ["cfg.algorithm == 'x'"]
+    assert algorithm_comparisons('k = c["speculators_model_type"] != "eagle3"') == [
+        "c['speculators_model_type'] != 'eagle3'"]
+    assert algorithm_comparisons('ok = kind in ("peagle", "dflash")') == ["kind in ('peagle', 'dflash')"]
+    assert algorithm_comparisons('ok = kind == "ddp" and cfg.masked') == []
+    found = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if not rel.startswith("draft/") and (hits := algorithm_comparisons(path.read_text())):
+            found[rel] = hits
+    assert not found, found
+
+
 def test_trainer_has_no_algorithm_branch():
     src = (PKG / "training" / "trainer.py").read_text()
     tree = ast.parse(src)
@@ -425,8 +467,8 @@ def test_one_k_train_check_and_typed_settings():
     assert not names & {"EVAL_KEYS", "evaluate_from_config", "train_config", "SCHEMA_KEY"}
 
 
-ROOT_MODULES = {"__init__", "config", "errors", "extras", "io", "logs", "paths", "plan", "precision", "provenance",
-                "runtime"}
+ROOT_MODULES = {"__init__", "config", "errors", "extras", "io", "logs", "options", "paths", "plan", "precision",
+                "provenance", "runtime"}
 
 
 def test_the_package_root_holds_shared_services_and_jobs_live_in_jobs():

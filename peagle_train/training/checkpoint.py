@@ -83,7 +83,8 @@ def file_damage(path: Path) -> str | None:
 def check_checkpoint_files(ckpt: Path, num_processes: int, fix: str) -> None:
     """Check every file of checkpoint `ckpt` that a resume reads, ours and the engine's (DeepSpeed's
     shards, FSDP's state under engine/), before any is loaded (`file_damage`); each file is checked
-    by one process (`_checker`: the one that reads it, else shared out) and every process learns every finding
+    by one process (`_checker`: the one that reads it, else shared out; FSDP's fsdp_full_state.pt by
+    process 0 alone, the only one that opens it) and every process learns every finding
     (`engines.gather_object`: collective under a process group). A missing rng_rank<r>.pt of one of the
     `num_processes` processes counts too. Raises CorruptFileError on every process, naming each
     damaged file, what it holds and `fix` (the checkpoint to fall back to)."""
@@ -107,10 +108,13 @@ def check_checkpoint_files(ckpt: Path, num_processes: int, fix: str) -> None:
 
 def _checker(path: Path, index: int, world: int) -> int:
     """The process that checks a checkpoint file: the one that reads it alone (rng_rank<r>.pt and
-    DeepSpeed's zero_pp_rank_<r>_* shard: r), else `index` mod `world` (a file every process reads,
-    checked once)."""
+    DeepSpeed's zero_pp_rank_<r>_* shard: r; FSDP's fsdp_full_state.pt, read by process 0 and
+    broadcast (engines.py `ShardedEngine.load`): 0), else `index` mod `world` (a file every process
+    reads, checked once)."""
     import re
 
+    if path.name == "fsdp_full_state.pt":
+        return 0
     m = re.match(r"(?:rng_rank|zero_pp_rank_)(\d+)", path.name)
     return int(m.group(1)) % world if m else index % world
 

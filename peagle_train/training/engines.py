@@ -314,8 +314,10 @@ class ShardedEngine:
 
     def load(self, ckpt: Path, state: dict, fix: str) -> None:
         """Restore what `save` wrote into `ckpt`/engine (collective; the checkpoint's unsharded
-        weights are not read, and `state`'s "optimizer", None here, is popped). Raises
-        FileNotFoundError naming the missing file."""
+        weights are not read, and `state`'s "optimizer", None here, is popped). FSDP: the main
+        process alone reads fsdp_full_state.pt and broadcasts it tensor by tensor
+        (`broadcast_from_rank0`); each process keeps its shards. Raises FileNotFoundError naming
+        the missing file."""
         state.pop("optimizer", None)
         folder = Path(ckpt) / "engine"
         if self.kind == "deepspeed":
@@ -330,13 +332,19 @@ class ShardedEngine:
         f = folder / "fsdp_full_state.pt"
         if not f.is_file():
             raise FileNotFoundError(f"{f}: no FSDP state in this checkpoint. Fix: resume with the run's distributed.engine.")
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
-        # memory-mapped onto the host: the processes of a node share the file's pages (the page cache) instead
-        # of each holding a full copy, and nothing lands on the device the state was saved from
-        st = torch.load(f, weights_only=False, map_location="cpu", mmap=True)
-        set_state_dict(self.module, self.opt, model_state_dict=st["model"], optim_state_dict=st["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        # rank 0 reads the file, memory-mapped onto the host (nothing lands on the device the state was saved
+        # from), and broadcasts each tensor; the others read nothing and receive only their shards. Two calls:
+        # torch 2.13's set_state_dict takes an empty model state dict (the other ranks') for "optimizer only"
+        # and skips the model's broadcast there, which leaves rank 0 waiting in it
+        st = ({"model": {}, "optimizer": {}} if dist.get_rank() != 0
+              else torch.load(f, weights_only=False, map_location="cpu", mmap=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.module, st["model"], options=options)
+        set_optimizer_state_dict(self.module, self.opt, st["optimizer"], options=options)
 
 
 def single_process_backend(device: torch.device | str) -> str:

@@ -1,9 +1,9 @@
 """Distributed engines with 2 real processes on CPU (gloo): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 give the
 losses and validation EAL of 1 process with the same global batch (grad_accum 2), save checkpoints
-whose weights load and match, and resume exactly; every process group they make has the run's
-distributed.timeout_minutes; with partitions 2 × grad_accum 2 (6 backward passes per optimizer step)
-each reduces the gradients once per step, ZeRO-3 also with gradient checkpointing (the gpt-oss-20b
-recipe's engine).
+whose weights load and match, and resume exactly (FSDP: rank 0 alone reads the state); every process
+group they make has the run's distributed.timeout_minutes; with partitions 2 × grad_accum 2 (6
+backward passes per optimizer step) each reduces the gradients once per step, ZeRO-3 also with
+gradient checkpointing (the gpt-oss-20b recipe's engine).
 
 Tolerance 1e-5 on the loss (values 2-7): the engines reduce the same fp32 gradients in another order
 (reduce-scatter of flat buckets vs all-reduce), ≈ 1e-7 relative per step; measured ≤ 5e-7 over 6
@@ -144,7 +144,10 @@ def test_dflash_under_fsdp_matches_one_process(runs):
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp"])
 def test_engine_resume_is_exact(runs, engine, tmp_path):
-    """Resume the 2-process run from its step-3 checkpoint: steps 4-6 equal the uninterrupted run's."""
+    """Resume the 2-process run from its step-3 checkpoint: steps 4-6 equal the uninterrupted run's.
+    FSDP: process 0 alone reads engine/fsdp_full_state.pt (torch.load or open, counted by the worker's
+    probe) and broadcasts it; process 1 never opens it, not even to check it (before: every process
+    torch.loaded the whole state; then the file check opened it on process 1)."""
     _needs(engine)
     full = runs(engine)
     cut = tmp_path / "cut"
@@ -152,6 +155,10 @@ def test_engine_resume_is_exact(runs, engine, tmp_path):
     shutil.rmtree(cut / "checkpoints" / "step_000006")  # as if killed after step 5
     _run([*_launch(), str(cut), "resume", "0", *COMMON, *ENGINES[engine]], cut, probe=tmp_path / "probe")
     assert losses(cut) == losses(full)  # bit for bit: weights, optimizer shards, scheduler, RNG, data cursor
+    if engine == "fsdp":  # the main process alone reads the full state and broadcasts it
+        state = str(cut / "checkpoints" / "step_000003" / "engine" / "fsdp_full_state.pt")
+        assert state in _probe(tmp_path / "probe", 0)["loads"]
+        assert not [f for f in _probe(tmp_path / "probe", 1)["loads"] if f.endswith("fsdp_full_state.pt")]
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp", "zero3-checkpointing"])

@@ -211,6 +211,56 @@ def test_a_damaged_checkpoint_file_stops_every_process_naming_it(tmp_path):
                       "cut off or corrupted. Fix: delete it and resume again (from the previous checkpoint step_000002).")
 
 
+def _check_fsdp_checkpoint(ckpt, out, rank):
+    """check_checkpoint_files on process `rank`, the names of the files it checked (`file_damage`)
+    written to out/checked<rank>.json."""
+    from peagle_train.training import checkpoint
+
+    checked, damage = [], checkpoint.file_damage
+
+    def counted(path):
+        checked.append(path.name)
+        return damage(path)
+
+    checkpoint.file_damage = counted
+    try:
+        checkpoint.check_checkpoint_files(ckpt, 2, "delete it and resume again (from the previous checkpoint "
+                                          "step_000002)")
+    finally:
+        (out / f"checked{rank}.json").write_text(json.dumps(checked))
+
+
+def test_a_damaged_fsdp_state_is_checked_by_process_0_alone(tmp_path):
+    """2 gloo processes check an FSDP checkpoint (the files of a real one; engine/fsdp_full_state.pt
+    cut off): process 0 alone opens the state, the file only it reads (engines.py
+    `ShardedEngine.load`), and both processes stop with the same line naming it and the checkpoint
+    to fall back to (before: the file was shared out by its index, second in the sorted list, and
+    process 1 opened it)."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "checkpoints" / "step_000004"
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save({"step": 4, "num_processes": 2}, ckpt / "state.pt")
+    for r in range(2):
+        torch.save({"torch": torch.get_rng_state()}, ckpt / f"rng_rank{r}.pt")
+    save_file({"w": torch.randn(8, 8)}, str(ckpt / "model.safetensors"))
+    (ckpt / "fingerprint.json").write_text(json.dumps({"a": 1}))
+    (ckpt / "draft_config.json").write_text(json.dumps({"hidden_size": 8}))
+    state = ckpt / "engine" / "fsdp_full_state.pt"
+    torch.save({"model": {"w": torch.randn(5000)}, "optimizer": {}}, state)
+    state.write_bytes(state.read_bytes()[:-200])
+    mp.spawn(each_rank_says, args=(2, str(tmp_path / "store"), str(tmp_path),
+                                   partial(_check_fsdp_checkpoint, ckpt, tmp_path), "ok"), nprocs=2, join=True)
+    got = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert got[0] == got[1] == (f"{state}: cannot read the engine state (DeepSpeed's or FSDP's, engine/) (not a "
+                                "complete torch archive (cut off?)): the file is cut off or corrupted. Fix: delete "
+                                "it and resume again (from the previous checkpoint step_000002)."), got
+    checked = [json.loads((tmp_path / f"checked{r}.json").read_text()) for r in range(2)]
+    assert "fsdp_full_state.pt" in checked[0] and "fsdp_full_state.pt" not in checked[1], checked
+    assert sorted(checked[0] + checked[1]) == sorted(p.name for p in ckpt.rglob("*") if p.is_file())  # each once
+
+
 def test_file_damage_of_each_kind(tmp_path):
     from peagle_train.errors import CorruptFileError
     from peagle_train.training.checkpoint import check_checkpoint_files, file_damage

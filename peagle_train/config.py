@@ -36,7 +36,7 @@ from .draft.head_config import DraftConfig
 from .options import (Algorithm, Attention, Backend, Benchmark,  # noqa: F401 (the schema's enums, importable from here)
                       DistributedEngine, Dtype, EvalEngine, Extrapolate, FeatureEngine, FeatureSource,
                       FeatureStorage, Int8Scale, Loss, Precision, Range, Schedule, SlotWeights, Tracker,
-                      group, opt)
+                      TrainEmbeddings, group, opt)
 from .paths import CONF_DIR
 
 
@@ -108,8 +108,10 @@ class FeaturesConfig:
 # help, range and default written once, there), plus where a run's head starts from
 DraftSchema = dataclasses.make_dataclass("DraftSchema", [
     *DraftConfig.recipe_schema_fields(),
-    ("init_from", Optional[str], opt(None, "continue from an existing head: runs/<run>/checkpoint, "
-                                           ".../checkpoints/step_N or an export (same sizes, data and mask token)")),
+    ("init_from", Optional[str], opt(None, "start from an existing head: runs/<run>/checkpoint, "
+                                           ".../checkpoints/step_N, an export or a speculators export's hub id "
+                                           "ORG/NAME (EAGLE-3 and P-EAGLE start each other; another draft "
+                                           "vocabulary is remapped by target id)")),
 ])
 
 

@@ -6,6 +6,7 @@ Scripts import it without the trainer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 from ..errors import ConfigError, CorruptFileError, ExportError, load_safetensors, read_json, writing
 from ..io import atomic_dir, recover_dir
 from ..target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
-from . import DraftConfig, DraftHead, make_draft_head
+from ..target.load import HUB_ID, cached_target, download_target, hub_offline
+from . import DraftConfig, DraftHead, Eagle3Config, make_draft_head
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +95,8 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> D
     draft = make_draft_head(dc)
     weights = load_safetensors(d / "model.safetensors", "export weights", fix)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}
-    if dc.algorithm == "dflash" and dc.draft_vocab_size == dc.vocab_size and "d2t" not in sd:
-        # the full vocabulary, written without d2t/t2d (export/speculators.py `unmapped_vocab_keys`)
+    if dc.unmapped_vocab_keys() and "d2t" not in sd:
+        # the full vocabulary, written without d2t/t2d (head_config.py `unmapped_vocab_keys`)
         sd["d2t"], sd["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.long), torch.ones(dc.vocab_size, dtype=torch.bool)
     missing, unexpected = draft.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -141,34 +143,134 @@ def aux_layer_numbering_of(cfg: dict, export_dir: Path) -> str:
 
 
 
-def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
-    """Load the weights of an existing head (`draft.init_from`: a checkpoint or an export) into
-    `draft`, the head this run built for its target and data; returns `draft`.
+def resolve_head_path(source: str | Path) -> Path:
+    """The directory of the head `source` names: a local checkpoint or export as it is; a hub id ORG/NAME
+    that is no local path: its Hugging Face cache snapshot (downloaded there if missing, as targets
+    are; HF_HUB_OFFLINE=1: the cache only). Raises FileNotFoundError naming `draft.init_from` and the
+    fix when the hub cannot give it."""
+    p = Path(str(source)).expanduser()
+    if not p.exists():
+        recover_dir(p)  # a save killed between its two renames
+    if p.exists() or not HUB_ID.fullmatch(str(source)):
+        return p
+    if hub_offline():
+        return cached_target(str(source), "draft.init_from")
+    return download_target(str(source), True, "draft.init_from")
 
-    The source must have the same sizes, algorithm, aux layers and mask token as `draft` (see
-    `DraftConfig.WEIGHT_KEYS`) and the same draft vocabulary (d2t/t2d): the lm_head rows mean those tokens. An
-    export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
+
+def head_description(path: Path) -> DraftConfig:
+    """The description of the head at `path` (a checkpoint's draft_config.json or an export's
+    config.json), read without its weights. Raises FileNotFoundError (neither file), CorruptFileError
+    / ExportError (a damaged or incomplete file)."""
+    if (path / "draft_config.json").is_file():
+        fix = "point draft.init_from at a complete checkpoint"
+        meta = read_json(path / "draft_config.json", "draft config", required=("draft",), fix=fix)
+        return draft_config_from(meta["draft"], path / "draft_config.json", fix)
+    if (path / "config.json").is_file():
+        cfg = read_json(path / "config.json", "export config")
+        try:
+            return DraftConfig.from_speculators(cfg, aux_layer_numbering_of(cfg, path))
+        except (KeyError, IndexError, TypeError) as e:
+            raise ExportError(f"{path / 'config.json'}: a required key is missing or malformed "
+                              f"({type(e).__name__}: {e}). Fix: point draft.init_from at a complete export.") from e
+    raise FileNotFoundError(f"draft.init_from={path}: neither a training checkpoint (draft_config.json) nor an "
+                            "export (config.json). Fix: point it at runs/<run>/checkpoint, an export directory "
+                            "or a hub id ORG/NAME.")
+
+
+# the fields a head's weights are sized by that come from the target (the fix: the head's own target)
+_TARGET_FIELDS = ("vocab_size", "target_hidden_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "model_type", "qk_norm")
+
+
+def warm_start_problems(have: DraftConfig, want: DraftConfig, source) -> list[str]:
+    """Why the head `have` (at `source`) cannot start this run's head `want` (sized from the run's
+    target and recipe): one line per mismatch naming both values and the fix. An EAGLE-3 head starts
+    a P-EAGLE one and back (the family: Eagle3Config); the draft vocabulary may differ (remapped)."""
+    fields = {f.name: f for f in dataclasses.fields(DraftConfig)}
+    problems = []
+    if isinstance(have, Eagle3Config) != isinstance(want, Eagle3Config):
+        problems.append(f"algorithm: {have.algorithm} in {source}, {want.algorithm} in this run ({have.title} and "
+                        f"{want.title} heads share no layout). Fix: algorithm={have.algorithm}")
+    for k in _TARGET_FIELDS:
+        if getattr(have, k) != getattr(want, k):
+            problems.append(f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} from this run's target. "
+                            "Fix: target.path = the target the head was trained for")
+    rope = ("rope_type", "rope_theta")
+    if [have.rope_parameters.get(r) for r in rope] != [want.rope_parameters.get(r) for r in rope]:
+        problems.append(f"rotary settings: {dict((r, have.rope_parameters.get(r)) for r in rope)} in {source}, "
+                        f"{dict((r, want.rope_parameters.get(r)) for r in rope)} from this run's target. "
+                        "Fix: target.path = the target the head was trained for")
+    if list(have.aux_layer_ids) != list(want.aux_layer_ids):
+        problems.append(f"aux_layer_ids: {list(have.aux_layer_ids)} in {source}, {list(want.aux_layer_ids)} in this "
+                        f"run. Fix: target.aux_layer_ids={list(have.aux_layer_ids)}")
+    for k in ("num_hidden_layers", "norm_before_fc", "fc_norm", "norm_before_residual"):
+        if getattr(have, k) != getattr(want, k):
+            key = fields[k].metadata["recipe"]
+            problems.append(f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run. "
+                            f"Fix: draft.{key}={str(getattr(have, k)).lower()}")
+    if have.masked and want.masked and have.mask_token_id != want.mask_token_id:
+        problems.append(f"mask_token_id: {have.mask_token_id} in {source}, {want.mask_token_id} in this run. "
+                        f"Fix: data.mask_token_id={have.mask_token_id}")
+    return problems
+
+
+def remap_vocabulary(sd: dict, mine: dict) -> dict[str, int]:
+    """Carry the lm_head rows of the head's draft vocabulary (`sd`: its state dict) into this run's
+    (`mine`, built from the target: its rows of new tokens are the target's LM-head rows), by target
+    token id; `sd` takes this run's d2t/t2d. Returns the counts {"shared", "new", "dropped"}."""
+    src_ids = (torch.arange(len(sd["d2t"])) + sd["d2t"].cpu()).tolist()
+    run_ids = (torch.arange(len(mine["d2t"])) + mine["d2t"].cpu()).tolist()
+    row_of = {t: i for i, t in enumerate(src_ids)}
+    lm = mine["lm_head.weight"].detach().clone().cpu()
+    pairs = [(j, row_of[t]) for j, t in enumerate(run_ids) if t in row_of]
+    if pairs:
+        dst, src = map(torch.tensor, zip(*pairs))
+        lm[dst] = sd["lm_head.weight"].cpu()[src].to(lm.dtype)
+    sd.update({"lm_head.weight": lm, "d2t": mine["d2t"], "t2d": mine["t2d"]})
+    return {"shared": len(pairs), "new": len(run_ids) - len(pairs), "dropped": len(src_ids) - len(pairs)}
+
+
+def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
+    """Load the weights of an existing head (`draft.init_from`: our checkpoint or export, any
+    speculators-format export of P-EAGLE, EAGLE-3 or DFlash, by path or hub id) into `draft`, the
+    head this run built for its target and data; returns `draft`.
+
+    The head's description is checked against this run's (`warm_start_problems`: the target's
+    sizes, rotary settings, aux layers, the draft's layers and norms, the mask token) before any
+    weight is read. Then every tensor both heads hold carries over, except:
+      - EAGLE-3 → P-EAGLE: `mask_hidden` and the mask token's embedding row keep this run's own init
+        (P-EAGLE's: N(0, draft.mask_hidden_std²) and the target's row); P-EAGLE → EAGLE-3 drops them;
+      - another draft vocabulary: lm_head rows are remapped by target token id (`remap_vocabulary`:
+        shared tokens keep the head's rows, new ones the target's, dropped ones go), counted in the log.
+    An export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
 
     Raises:
-        FileNotFoundError: `source` is neither a checkpoint nor an export.
-        ValueError: a size, setting or the draft vocabulary differs (each named, with the fix).
+        FileNotFoundError: `source` is neither a checkpoint, an export nor a hub id the hub can give.
+        ConfigError (a ValueError): the head does not fit this run (each mismatch one line, with the fix).
     """
-    src = load_head(source)[0]
-    have, want = src.config, draft.config
-    diff = [f"{k}: {getattr(have, k)!r} in {source}, {getattr(want, k)!r} in this run" for k in DraftConfig.WEIGHT_KEYS
-            if getattr(have, k) != getattr(want, k)]
-    sd = src.state_dict()
+    path = resolve_head_path(source)
+    have, want = head_description(path), draft.config
+    if (problems := warm_start_problems(have, want, source)):
+        raise ConfigError(f"draft.init_from={source} cannot start this run's head:\n  " + "\n  ".join(problems))
+    sd = load_head(path)[0].state_dict()
     mine = draft.state_dict()
-    if not diff:
-        for k in ("d2t", "t2d"):
-            if k in sd and not torch.equal(sd[k].cpu(), mine[k].cpu()):
-                diff.append(f"{k}: the draft vocabulary of {source} is not this run's (other data or data.draft_vocab_size)")
-    if diff:
-        raise ConfigError(f"draft.init_from={source} cannot continue in this run:\n  " + "\n  ".join(diff) +
-                         "\nFix: use the data, target and draft settings the head was trained with (e.g. data.prepared_dir "
-                         "of its run, the same draft.num_layers and data.mask_token_id), or drop draft.init_from.")
+    own = sorted(k for k in mine if k not in sd)  # e.g. mask_hidden, from an EAGLE-3 head
+    dropped = sorted(k for k in sd if k not in mine)  # e.g. mask_hidden, into an EAGLE-3 head
+    sd = {k: v for k, v in sd.items() if k in mine}
+    if want.masked and not have.masked:  # the mask token's row was never the head's: the target's, as P-EAGLE starts
+        emb = sd["embed_tokens.weight"].clone()
+        emb[want.mask_token_id] = mine["embed_tokens.weight"][want.mask_token_id].to(emb)
+        sd["embed_tokens.weight"], own = emb, own + [f"embed_tokens.weight[{want.mask_token_id}] (the mask token)"]
+    vocab = None
+    if "d2t" in sd and not (torch.equal(sd["d2t"].cpu(), mine["d2t"].cpu()) and torch.equal(sd["t2d"].cpu(), mine["t2d"].cpu())):
+        vocab = remap_vocabulary(sd, mine)
     missing, unexpected = draft.load_state_dict({k: v.to(device=mine[k].device, dtype=mine[k].dtype)
                                                  for k, v in sd.items()}, strict=False)
-    if missing or unexpected:
+    if sorted(missing) != sorted(k for k in own if k in mine) or unexpected:
         raise ValueError(f"draft.init_from={source}: missing tensors {missing}, unexpected tensors {unexpected}")
+    logger.info("draft.init_from=%s: the %s head starts this %s head: %d tensors carried%s%s%s", source, have.title,
+                want.title, len(sd), f"; own init: {', '.join(own)}" if own else "",
+                f"; dropped: {', '.join(dropped)}" if dropped else "",
+                "; draft vocabulary: shared {shared}, new {new}, dropped {dropped}".format(**vocab) if vocab else "")
     return draft

@@ -97,11 +97,12 @@ def hub_offline() -> bool:
     return flag.strip().upper() in {"1", "ON", "YES", "TRUE"} or bool(constants.HF_HUB_OFFLINE)
 
 
-def download_target(hub_id: str, weights: bool = True) -> Path:
+def download_target(hub_id: str, weights: bool = True, setting: str = "target.path") -> Path:
     """The Hugging Face cache snapshot of the hub model `hub_id`, downloaded if missing or stale
     (`huggingface_hub.snapshot_download`, as transformers' from_pretrained would): `HUB_FILES` (config,
     safetensors weights, tokenizer; without the weights when `weights` is False) minus `HUB_SKIP`
     (second copies of the weights). The token is huggingface_hub's: HF_TOKEN, else `hf auth login`'s.
+    `setting`: the key the messages name (target.path; draft.init_from for a head).
 
     Processes of a launch that share a cache take turns through a file lock in the cache
     (HF_HUB_CACHE/.locks): the first downloads, the others then find the files there (and only ask the
@@ -121,32 +122,32 @@ def download_target(hub_id: str, weights: bool = True) -> Path:
     try:
         locks.mkdir(parents=True, exist_ok=True)
         with FileLock(str(locks / f"peagle-train--{hub_id.replace('/', '--')}.lock")):
-            logger.info("target %s: from the Hugging Face cache (%s), downloaded there if missing",
-                        hub_id, constants.HF_HUB_CACHE)
+            logger.info("%s=%s: from the Hugging Face cache (%s), downloaded there if missing",
+                        setting, hub_id, constants.HF_HUB_CACHE)
             snapshot = Path(snapshot_download(hub_id, allow_patterns=allow, ignore_patterns=HUB_SKIP))
     except GatedRepoError as e:
         raise FileNotFoundError(
-            f"target.path={hub_id}: the hub model is gated and this account may not download it ({e}). Fix: accept "
+            f"{setting}={hub_id}: the hub model is gated and this account may not download it ({e}). Fix: accept "
             f"its licence on https://huggingface.co/{hub_id} and set HF_TOKEN to a token of that account.") from e
     except RepositoryNotFoundError as e:
         raise FileNotFoundError(
-            f"target.path={hub_id}: not a local file or directory, and the Hugging Face hub has no model {hub_id} "
-            "(or it is private and HF_TOKEN is not set). Fix: correct target.path, or set HF_TOKEN.") from e
+            f"{setting}={hub_id}: not a local file or directory, and the Hugging Face hub has no model {hub_id} "
+            f"(or it is private and HF_TOKEN is not set). Fix: correct {setting}, or set HF_TOKEN.") from e
     except OSError as e:  # no connection (LocalEntryNotFoundError) and not cached, hub errors, a read-only cache
         raise FileNotFoundError(
-            f"target.path={hub_id}: cannot download it from the Hugging Face hub, and it is not in the cache "
+            f"{setting}={hub_id}: cannot download it from the Hugging Face hub, and it is not in the cache "
             f"({constants.HF_HUB_CACHE}): {e}. Fix: check the connection (HF_ENDPOINT, proxy) and that the cache "
             f"is writable, or fetch it where there is a connection (hf download {hub_id}) into this cache and set "
-            "HF_HUB_OFFLINE=1, or set target.path to a local directory.") from e
+            f"HF_HUB_OFFLINE=1, or set {setting} to a local directory.") from e
     if weights and not any(snapshot.glob("*.safetensors")):
         raise FileNotFoundError(
-            f"target.path={hub_id}: the hub model has no .safetensors weights at its top level (only .bin or "
+            f"{setting}={hub_id}: the hub model has no .safetensors weights at its top level (only .bin or "
             f"another layout?); peagle-train downloads safetensors only. Fix: download and convert it yourself "
-            "and set target.path to that directory.")
+            f"and set {setting} to that directory.")
     return snapshot
 
 
-def cached_target(hub_id: str) -> Path:
+def cached_target(hub_id: str, setting: str = "target.path") -> Path:
     """The Hugging Face cache snapshot of `hub_id` (the one its `main` ref names), without any request
     to the hub (HF_HUB_OFFLINE=1).
 
@@ -158,10 +159,10 @@ def cached_target(hub_id: str) -> Path:
     config = try_to_load_from_cache(hub_id, "config.json")
     if not isinstance(config, str):
         raise FileNotFoundError(
-            f"target.path={hub_id}: HF_HUB_OFFLINE=1 and the hub model {hub_id} is not in the Hugging Face cache "
+            f"{setting}={hub_id}: HF_HUB_OFFLINE=1 and the hub model {hub_id} is not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}). Fix: unset HF_HUB_OFFLINE to let it download (gated models: accept the "
             f"licence on https://huggingface.co/{hub_id} and set HF_TOKEN), or fetch it on a connected machine "
-            f"(hf download {hub_id}) into this cache (HF_HOME), or set target.path to a local directory.")
+            f"(hf download {hub_id}) into this cache (HF_HOME), or set {setting} to a local directory.")
     return Path(config).parent
 
 

@@ -48,7 +48,7 @@ def test_cut_checkpoint_or_missing_key_names_the_file(tmp_path, draft):
     del meta["draft"]["hidden_size"]
     (ckpt / "draft_config.json").write_text(json.dumps(meta))
     with pytest.raises(CorruptFileError, match=r"draft_config\.json: the 'draft' entry does not describe a head "
-                                               r"\(missing 1 required positional argument: 'hidden_size'\)"):
+                                               r"\(missing 1 required keyword-only argument: 'hidden_size'\)"):
         load_checkpoint(ckpt)
     (ckpt / "draft_config.json").write_text('{"draft": {"vocab')
     with pytest.raises(CorruptFileError, match=r"draft_config\.json: the draft config is not valid JSON"):

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from peagle_train.algorithms.cod import cod_sample
 from peagle_train.algorithms.peagle import draft_step
-from peagle_train.config import (TrainEmbeddings, compose, config_problems, default_config, train_embeddings_of)
+from peagle_train.config import TrainEmbeddings, compose, config_problems, default_config
 from peagle_train.data.vocab import DraftVocab
 from peagle_train.draft import DraftConfig, make_draft_head
-from peagle_train.draft.embedding import TRAIN_EMBEDDINGS, MaskRowEmbedding
+from peagle_train.draft.embedding import MaskRowEmbedding
 from peagle_train.draft.head_files import load_checkpoint, save_checkpoint
 from peagle_train.errors import ConfigError
 from peagle_train.export.speculators import write_export
@@ -207,14 +207,19 @@ def test_the_trainer_keeps_no_gradient_or_optimizer_state_for_frozen_rows_and_re
 
 
 def test_eagle3_refuses_the_mask_row_and_null_is_the_algorithms_default():
-    assert TrainEmbeddings.values() == list(TRAIN_EMBEDDINGS)
-    assert train_embeddings_of(None, "peagle") == "mask_row"  # measured level with all (docs/RESULTS.md)
-    assert train_embeddings_of(None, "eagle3") == "all" and train_embeddings_of(None, "dflash") == "all"
-    assert train_embeddings_of("all", "peagle") == "all" and train_embeddings_of("mask_row", "dflash") == "mask_row"
+    assert TrainEmbeddings.values() == ["all", "mask_row", "none"]  # the one list the head and the schema read
+
+    def resolved(value, algorithm):  # what a recipe's draft.train_embeddings=value builds
+        return DraftConfig.from_target(tiny_llama().config, draft={"train_embeddings": value}, algorithm=algorithm,
+                                       draft_vocab_size=64, mask_token_id=MASK, aux_layer_ids=[2, 4, 5]).train_embeddings
+
+    assert resolved(None, "peagle") == "mask_row"  # measured level with all (docs/RESULTS.md)
+    assert resolved(None, "eagle3") == "all" and resolved(None, "dflash") == "all"
+    assert resolved("all", "peagle") == "all" and resolved("mask_row", "dflash") == "mask_row"
     kw = dict(vocab_size=V, draft_vocab_size=64, hidden_size=H, intermediate_size=128, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
               max_position_embeddings=512, mask_token_id=MASK, aux_layer_ids=[2, 4, 5])
-    with pytest.raises(ValueError, match="an eagle3 head has no mask token"):
+    with pytest.raises(ValueError, match="algorithm=eagle3: an EAGLE-3 head has no mask token"):
         DraftConfig(**kw, algorithm="eagle3", train_embeddings="mask_row")
     with pytest.raises(ValueError, match="train_embeddings='some'"):
         DraftConfig(**kw, train_embeddings="some")

@@ -149,8 +149,8 @@ def paired_ratio_stderr(accepted_a: list[float], drafts_a: list[float], accepted
     Raises ValueError when the lists differ in length."""
     n = len(drafts_a)
     if not n == len(accepted_a) == len(accepted_b) == len(drafts_b):
-        raise ValueError(f"paired_tau_stderr: {len(per_prompt_a)} and {len(per_prompt_b)} per-prompt counts; both "
-                         "heads need one per prompt, on the same prompts")
+        raise ValueError(f"paired_ratio_stderr: {len(accepted_a)}, {len(drafts_a)}, {len(accepted_b)} and "
+                         f"{len(drafts_b)} per-prompt counts; both heads need one per prompt, on the same prompts")
     D, E = float(sum(drafts_a)), float(sum(drafts_b))
     if n < 2 or D <= 0 or E <= 0:
         return 0.0

@@ -84,10 +84,12 @@ def report(run: Path) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    doc = path.read_text()
-    if TITLE in doc:
-        start = doc.index(TITLE)
-        end = doc.find("\n## ", start + len(TITLE))
+    """Replace the section of markdown file `path` titled as `text`'s first line by `text` (appended
+    when there is none)."""
+    doc, title = path.read_text(), text.split("\n", 1)[0]
+    if title in doc:
+        start = doc.index(title)
+        end = doc.find("\n## ", start + len(title))
         doc = doc[:start] + text + (doc[end + 1:] if end != -1 else "")
     else:
         doc = doc.rstrip("\n") + "\n\n" + text

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Warm against cold on SmolLM2-135M-Instruct (docs/RESULTS.md, "Does starting from an EAGLE-3 head pay?"):
+# Warm against cold on SmolLM2-135M-Instruct (docs/RESULTS.md, "Does starting from an existing head pay, and does a fine-tune forget?"):
 #   bash experiments/warm_start.sh runs/warm_start          # every stage resumes after a kill
 #   python experiments/warm_start.py report runs/warm_start docs/BENCHMARKS.md
 # 1. two disjoint sets of ShareGPT conversations (warm_start.py split): A for the "released" head, B for

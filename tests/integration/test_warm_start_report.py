@@ -34,3 +34,34 @@ def test_warm_start_table_hand_checked(tmp_path):
     # cold 16: (1 + 1)/30; the paired standard errors of two prompts by paired_ratio_stderr
     assert rows[0].startswith("| 16 | 16k | 1.067 ± ") and "| 1.133 ± " in rows[0] and "| +0.067 ± " in rows[0]
     assert rows[1].startswith("| 32 | 32k | 1.133 ± ") and "| 1.333 ± " in rows[1] and "| +0.200 ± " in rows[1]
+
+
+def test_finetune_table_hand_checked(tmp_path):
+    """experiments/finetune_domain.py: per benchmark, τ of the general head and both fine-tunes, each
+    fine-tune's Δ against the general head, and P(≥1), P(≥2) from acceptance.json."""
+    run = tmp_path / "run"
+    # per prompt (τ, verify steps) of head (code), baseline (general), more1 (replay)
+    cols = {"": [(1.5, 10), (1.0, 10)], "baseline_": [(1.2, 10), (1.2, 10)], "more1_": [(1.3, 10), (1.3, 10)]}
+    for bench in ("humaneval", "spec_bench"):
+        d = run / f"eval-{bench}" / "eval"
+        d.mkdir(parents=True)
+        acc = {"acceptance_length": 1.25, "per_position_acceptance": [0.25, 0.05], "num_prompts": 2,
+               "num_speculative_tokens": 5, "baseline": {"per_position_acceptance": [0.2, 0.01]},
+               "more_heads": [{"per_position_acceptance": [0.3, 0.02]}]}
+        (d / "acceptance.json").write_text(json.dumps(acc))
+        with open(d / "per_prompt.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["id"] + [f"{p}{c}" for p in cols for c in ("tau", "verify_steps")])
+            for i in range(2):
+                w.writerow([f"q{i}"] + [x for p in cols for x in cols[p][i]])
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "finetune_domain.py"), "report", str(run)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO_ROOT / "experiments")
+    assert r.returncode == 0, r.stderr
+    rows = [x for x in r.stdout.splitlines() if x.startswith("| general") or x.startswith("| fine-tuned")]
+    assert len(rows) == 6  # three heads per benchmark
+    # τ: code (5 + 0)/20 → 1.25, general (2 + 2)/20 → 1.2, replay (3 + 3)/20 → 1.3
+    assert rows[0].startswith("| general head | 1.200 ± ") and rows[0].endswith("|  | 0.200 | 0.010 |")
+    assert rows[1].startswith("| fine-tuned on code | 1.250 ± ") and "| +0.050 ± " in rows[1]
+    assert rows[1].endswith("| 0.250 | 0.050 |")
+    assert rows[2].startswith("| fine-tuned, replay | 1.300 ± ") and "| +0.100 ± 0.000 |" in rows[2]
+    assert rows[2].endswith("| 0.300 | 0.020 |")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ablation_report import paired_stderr, per_prompt_sums
-from warm_start import machine, write_section
+from warm_start import commands, machine
 from peagle_train.evaluation.report import ratio_stderr, read_acceptance, read_per_prompt
 
 TITLE = "## Domain fine-tuning: a general head fine-tuned on code, and what it forgets"
@@ -67,17 +67,5 @@ def report(run: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) >= 3 and argv[0] == "split":
-        split(Path(argv[1]), int(argv[2]))
-    elif len(argv) >= 2 and argv[0] == "report":
-        text = report(Path(argv[1]))
-        print(text)
-        if len(argv) > 2:
-            write_section(Path(argv[2]), text)
-    else:
-        sys.exit(__doc__)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    commands(sys.argv[1:], split, report, __doc__)

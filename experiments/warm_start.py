@@ -96,17 +96,19 @@ def write_section(path: Path, text: str) -> None:
     path.write_text(doc)
 
 
-def main(argv: list[str]) -> None:
+def commands(argv: list[str], split_fn, report_fn, doc: str) -> None:
+    """`split OUT_DIR N` → split_fn(OUT_DIR, N); `report RUN_DIR [MARKDOWN_FILE]` → print report_fn(RUN_DIR)
+    and write it as a section of MARKDOWN_FILE; anything else: exit with `doc`."""
     if len(argv) >= 3 and argv[0] == "split":
-        split(Path(argv[1]), int(argv[2]))
+        split_fn(Path(argv[1]), int(argv[2]))
     elif len(argv) >= 2 and argv[0] == "report":
-        text = report(Path(argv[1]))
+        text = report_fn(Path(argv[1]))
         print(text)
         if len(argv) > 2:
             write_section(Path(argv[2]), text)
     else:
-        sys.exit(__doc__)
+        sys.exit(doc)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    commands(sys.argv[1:], split, report, __doc__)

@@ -8,24 +8,29 @@ import sys
 from ..conftest import REPO_ROOT
 
 
-def test_warm_start_table_hand_checked(tmp_path):
-    run = tmp_path / "run"
-    (run / "warm").mkdir(parents=True)
-    (run / "warm" / "run.json").write_text(json.dumps({"config": {"training": {"max_steps": 32, "tokens_per_step": 1000}}}))
-    d = run / "eval" / "eval"
+def _write_eval(d, acc: dict, cols: dict) -> None:
+    """An evaluation directory: acceptance.json and per_prompt.csv of two prompts, each head's (τ, verify
+    steps) per prompt under its column prefix."""
     d.mkdir(parents=True)
-    acc = {"acceptance_length": 1.3, "per_position_acceptance": [0.3], "num_prompts": 2, "num_speculative_tokens": 5,
-           "baseline": {}, "more_heads": [{"name": f"{run}/warm/checkpoints/step_000016"},
-                                          {"name": f"{run}/cold/checkpoints/step_000016"}]}
     (d / "acceptance.json").write_text(json.dumps(acc))
-    # per prompt: (τ, verify steps) of head (warm 32), baseline (cold 32), more1 (warm 16), more2 (cold 16)
-    cols = {"": [(1.5, 10), (1.25, 20)], "baseline_": [(1.2, 10), (1.1, 20)], "more1_": [(1.4, 10), (1.0, 20)],
-            "more2_": [(1.1, 10), (1.05, 20)]}
     with open(d / "per_prompt.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id"] + [f"{p}{c}" for p in cols for c in ("tau", "verify_steps")])
         for i in range(2):
             w.writerow([f"q{i}"] + [x for p in cols for x in cols[p][i]])
+
+
+def test_warm_start_table_hand_checked(tmp_path):
+    run = tmp_path / "run"
+    (run / "warm").mkdir(parents=True)
+    (run / "warm" / "run.json").write_text(json.dumps({"config": {"training": {"max_steps": 32, "tokens_per_step": 1000}}}))
+    acc = {"acceptance_length": 1.3, "per_position_acceptance": [0.3], "num_prompts": 2, "num_speculative_tokens": 5,
+           "baseline": {}, "more_heads": [{"name": f"{run}/warm/checkpoints/step_000016"},
+                                          {"name": f"{run}/cold/checkpoints/step_000016"}]}
+    # per prompt: (τ, verify steps) of head (warm 32), baseline (cold 32), more1 (warm 16), more2 (cold 16)
+    cols = {"": [(1.5, 10), (1.25, 20)], "baseline_": [(1.2, 10), (1.1, 20)], "more1_": [(1.4, 10), (1.0, 20)],
+            "more2_": [(1.1, 10), (1.05, 20)]}
+    _write_eval(run / "eval" / "eval", acc, cols)
     r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "warm_start.py"), "report", str(run)],
                        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT / "experiments")
     assert r.returncode == 0, r.stderr
@@ -43,17 +48,10 @@ def test_finetune_table_hand_checked(tmp_path):
     # per prompt (τ, verify steps) of head (code), baseline (general), more1 (replay)
     cols = {"": [(1.5, 10), (1.0, 10)], "baseline_": [(1.2, 10), (1.2, 10)], "more1_": [(1.3, 10), (1.3, 10)]}
     for bench in ("humaneval", "spec_bench"):
-        d = run / f"eval-{bench}" / "eval"
-        d.mkdir(parents=True)
         acc = {"acceptance_length": 1.25, "per_position_acceptance": [0.25, 0.05], "num_prompts": 2,
                "num_speculative_tokens": 5, "baseline": {"per_position_acceptance": [0.2, 0.01]},
                "more_heads": [{"per_position_acceptance": [0.3, 0.02]}]}
-        (d / "acceptance.json").write_text(json.dumps(acc))
-        with open(d / "per_prompt.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["id"] + [f"{p}{c}" for p in cols for c in ("tau", "verify_steps")])
-            for i in range(2):
-                w.writerow([f"q{i}"] + [x for p in cols for x in cols[p][i]])
+        _write_eval(run / f"eval-{bench}" / "eval", acc, cols)
     r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "finetune_domain.py"), "report", str(run)],
                        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT / "experiments")
     assert r.returncode == 0, r.stderr

@@ -110,13 +110,6 @@ class DraftConfig:
     card_tags: ClassVar[tuple[str, ...]] = ("eagle3",)  # the model card's tags for the family
     train_embeddings_default: ClassVar[str] = "all"  # draft.train_embeddings=null
     omits: ClassVar[frozenset[str]] = frozenset()  # SPECULATORS_KEYS this class does not write
-    # the sizes and choices that must agree for a head's weights to continue in another run
-    # (draft/head_files.py `init_from_head`; num_depths, gradient_checkpointing, max_position_embeddings,
-    # train_embeddings, train_lm_head, block_causal, sliding_window and mask_hidden_std may change)
-    WEIGHT_KEYS: ClassVar[tuple[str, ...]] = (
-        "algorithm", "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size", "aux_layer_ids",
-        "mask_token_id", "norm_before_fc", "fc_norm", "norm_before_residual", "model_type", "qk_norm")
 
     vocab_size: int = head_field(layer=True)
     draft_vocab_size: int = head_field(json="draft_vocab_size")

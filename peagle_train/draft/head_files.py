@@ -63,16 +63,37 @@ def draft_config_from(d, path: Path, fix: str):
         raise CorruptFileError(f"{path}: the 'draft' entry does not describe a head ({detail}). Fix: {fix}.") from e
 
 
+CHECKPOINT_FIX = "re-save the checkpoint, or point at a complete one (training writes runs/<run>/checkpoint)"
+EXPORT_FIX = "re-export it with peagle export head=<run>/checkpoint"
+
+
+def checkpoint_description(ckpt_dir: Path) -> tuple[dict, DraftConfig]:
+    """(draft_config.json's entries, the head's description) of a checkpoint, without its weights.
+    Raises CorruptFileError naming the file that is cut off or lacks a key."""
+    meta = read_json(ckpt_dir / "draft_config.json", "draft config", required=("draft",), fix=CHECKPOINT_FIX)
+    return meta, draft_config_from(meta["draft"], ckpt_dir / "draft_config.json", CHECKPOINT_FIX)
+
+
+def export_description(export_dir: Path) -> DraftConfig:
+    """The description an export's config.json gives, without its weights. Raises FileNotFoundError,
+    CorruptFileError (cut off) and ExportError (a required key missing or malformed)."""
+    cfg = read_json(export_dir / "config.json", "export config", fix=EXPORT_FIX)
+    try:
+        return DraftConfig.from_speculators(cfg, aux_layer_numbering_of(cfg, export_dir))
+    except (KeyError, IndexError, TypeError) as e:
+        raise ExportError(f"{export_dir / 'config.json'}: a required key is missing or malformed "
+                          f"({type(e).__name__}: {e}). Fix: {EXPORT_FIX}.") from e
+
+
 def load_checkpoint(ckpt_dir: Path):
     """Read a checkpoint written by `save_checkpoint` into a PEagleDraft or Eagle3Draft (fp32).
 
     Raises ValueError naming the missing tensors (e.g. `mask_hidden`) or unexpected ones;
     CorruptFileError naming the file that is cut off or lacks a key."""
-    fix = "re-save the checkpoint, or point at a complete one (training writes runs/<run>/checkpoint)"
-    meta = read_json(Path(ckpt_dir) / "draft_config.json", "draft config", required=("draft",), fix=fix)
-    draft = make_draft_head(draft_config_from(meta["draft"], Path(ckpt_dir) / "draft_config.json", fix))
+    meta, dc = checkpoint_description(Path(ckpt_dir))
+    draft = make_draft_head(dc)
     missing, unexpected = draft.load_state_dict(load_safetensors(Path(ckpt_dir) / "model.safetensors", "draft weights",
-                                                                 fix), strict=False)
+                                                                 CHECKPOINT_FIX), strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match its draft_config.json: missing {missing}, "
                          f"unexpected {unexpected}. Fix: re-save it with this version of peagle-train.")
@@ -85,15 +106,9 @@ def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32) -> D
     Raises FileNotFoundError (no config.json / model.safetensors), CorruptFileError (a file cut off
     or corrupted) and ExportError (a required config key missing, or tensors that do not fit)."""
     d = Path(export_dir)
-    fix = "re-export it with peagle export head=<run>/checkpoint"
-    cfg = read_json(d / "config.json", "export config", fix=fix)
-    try:
-        dc = DraftConfig.from_speculators(cfg, aux_layer_numbering_of(cfg, d))
-    except (KeyError, IndexError, TypeError) as e:
-        raise ExportError(f"{d / 'config.json'}: a required key is missing or malformed ({type(e).__name__}: {e}). "
-                          f"Fix: {fix}.") from e
+    dc = export_description(d)
     draft = make_draft_head(dc)
-    weights = load_safetensors(d / "model.safetensors", "export weights", fix)
+    weights = load_safetensors(d / "model.safetensors", "export weights", EXPORT_FIX)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()}
     if dc.unmapped_vocab_keys() and "d2t" not in sd:
         # the full vocabulary, written without d2t/t2d (head_config.py `unmapped_vocab_keys`)
@@ -163,16 +178,9 @@ def head_description(path: Path) -> DraftConfig:
     config.json), read without its weights. Raises FileNotFoundError (neither file), CorruptFileError
     / ExportError (a damaged or incomplete file)."""
     if (path / "draft_config.json").is_file():
-        fix = "point draft.init_from at a complete checkpoint"
-        meta = read_json(path / "draft_config.json", "draft config", required=("draft",), fix=fix)
-        return draft_config_from(meta["draft"], path / "draft_config.json", fix)
+        return checkpoint_description(path)[1]
     if (path / "config.json").is_file():
-        cfg = read_json(path / "config.json", "export config")
-        try:
-            return DraftConfig.from_speculators(cfg, aux_layer_numbering_of(cfg, path))
-        except (KeyError, IndexError, TypeError) as e:
-            raise ExportError(f"{path / 'config.json'}: a required key is missing or malformed "
-                              f"({type(e).__name__}: {e}). Fix: point draft.init_from at a complete export.") from e
+        return export_description(path)
     raise FileNotFoundError(f"draft.init_from={path}: neither a training checkpoint (draft_config.json) nor an "
                             "export (config.json). Fix: point it at runs/<run>/checkpoint, an export directory "
                             "or a hub id ORG/NAME.")

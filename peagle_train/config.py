@@ -82,6 +82,9 @@ class DataConfig:
                                      ge=1)
     prepared_dir: Optional[str] = opt(None, "use this prepared directory (written by prepare); refused if its "
                                             "manifest mismatches the target or these settings")
+    draft_vocab_from_head: bool = opt(False, "train: keep the draft vocabulary of the head draft.init_from names "
+                                             "(its d2t) instead of building one from the data (data.draft_vocab_size "
+                                             "is then the head's)")
 
 
 @dataclass
@@ -319,7 +322,7 @@ class RecommendConfig:
                                                      "last conditional rate) | zero")
     num_depths: Optional[int] = opt(None, "K_train: null = the head's draft.num_depths; set when only acceptance "
                                           "+ costs are given", ge=1)
-    allow_beyond_k_train: bool = opt(False, "recommend K > K_train (untested) too")
+    allow_beyond_num_depths: bool = opt(False, "recommend K > K_train (untested) too")
     memory_limit_gb: Optional[float] = opt(None, "null = free GPU memory / available host memory; batch sizes "
                                                  "estimated above it are skipped", gt=0)
     compare: list[str] = opt([], "acceptance.json files of evaluate runs (batch 1) to compare measured tokens/s "
@@ -378,7 +381,9 @@ REMOVED_KEYS: dict[str, dict[str, str]] = {
                         "float32 | float16>",
                "checkpoint": "checkpoint was renamed: the head to export is head=. Fix: head=runs/<run>/checkpoint"},
     "recommend-k": {"recommend.k_train": "recommend.k_train was renamed: K_train is recommend.num_depths, as the "
-                                         "head's draft.num_depths. Fix: recommend.num_depths=<K_train>"},
+                                         "head's draft.num_depths. Fix: recommend.num_depths=<K_train>",
+                    "recommend.allow_beyond_k_train": "recommend.allow_beyond_k_train was renamed: K_train is num_depths "
+                                                      "in every key. Fix: recommend.allow_beyond_num_depths=true"},
 }
 
 
@@ -641,7 +646,7 @@ def sources_problems(sources: Any) -> list[str]:
     return problems
 
 
-def k_beyond_k_train_problem(K: int, num_depths: int, head: str) -> str | None:
+def k_beyond_num_depths_problem(K: int, num_depths: int, head: str) -> str | None:
     """None when K (eval.num_speculative_tokens) ≤ K_train of `head` (its draft.num_depths), else why
     K > K_train is refused and the fix."""
     if K <= num_depths:
@@ -712,10 +717,14 @@ def config_problems(cfg, command: str = "train") -> list[str]:
                         f"{max_len} tokens (prompt included) never holds {min_sup} answer tokens, so every row "
                         f"would be dropped. Fix: data.max_length={max(512, min_sup * 4)} or lower "
                         "data.min_supervised_tokens.")
+    if command == "train" and get("data.draft_vocab_from_head") and not get("draft.init_from"):
+        problems.append("data.draft_vocab_from_head=true keeps the draft vocabulary of the head draft.init_from names, "
+                        "but draft.init_from is not set. Fix: draft.init_from=<checkpoint, export or hub id>, or "
+                        "data.draft_vocab_from_head=false to build the vocabulary from the data.")
     K, num_depths = get("eval.num_speculative_tokens"), get("draft.num_depths")
     if command == "train" and get("eval.enabled") and not get("dry_run") and isinstance(K, int) and \
             isinstance(num_depths, int) and K >= 1 and num_depths >= 1:
-        if (m := k_beyond_k_train_problem(K, num_depths, "the head trained here (draft.num_depths)")):
+        if (m := k_beyond_num_depths_problem(K, num_depths, "the head trained here (draft.num_depths)")):
             problems.append(m)
     return problems
 

@@ -81,7 +81,7 @@ def main(cfg: DictConfig) -> None:
         kind = DraftConfig.export_class(exp)
         print(f"valid {head_name(exp)} export: {cfg.validate}")
         verifier = exp["speculators_config"]["verifier"]["name_or_path"]
-        K = DraftConfig.k_train_of(exp)
+        K = DraftConfig.num_depths_of(exp)
         gpu, cpu = serve_commands(exp, verifier, str(Path(cfg.validate).resolve()))
         releases, pin = vllm_release(exp)
         print(f"serve it with vLLM {releases}; "

@@ -139,6 +139,12 @@ def train_job(cfg: DictConfig) -> dict:
     with acc.main_process_first():
         # data.prepared_dir (`peagle prepare`; refused if made for another target), else prepared here
         data = data_from_config(cfg.data, tok, target.config.vocab_size, seed=cfg.seed)
+    if cfg.data.draft_vocab_from_head:  # the head's own vocabulary: nothing to remap (draft/head_files.py)
+        from peagle_train.data.prepare import with_draft_ids
+        from peagle_train.draft.head_files import head_vocabulary
+
+        data = with_draft_ids(data, head_vocabulary(cfg.draft.init_from), target.config.vocab_size,
+                              f"draft.init_from={cfg.draft.init_from}")
     if acc.is_main_process:
         save_prepared(data, out / "data")
     log("data summary:\n" + format_summary(data.summary))

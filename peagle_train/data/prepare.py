@@ -9,6 +9,7 @@ with the same inputs reads Arrow files and tokenises nothing):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import Counter
@@ -445,6 +446,21 @@ def token_counts(rows: datasets.Dataset, vocab_size: int) -> tuple[torch.Tensor,
         allc += np.bincount(ids, minlength=vocab_size)
         sup += np.bincount(ids[m], minlength=vocab_size)
     return torch.from_numpy(sup), torch.from_numpy(allc)
+
+
+def with_draft_ids(data: PreparedData, draft_ids: torch.Tensor, target_vocab_size: int, source: str) -> PreparedData:
+    """`data` with the draft vocabulary `draft_ids` ([V_draft] target ids: a head's own, from
+    `source`, for data.draft_vocab_from_head) in place of the one built from its counts. The summary
+    and the manifest give its size, its coverage of the data's supervised tokens, and its source."""
+    sup, _ = token_counts(data.rows, target_vocab_size)
+    ids = torch.as_tensor(draft_ids, dtype=torch.long)
+    total = int(sup.sum())
+    vocab = DraftVocab.from_ids(ids, target_vocab_size, float(sup[ids].sum()) / total if total else float("nan"))
+    summary = {**data.summary, "draft_vocab_size": len(vocab.draft_ids), "draft_vocab_coverage": vocab.coverage,
+               "draft_vocab_source": source}
+    entry = {"size": len(vocab.draft_ids), "sha256": digest(json.dumps(vocab.draft_ids.tolist())),
+             "coverage": vocab.coverage, "source": source}
+    return PreparedData(data.rows, vocab, data.mask_token_id, summary, {**data.manifest, "draft_vocab": entry})
 
 
 def _flat(col) -> np.ndarray:

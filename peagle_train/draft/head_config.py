@@ -401,7 +401,7 @@ class DraftConfig:
         return DraftConfig.class_of(cfg.get("speculators_model_type", "peagle"))
 
     @staticmethod
-    def k_train_of(cfg: dict) -> int:
+    def num_depths_of(cfg: dict) -> int:
         """K_train of an export's config.json: its proposal's `speculative_tokens`. Raises KeyError /
         IndexError / TypeError when the config lacks it."""
         return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
@@ -426,7 +426,7 @@ class DraftConfig:
             else:
                 values[f.name] = source.get(key, f.default)
         values.update(kind.read_speculators(cfg))
-        return DraftConfig(**values, algorithm=kind.algorithm, num_depths=cls.k_train_of(cfg),
+        return DraftConfig(**values, algorithm=kind.algorithm, num_depths=cls.num_depths_of(cfg),
                            aux_layer_numbering=aux_layer_numbering)
 
     @classmethod
@@ -549,7 +549,8 @@ class DFlashConfig(DraftConfig):
     algorithm: str = "dflash"
 
     def __post_init__(self):
-        self.qk_norm = True  # vLLM's DFlash layers always norm q and k per head (Qwen3's)
+        # vLLM's DFlash layers are Qwen3's whatever the target's family: q and k normed per head
+        self.qk_norm, self.model_type = True, "qwen3"
         super().__post_init__()
 
     @classmethod
@@ -559,11 +560,10 @@ class DFlashConfig(DraftConfig):
         return None
 
     def layer_config(self) -> dict:
-        """Qwen3-style transformer_layer_config; with `sliding_window`, every layer a sliding one as
+        """Qwen3's transformer_layer_config; with `sliding_window`, every layer a sliding one as
         transformers' Qwen3Config and vLLM's DFlash read it (use_sliding_window, sliding_window,
         max_window_layers 0, layer_types all "sliding_attention")."""
         layer_cfg = super().layer_config()
-        layer_cfg["model_type"] = "qwen3"
         if self.sliding_window is not None:
             layer_cfg.update(use_sliding_window=True, sliding_window=self.sliding_window, max_window_layers=0,
                              layer_types=["sliding_attention"] * self.num_hidden_layers)

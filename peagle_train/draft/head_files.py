@@ -20,6 +20,7 @@ from ..io import atomic_dir, recover_dir
 from ..target.aux_layers import AUX_LAYER_NUMBERING, OLD_AUX_LAYER_NUMBERING, AuxLayers
 from ..target.load import HUB_ID, cached_target, download_target, hub_offline
 from . import DraftConfig, DraftHead, Eagle3Config, make_draft_head
+from .zlab_dflash import is_zlab_layout, zlab_description, zlab_weights
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ def export_description(export_dir: Path) -> DraftConfig:
     """The description an export's config.json gives, without its weights. Raises FileNotFoundError,
     CorruptFileError (cut off) and ExportError (a required key missing or malformed)."""
     cfg = read_json(export_dir / "config.json", "export config", fix=EXPORT_FIX)
+    if is_zlab_layout(cfg):
+        raise ExportError(f"{export_dir}: z-lab's DFlash layout, without the target's embedding and LM head, which "
+                          f"peagle-train reads only to start a run. Fix: train from it with "
+                          f"draft.init_from={export_dir} algorithm=dflash, then evaluate or serve that run's export.")
     try:
         return DraftConfig.from_speculators(cfg, aux_layer_numbering_of(cfg, export_dir))
     except (KeyError, IndexError, TypeError) as e:
@@ -174,16 +179,39 @@ def resolve_head_path(source: str | Path) -> Path:
 
 
 def head_description(path: Path) -> DraftConfig:
-    """The description of the head at `path` (a checkpoint's draft_config.json or an export's
-    config.json), read without its weights. Raises FileNotFoundError (neither file), CorruptFileError
+    """The description of the head at `path` (a checkpoint's draft_config.json, an export's
+    config.json or z-lab's DFlash config.json: zlab_dflash.py), read without its weights. Raises FileNotFoundError (neither file), CorruptFileError
     / ExportError (a damaged or incomplete file)."""
     if (path / "draft_config.json").is_file():
         return checkpoint_description(path)[1]
     if (path / "config.json").is_file():
-        return export_description(path)
+        cfg = read_json(path / "config.json", "head config", fix=EXPORT_FIX)
+        return zlab_description(cfg, path / "config.json") if is_zlab_layout(cfg) else export_description(path)
     raise FileNotFoundError(f"draft.init_from={path}: neither a training checkpoint (draft_config.json) nor an "
                             "export (config.json). Fix: point it at runs/<run>/checkpoint, an export directory "
                             "or a hub id ORG/NAME.")
+
+
+def head_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the head at `path`: a checkpoint's or an export's state dict (`load_head`), or
+    z-lab's DFlash weights as they are (no embed_tokens, lm_head or d2t/t2d: the target's)."""
+    if not (path / "draft_config.json").is_file() and (path / "config.json").is_file() and \
+            is_zlab_layout(read_json(path / "config.json", "head config", fix=EXPORT_FIX)):
+        return zlab_weights(path)
+    return load_head(path)[0].state_dict()
+
+
+def head_vocabulary(source: str | Path) -> torch.Tensor:
+    """The draft vocabulary of the head `source` names (`draft.init_from`, for
+    data.draft_vocab_from_head): its target ids [V_draft] int64, sorted (j + d2t[j]); the target's
+    whole vocabulary for a head without d2t (a DFlash head over the full vocabulary, z-lab's).
+    Raises what `resolve_head_path`, `head_description` and the weight readers raise."""
+    path = resolve_head_path(source)
+    desc = head_description(path)
+    if desc.draft_vocab_size == desc.vocab_size:
+        return torch.arange(desc.vocab_size)
+    d2t = head_weights(path)["d2t"].cpu().long()
+    return torch.arange(len(d2t)) + d2t
 
 
 # the fields a head's weights are sized by that come from the target (the fix: the head's own target)
@@ -241,8 +269,8 @@ def remap_vocabulary(sd: dict, mine: dict) -> dict[str, int]:
 
 def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
     """Load the weights of an existing head (`draft.init_from`: our checkpoint or export, any
-    speculators-format export of P-EAGLE, EAGLE-3 or DFlash, by path or hub id) into `draft`, the
-    head this run built for its target and data; returns `draft`.
+    speculators-format export of P-EAGLE, EAGLE-3 or DFlash, z-lab's DFlash layout, by path or hub
+    id) into `draft`, the head this run built for its target and data; returns `draft`.
 
     The head's description is checked against this run's (`warm_start_problems`: the target's
     sizes, rotary settings, aux layers, the draft's layers and norms, the mask token) before any
@@ -250,7 +278,8 @@ def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
       - EAGLE-3 → P-EAGLE: `mask_hidden` and the mask token's embedding row keep this run's own init
         (P-EAGLE's: N(0, draft.mask_hidden_std²) and the target's row); P-EAGLE → EAGLE-3 drops them;
       - another draft vocabulary: lm_head rows are remapped by target token id (`remap_vocabulary`:
-        shared tokens keep the head's rows, new ones the target's, dropped ones go), counted in the log.
+        shared tokens keep the head's rows, new ones the target's, dropped ones go), counted in the log;
+      - a tensor the head does not hold (z-lab's: embed_tokens, lm_head, d2t/t2d) keeps this run's init.
     An export's bf16 weights are loaded as they are (then held in `draft`'s dtype).
 
     Raises:
@@ -261,7 +290,7 @@ def init_from_head(draft: DraftHead, source: str | Path) -> DraftHead:
     have, want = head_description(path), draft.config
     if (problems := warm_start_problems(have, want, source)):
         raise ConfigError(f"draft.init_from={source} cannot start this run's head:\n  " + "\n  ".join(problems))
-    sd = load_head(path)[0].state_dict()
+    sd = head_weights(path)
     mine = draft.state_dict()
     own = sorted(k for k in mine if k not in sd)  # e.g. mask_hidden, from an EAGLE-3 head
     dropped = sorted(k for k in sd if k not in mine)  # e.g. mask_hidden, into an EAGLE-3 head

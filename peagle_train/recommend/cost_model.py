@@ -133,7 +133,7 @@ def predict(a: list[float], costs: dict[tuple[int, int], StepCost], batches: lis
     """Predicted tokens/s for every (batch, K) with costs (batches without any are left out).
 
     a: conditional acceptance [>= max(ks)]. Returns rows {batch, K, expected_tokens, draft_ms,
-    verify_ms, step_ms, tokens_per_s, target_tokens_per_s, speedup, beyond_k_train}."""
+    verify_ms, step_ms, tokens_per_s, target_tokens_per_s, speedup, beyond_num_depths}."""
     rows = []
     for b in batches:
         for k in ks:
@@ -146,18 +146,18 @@ def predict(a: list[float], costs: dict[tuple[int, int], StepCost], batches: lis
             rows.append({"batch": b, "K": k, "expected_tokens": e, "draft_ms": c.draft_ms, "verify_ms": c.verify_ms,
                          "step_ms": c.draft_ms + c.verify_ms + overhead_ms, "tokens_per_s": tps,
                          "target_tokens_per_s": base, "speedup": tps / base,
-                         "beyond_k_train": bool(num_depths is not None and k > num_depths)})
+                         "beyond_num_depths": bool(num_depths is not None and k > num_depths)})
     return rows
 
 
-def recommend(rows: list[dict], allow_beyond_k_train: bool = False) -> dict[int, dict]:
+def recommend(rows: list[dict], allow_beyond_num_depths: bool = False) -> dict[int, dict]:
     """Best row (highest predicted tokens/s) per batch size; K > K_train only when allowed (or
     when no K within K_train was measured). Ties go to the smaller K."""
     best: dict[int, dict] = {}
     for b in dict.fromkeys(r["batch"] for r in rows):
         cand = [r for r in rows if r["batch"] == b]
-        within = [r for r in cand if not r["beyond_k_train"]]
-        pool = cand if (allow_beyond_k_train or not within) else within
+        within = [r for r in cand if not r["beyond_num_depths"]]
+        pool = cand if (allow_beyond_num_depths or not within) else within
         best[b] = max(pool, key=lambda r: (r["tokens_per_s"], -r["K"]))
     return best
 
@@ -170,7 +170,7 @@ def k_range_warnings(ks: list[int], num_depths: int | None) -> list[str]:
     if not over:
         return []
     return [f"K={over} > K_train={num_depths}: untested. The head never trained slots beyond depth {num_depths}; "
-            f"their acceptance is extrapolated and they are not recommended unless recommend.allow_beyond_k_train=true. "
+            f"their acceptance is extrapolated and they are not recommended unless recommend.allow_beyond_num_depths=true. "
             f"Fix: keep recommend.ks within 1..{num_depths} or train with draft.num_depths >= {max(over)}."]
 
 

@@ -185,7 +185,7 @@ def recommend_k(cfg: DictConfig) -> dict:
     costs, costs_src, skipped = _costs(rc, out, batches, ks, draft, target)
 
     rows = predict(a, costs, batches, ks, rc.overhead_ms, num_depths)
-    best = recommend(rows, rc.allow_beyond_k_train)
+    best = recommend(rows, rc.allow_beyond_num_depths)
     _write_predictions(rc, out, rows, best, ks, num_depths, skipped, acc_src=acc_src, acc=acc, a_measured=a_measured,
                        costs_src=costs_src)
     result = {

@@ -323,7 +323,7 @@ def test_aux_layer_ids_out_of_the_targets_range_when_it_is_loaded():
     AuxLayers.resolve([0, 4, 7], 8)
 
 
-def test_k_beyond_k_train():
+def test_k_beyond_num_depths():
     assert problems("train", "eval.num_speculative_tokens=9") == [
         "eval.num_speculative_tokens=9 > K_train=8 of the head trained here (draft.num_depths): the head never "
         "trained draft depths beyond 8, so τ would measure untrained slots. Fix: eval.num_speculative_tokens=8 or "
@@ -332,7 +332,7 @@ def test_k_beyond_k_train():
     # nothing is evaluated: no rule
     assert problems("train", "eval.num_speculative_tokens=9", "eval.enabled=false") == []
     assert problems("train", "draft.num_depths=2", "dry_run=true") == []
-    assert C.k_beyond_k_train_problem(5, 3, "head=runs/x/checkpoint") == (
+    assert C.k_beyond_num_depths_problem(5, 3, "head=runs/x/checkpoint") == (
         "eval.num_speculative_tokens=5 > K_train=3 of head=runs/x/checkpoint: the head never trained draft depths "
         "beyond 3, so τ would measure untrained slots. Fix: eval.num_speculative_tokens=3 or less, or train a head "
         "with draft.num_depths=5 or more.")

@@ -14,6 +14,7 @@ head's description (its speculators format included) in draft/; dtype names and 
 converted by one table (precision.py)."""
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -449,8 +450,8 @@ def test_the_lab_stays_out_of_the_product():
     assert sorted(p.name for p in (REPO_ROOT / "scripts").iterdir() if p.name != "__pycache__") == sorted(SCRIPTS)
 
 
-def test_one_k_train_check_and_typed_settings():
-    """K ≤ K_train has one rule (config.py `k_beyond_k_train_problem`), applied by the train config's
+def test_one_num_depths_check_and_typed_settings():
+    """K ≤ K_train has one rule (config.py `k_beyond_num_depths_problem`), applied by the train config's
     check (`config_problems`) and by `EvalSettings.check_head` (every head `peagle evaluate`
     decodes), nowhere else; evaluation and training take typed settings (EvalSettings,
     TrainSettings): no bag of evaluation keys, no flat trainer config mapped back to the schema."""
@@ -459,12 +460,34 @@ def test_one_k_train_check_and_typed_settings():
         rel = path.relative_to(PKG).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
-                    "k_beyond_k_train_problem":
+                    "k_beyond_num_depths_problem":
                 callers.add(rel)
             elif isinstance(node, (ast.Name, ast.FunctionDef)):
                 names.add(getattr(node, "id", getattr(node, "name", None)))
     assert callers == {"config.py", "evaluation/settings.py"}, callers
     assert not names & {"EVAL_KEYS", "evaluate_from_config", "train_config", "SCHEMA_KEY"}
+
+
+def k_train_identifiers(source: str) -> list[str]:
+    """The identifiers (names, attributes, arguments, functions, keyword names) of `source` that
+    spell K_train `k_train` instead of its one name, `num_depths`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = (getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "arg", None)
+                or (node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None))
+        if isinstance(name, str) and re.search(r"(^|_)k_train($|_)", name.lower()):
+            found.append(name)
+    return found
+
+
+def test_k_train_has_one_name_in_identifiers():
+    """K is num_speculative_tokens and K_train is num_depths in every key and identifier (config.json's
+    `speculative_tokens` is the format's); the rule finds the old spellings."""
+    assert k_train_identifiers("def k_train_of(cfg): return recommend(rows, allow_beyond_k_train=x.k_train)") == [
+        "k_train_of", "allow_beyond_k_train", "k_train"]
+    assert k_train_identifiers("def num_depths_of(cfg): return check_training_config(cfg.num_depths)") == []
+    hits = {p.relative_to(PKG).as_posix(): k_train_identifiers(p.read_text()) for p in PKG.rglob("*.py")}
+    assert not {k: v for k, v in hits.items() if v}
 
 
 ROOT_MODULES = {"__init__", "config", "errors", "extras", "io", "logs", "options", "paths", "plan", "precision",

@@ -61,7 +61,7 @@ def test_predict_and_recommend_hand_computed():
     # K_train = 2: K = 3, 4 are flagged, warned about and not recommended unless allowed
     rows = predict(a, _grid(), [1, 8], [1, 2, 3, 4], num_depths=2)
     assert recommend(rows)[1]["K"] == 2
-    assert recommend(rows, allow_beyond_k_train=True)[1]["K"] == 3
+    assert recommend(rows, allow_beyond_num_depths=True)[1]["K"] == 3
     (w,) = k_range_warnings([1, 2, 3, 4], 2)
     assert "K=[3, 4] > K_train=2: untested" in w
     assert k_range_warnings([1, 2], 2) == [] and k_range_warnings([9], None) == []
@@ -181,3 +181,6 @@ def test_the_renamed_k_train_key_names_its_new_name():
     assert unknown_key_message("recommend.k_train", "the command line", "recommend-k") == (
         "recommend.k_train was renamed: K_train is recommend.num_depths, as the head's draft.num_depths. Fix: "
         "recommend.num_depths=<K_train> (in the command line).")
+    assert unknown_key_message("recommend.allow_beyond_k_train", "the command line", "recommend-k") == (
+        "recommend.allow_beyond_k_train was renamed: K_train is num_depths in every key. Fix: "
+        "recommend.allow_beyond_num_depths=true (in the command line).")

@@ -260,7 +260,8 @@ def spec_stage(args, algorithm: str, steps: int) -> Path:
 
 def eval_stage(args, export: Path, out: Path) -> dict | None:
     """vLLM's τ of an export (`peagle evaluate eval.engine=vllm`), once; None with --no-eval.
-    Returns acceptance_vllm.json plus per_prompt (accepted, drafts) from vllm_outputs.jsonl."""
+    Returns acceptance_vllm.json plus per_prompt (accepted, drafts) and per_prompt_positions
+    (accepted at each position) from vllm_outputs.jsonl."""
     if args.no_eval:
         return None
     acc = out / "eval" / "acceptance_vllm.json"
@@ -271,8 +272,10 @@ def eval_stage(args, export: Path, out: Path) -> dict | None:
                           f"eval.vllm_target_outputs={args.out_dir / 'vllm-target'}")],
             args.out_dir / "logs" / f"eval-{out.parent.name}.log", args.threads)
     res = json.loads(acc.read_text())
-    res["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"]) for o in
-                         map(json.loads, (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines())]
+    rows = [json.loads(x) for x in (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines()]
+    res["per_prompt"] = [(o["num_accepted_tokens"], o["num_drafts"]) for o in rows]
+    if all("accepted_per_pos" in o for o in rows):  # written by a vLLM worker that keeps them per prompt
+        res["per_prompt_positions"] = [o["accepted_per_pos"] for o in rows]
     return res
 
 
@@ -325,7 +328,7 @@ def result_record(args, trainer: str, algorithm: str, steps: int, feats: dict) -
         tau, se = tau_stats(ev["per_prompt"])
         pos = ev["per_position_acceptance"]
         rec.update(tau=tau, tau_se=se, per_position=pos, c1=pos[1] / pos[0] if len(pos) > 1 and pos[0] else None,
-                   per_prompt=ev["per_prompt"],
+                   per_prompt=ev["per_prompt"], per_prompt_positions=ev.get("per_prompt_positions"),
                    num_prompts=ev["num_prompts"], k=ev["num_speculative_tokens"], lossless=ev["lossless"],
                    vllm_version=ev["vllm_version"], precision=ev["precision"])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -389,6 +392,7 @@ def format_table(records: list[dict], meta: dict) -> str:
         lines += trainable_note([r for r in records if r["algorithm"] == algorithm], algorithm)
         lines += ["", NOT_EQUAL[algorithm]] if algorithm in NOT_EQUAL else []
         lines += paired_lines([r for r in records if r["algorithm"] == algorithm])
+        lines += depth_lines([r for r in records if r["algorithm"] == algorithm])
         rows = equal_wall_clock([r for r in records if r["algorithm"] == algorithm])
         if not rows or len(rows[0][1]) < 2:  # one trainer's runs: nothing to compare at equal wall-clock
             continue
@@ -449,6 +453,48 @@ def paired_lines(records: list[dict]) -> list[str]:
             line(f"equal wall-clock, ours at {best['steps']} steps ({wall_seconds(best):,.0f} s with features) "
                  f"against speculators at {steps} ({wall_seconds(spec):,.0f} s)", best, spec)
     return ["", *lines] if lines else []
+
+
+def depth_rows(ours: dict, spec: dict) -> list[tuple[str, float, float, float, float]]:
+    """Per depth, on the same prompts: (quantity, ours, speculators, ours − speculators, its s.e.)
+    for P(≥k) = Σ accepted at position k / Σ drafts (k = 1..K) and c1 = P(≥2) / P(≥1), each a ratio
+    of per-prompt sums whose paired difference has its s.e. clustered by prompt
+    (`paired_ratio_stderr`). ours, spec: records with per_prompt (accepted, drafts) and
+    per_prompt_positions (accepted at each position) of the same prompts."""
+    from peagle_train.evaluation.report import paired_ratio_stderr
+
+    d_a, d_b = [d for _, d in ours["per_prompt"]], [d for _, d in spec["per_prompt"]]
+    pa, pb = ours["per_prompt_positions"], spec["per_prompt_positions"]
+    rows = []
+    for k in range(min(len(pa[0]), len(pb[0]))):
+        a, b = [p[k] for p in pa], [p[k] for p in pb]
+        ra, rb = sum(a) / sum(d_a), sum(b) / sum(d_b)
+        rows.append((f"P(≥{k + 1})", ra, rb, ra - rb, paired_ratio_stderr(a, d_a, b, d_b)))
+    if len(rows) > 1:
+        a1, a2, b1, b2 = ([p[i] for p in pos] for pos, i in ((pa, 0), (pa, 1), (pb, 0), (pb, 1)))
+        if sum(a1) and sum(b1):
+            ca, cb = sum(a2) / sum(a1), sum(b2) / sum(b1)
+            rows.append(("c1", ca, cb, ca - cb, paired_ratio_stderr(a2, a1, b2, b1)))
+    return rows
+
+
+def depth_lines(records: list[dict]) -> list[str]:
+    """For one algorithm's records: at each budget both trainers reached with per-prompt per-position
+    counts, a table of `depth_rows` (P(≥k) and c1, ours − speculators ± paired s.e.)."""
+    from peagle_train.evaluation.report import noise_verdict
+
+    at = {(r["trainer"], r["steps"]): r for r in records if r.get("per_prompt_positions")}
+    lines = []
+    for steps in sorted({s for _, s in at}):
+        ours, spec = at.get(("ours", steps)), at.get(("speculators", steps))
+        if ours is None or spec is None or len(ours["per_prompt"]) != len(spec["per_prompt"]):
+            continue
+        lines += ["", f"Per depth at {steps} steps ({ours['tokens']:,} token-passes), {len(ours['per_prompt'])} "
+                      "prompts, paired:", "", "| depth | ours | speculators | ours − speculators | verdict |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {q} | {a:.3f} | {b:.3f} | {d:+.3f} ± {se:.3f} | {noise_verdict(d, se, 'ours', 'speculators')} |"
+                  for q, a, b, d, se in depth_rows(ours, spec)]
+    return lines
 
 
 def heading_of(records: list[dict]) -> str:

@@ -331,7 +331,8 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
     # the outputs first, the summary last, each whole (io.atomic_write_text): a stopped run leaves no summary
     atomic_write_text(out_dir / "vllm_outputs.jsonl", "".join(
         json.dumps({"prompt": j, "with_head": a["token_ids"], "target_alone": b["token_ids"],
-                    "num_drafts": a["num_drafts"], "num_accepted_tokens": a["num_accepted_tokens"]}) + "\n"
+                    "num_drafts": a["num_drafts"], "num_accepted_tokens": a["num_accepted_tokens"],
+                    "accepted_per_pos": (a.get("accepted_per_pos", []) + [0] * K)[:K]}) + "\n"
         for j, (a, b) in enumerate(zip(spec["outputs"], plain["outputs"]))))
     atomic_write_text(out_dir / "acceptance_vllm.json", json.dumps(result, indent=2))
     return result

@@ -44,6 +44,12 @@ def _metrics(llm) -> dict:
     return out
 
 
+def _difference(after: list[int], before: list[int]) -> list[int]:
+    """after − before, position by position, for two readings of a per-position counter (a position
+    that the earlier reading lacks counts 0 there)."""
+    return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+
+
 def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     """Kill this worker's process group (the worker and vLLM's engine processes) as soon as the
     process that started it is gone, so a killed `peagle` command leaves no engine running. The
@@ -161,7 +167,8 @@ def _generate(llm, req: dict) -> tuple[list, list[dict], float]:
     """Generate from req["prompts"] (token ids) with the request's sampling settings (for
     "features", the connector's include_output_tokens); with one_at_a_time, prompt by prompt,
     keeping each prompt's own speculative counters (vLLM's are cumulative).
-    Returns (vLLM's RequestOutputs, per-prompt {num_drafts, num_accepted_tokens} or [], seconds)."""
+    Returns (vLLM's RequestOutputs, per-prompt {num_drafts, num_accepted_tokens, accepted_per_pos}
+    or [], seconds)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -179,7 +186,8 @@ def _generate(llm, req: dict) -> tuple[list, list[dict], float]:
         for p in prompts:
             outs += llm.generate([p], params, use_tqdm=False)
             after = _metrics(llm)
-            per_prompt.append({k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")})
+            per_prompt.append({**{k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")},
+                               "accepted_per_pos": _difference(after["accepted_per_pos"], before["accepted_per_pos"])})
             before = after
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -67,14 +67,24 @@ def trained_head(tmp_path_factory, request):
     return out
 
 
-def test_vllm_serves_the_head_at_the_reference_tau(trained_head, tmp_path):
+@pytest.fixture(scope="module")
+def target_outputs(tmp_path_factory):
+    """One directory keeping vLLM's outputs without a head (eval.vllm_target_outputs): the four heads
+    are served on the same request, so the target alone runs once for all of them."""
+    return tmp_path_factory.mktemp("vllm_target_outputs")
+
+
+def test_vllm_serves_the_head_at_the_reference_tau(trained_head, target_outputs, tmp_path):
     """vLLM's own counters give our decoder's τ and per-position acceptance on the same prompt token
     ids, and in fp32 its output with the head equals its output without it on every prompt
     (measured: τ 1.115 = 1.115 for P-EAGLE, 1.080 = 1.080 for EAGLE-3; DFlash as the paper trains it,
-    30 steps, 1.044 = 1.044 with the same per-position acceptance)."""
+    30 steps, 1.044 = 1.044 with the same per-position acceptance). vLLM's target-alone outputs are
+    kept from the first head's run and reused by the others (the same request)."""
     out = tmp_path / "eval"
+    kept = sorted(target_outputs.glob("target-*.json"))
     proc = _peagle("evaluate", f"head={trained_head / 'export'}", "eval.engine=both", "precision=fp32",
-                   "eval.num_prompts=6", "eval.max_new_tokens=48", f"output_dir={out}")
+                   "eval.num_prompts=6", "eval.max_new_tokens=48", f"eval.vllm_target_outputs={target_outputs}",
+                   f"output_dir={out}")
     ref = json.loads((out / "eval" / "acceptance.json").read_text())
     vllm = json.loads((out / "eval" / "acceptance_vllm.json").read_text())
     assert vllm["engine"] == "vllm" and vllm["vllm_version"].startswith("0.32")
@@ -89,6 +99,15 @@ def test_vllm_serves_the_head_at_the_reference_tau(trained_head, tmp_path):
     for a, b in zip(vllm["per_position_acceptance"], ref["per_position_acceptance"]):
         assert abs(a - b) <= 0.02
     assert vllm["acceptance_length"] == pytest.approx(1 + vllm["num_accepted_tokens"] / vllm["num_drafts"])
+    # each prompt's own counters (vLLM's are cumulative: read before and after it) add up to the run's
+    rows = [json.loads(x) for x in (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and sum(r["num_drafts"] for r in rows) == vllm["num_drafts"]
+    for k, p in enumerate(vllm["per_position_acceptance"]):
+        assert sum(r["accepted_per_pos"][k] for r in rows) == round(p * vllm["num_drafts"])
+    assert all(sum(r["accepted_per_pos"]) == r["num_accepted_tokens"] for r in rows)
+    # the first head's run keeps the target's outputs, each later one reads them (one request for all four)
+    assert vllm.get("target_alone_reused") == (str(kept[0]) if kept else None)
+    assert len(list(target_outputs.glob("target-*.json"))) == 1
     cfg = json.loads((trained_head / "export" / "config.json").read_text())
     assert cfg["speculators_model_type"] == HEADS[trained_head.name][0] and cfg["aux_layer_numbering"] == "hidden_states"
     if cfg["speculators_model_type"] == "dflash":  # served at K = 5 from a block of 16; no vocabulary map

@@ -6,6 +6,7 @@ numbers. The training part needs the speculators venv (`scripts/check_speculator
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -91,6 +92,32 @@ def test_equal_wall_clock_pairing_by_hand():
         "", "- 80 steps: τ ours − speculators = +0.250 ± 0.250, paired on the same prompts (within noise).",
         "- equal wall-clock, ours at 160 steps (8 s with features) against speculators at 80 (10 s): "
         "τ ours − speculators = +0.250 ± 0.250, paired on the same prompts (within noise)."]
+
+
+def test_per_depth_table_by_hand():
+    """P(≥k) and c1 of both trainers on the same 3 prompts, K = 2, with the paired s.e. by hand."""
+    ours = {"trainer": "ours", "steps": 8, "tokens": 16384, "per_prompt": [(6, 10), (3, 10), (3, 5)],
+            "per_prompt_positions": [[4, 2], [2, 1], [3, 0]]}
+    spec = {"trainer": "speculators", "steps": 8, "tokens": 16384, "per_prompt": [(4, 10), (2, 10), (3, 5)],
+            "per_prompt_positions": [[3, 1], [2, 0], [2, 1]]}
+    rows = bench_parity.depth_rows(ours, spec)
+    # P(≥1): 9/25 against 7/25; u_i = ((a_i − .36 d_i) − (b_i − .28 d_i)) / 25 = .2, −.8, .6 (/25)
+    q, a, b, d, se = rows[0]
+    assert (q, a, b, d) == ("P(≥1)", pytest.approx(0.36), pytest.approx(0.28), pytest.approx(0.08))
+    assert se == pytest.approx(math.sqrt(3 / 2 * (0.2 ** 2 + 0.8 ** 2 + 0.6 ** 2)) / 25)
+    # P(≥2): 3/25 against 2/25; u_i = (2 − 1.2) − (1 − .8) = .6, (1 − 1.2) − (0 − .8) = .6, (0 − .6) − (1 − .4) = −1.2
+    assert rows[1][:4] == ("P(≥2)", pytest.approx(0.12), pytest.approx(0.08), pytest.approx(0.04))
+    assert rows[1][4] == pytest.approx(math.sqrt(3 / 2 * (0.6 ** 2 + 0.6 ** 2 + 1.2 ** 2)) / 25)
+    # c1 = Σ pos 2 / Σ pos 1: 3/9 against 2/7, the denominators the position-1 counts
+    r_a, r_b = 3 / 9, 2 / 7
+    u = [(2 - r_a * 4) / 9 - (1 - r_b * 3) / 7, (1 - r_a * 2) / 9 - (0 - r_b * 2) / 7, (0 - r_a * 3) / 9 - (1 - r_b * 2) / 7]
+    assert rows[2][:4] == ("c1", pytest.approx(r_a), pytest.approx(r_b), pytest.approx(r_a - r_b))
+    assert rows[2][4] == pytest.approx(math.sqrt(3 / 2 * sum(x * x for x in u)))
+    lines = bench_parity.depth_lines([ours, spec, {**ours, "steps": 16, "per_prompt_positions": None}])
+    assert lines[:5] == ["", "Per depth at 8 steps (16,384 token-passes), 3 prompts, paired:", "",
+                         "| depth | ours | speculators | ours − speculators | verdict |", "|---|---|---|---|---|"]
+    assert lines[5] == f"| P(≥1) | 0.360 | 0.280 | +0.080 ± {rows[0][4]:.3f} | within noise |"
+    assert len(lines) == 8  # the budget without per-position counts gives no table
 
 
 def test_match_wall_clock_stage_runs_ours_past_its_budgets_only(tmp_path, monkeypatch):
@@ -184,7 +211,7 @@ def _parity_argv(tmp_path, chatml_tokenizer, monkeypatch, algorithms, *sets) -> 
 
 @pytest.mark.skipif(_spec_venv_problem() is not None, reason=str(_spec_venv_problem()))
 def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path, chatml_tokenizer, monkeypatch):
-    from peagle_train.draft.head_files import load_head
+    from peagle_train.draft.head_files import init_from_head, load_head
     from peagle_train.serving.vllm_engine import speculative_config
 
     out, argv = _parity_argv(tmp_path, chatml_tokenizer, monkeypatch, ("peagle", "eagle3"),
@@ -207,6 +234,17 @@ def test_both_trainers_get_identical_rows_and_speculators_exports_load(tmp_path,
             for key in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "mask_token_id", "norm_before_residual"):
                 assert cfg.get(key) == ours_cfg.get(key), key
             assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+            # speculators' trained head starts ours (draft.init_from): every tensor carried over as saved
+            ours_head = load_head(out / "runs" / f"ours-{algorithm}-{steps}" / "export")[0]
+            warm = init_from_head(ours_head, export).state_dict()
+            assert all(torch.equal(warm[k], v) for k, v in draft.state_dict().items() if not k.startswith("rotary"))
+            # and our export loads in speculators' own from_pretrained, every tensor as written
+            ours_export = out / "runs" / f"ours-{algorithm}-{steps}" / "export"
+            p = subprocess.run([str(SPEC_PYTHON), str(REPO_ROOT / "scripts" / "check_speculators.py"),
+                                f"head={ours_export}", f"target.path={tmp_path / 'target'}"],
+                               capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            assert p.returncode == 0 and p.stdout.splitlines()[-1] == "OK", p.stdout[-2000:] + p.stderr[-2000:]
+            assert f"({algorithm}) from" in p.stdout
     recs = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")]
     assert len(recs) == 4 and all(r["tokens"] > 0 and r["tokens_per_second"] > 0 for r in recs)
     assert {r["trainer"] for r in recs} == {"ours", "speculators"} and all(r["trainable"] for r in recs)

@@ -72,6 +72,9 @@ each trainer's τ at the token-passes it reaches in the same seconds (features c
 log(token-passes) between its measured budgets, never extrapolated. Measured, not interpolated, with
 `--match-wall-clock`: for each speculators budget, ours runs again for the steps it reaches in that
 budget's wall-clock (`matched_steps`), and the two heads' τ are compared paired on the same prompts.
+Per depth: P(≥k) (k = 1..K) and c1 = P(≥2) / P(≥1) of both heads at each budget, with ours −
+speculators ± the paired s.e. clustered by prompt (`depth_rows`), from vLLM's counters per prompt
+and position (vllm_outputs.jsonl `accepted_per_pos`).
 """
 
 from __future__ import annotations

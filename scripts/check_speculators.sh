@@ -2,15 +2,25 @@
 # Load exports with the speculators library (its own test job: it needs its own torch).
 #   bash scripts/check_speculators.sh head=runs/demo/export [target.path=LOCAL_TARGET_HF_DIR]
 #   bash scripts/check_speculators.sh matrix=true  # 12 small exports: P-EAGLE/EAGLE-3 × Llama/Qwen3 × fc options
-# Builds .venv-speculators once (torch 2.9.1 + torchvision + torchaudio + speculators 0.9.0,
-# several GB; set SPECULATORS_VENV to reuse one), then runs scripts/check_speculators.py in it.
+# Builds .venv-speculators once (set SPECULATORS_VENV to reuse one), then runs
+# scripts/check_speculators.py in it: speculators 0.9.0 on this project's CPU torch (2.13.0, the
+# same torch as our trainer in the parity benchmark), its other requirements as it declares them,
+# less torchvision and torchaudio (their wheels pin another torch; nothing here imports them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPECULATORS_VENV:-.venv-speculators}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q torch==2.9.1 torchvision==0.24.1
-  "$VENV/bin/pip" install -q torch==2.9.1 'torchaudio==2.9.*' speculators==0.9.0 'transformers<=5.19.0'
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q --no-deps speculators==0.9.0
+  "$VENV/bin/python" - > "$VENV/speculators-requirements.txt" <<'PY'
+import importlib.metadata as m, re
+for r in m.requires("speculators") or []:
+    name = re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0].lower()
+    if "extra ==" not in r and name not in ("torch", "torchvision", "torchaudio", "transformers"):
+        print(r.split(";")[0].strip())
+PY
+  "$VENV/bin/pip" install -q -r "$VENV/speculators-requirements.txt" 'transformers==5.19.0'
 fi
 export HF_HUB_OFFLINE=1
 if [ "${1:-}" = "matrix=true" ]; then

@@ -6,8 +6,8 @@ speculators loads the verifier's lm_head when it loads a head; with no hub acces
 directory of the target as target.path (for the GGUF default: the dequantised copy under
 ~/.cache/peagle_train/).
 
-Runs in its own environment (speculators 0.9 needs torch ≤ 2.14.1 with torchvision/torchaudio,
-unlike the CPU build used for the tests); `scripts/check_speculators.sh EXPORT_DIR` builds it.
+Runs in its own environment (speculators 0.9.0 and its own requirements, on the project's CPU
+torch); `bash scripts/check_speculators.sh head=EXPORT_DIR` builds it and runs this.
 Checks that the model class is the one the config names, that no exported tensor is missing from
 or unknown to the loaded model, that every tensor loads bit-identical, and that mask_token_id and
 the aux layer ids survive. Exit status 1 on any problem.

@@ -10,7 +10,6 @@ One function per thing that is fingerprinted, used by every manifest and cache k
 | a chat template | `chat_template_fingerprint(tok, template_kwargs)` | the template text or its arguments |
 | token rows | `rows_fingerprint(rows)` | any row's input_ids or loss_mask, or their order |
 | target weights | `weights_fingerprint(model)` | the config, any parameter's name/shape/dtype, first/last values |
-| a file, cheaply | `path_fingerprint(path)` | its path, size or mtime (the file is not read) |
 
 All are sha256 hex digests (64 characters). They identify inputs; they are not a security measure.
 
@@ -147,14 +146,6 @@ def weights_fingerprint(model, sample: int = 4096) -> str:
         for part in (flat[:sample], flat[-sample:]):
             h.update(part.float().cpu().numpy().tobytes())
     return h.hexdigest()
-
-
-def path_fingerprint(path: str | Path) -> str:
-    """sha256 of "resolved path:size:mtime" of a file (a cache key that changes when the file does,
-    without reading it; the dequantised-GGUF cache is keyed by its first 16 characters)."""
-    p = Path(path)
-    st = os.stat(p)
-    return hashlib.sha256(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
 
 
 def file_checksums(directory: str | Path, names: list[str]) -> dict:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..io import atomic_dir
 from ..paths import resolve_path
-from ..provenance import path_fingerprint
+from ..provenance import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,10 @@ def whole_model_loading():
 
 
 def _dequantised_gguf_dir(gguf: Path) -> Path:
-    key = path_fingerprint(gguf)[:16]
+    """CACHE_DIR/<stem>-<sha256 of the file's bytes, 16 characters>: one dequantised copy per GGUF
+    content, wherever the file lies (each virtual environment installs its own copy of a packaged
+    one), made here once (atomically) when missing."""
+    key = sha256_file(gguf)[:16]
     out = CACHE_DIR / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out

@@ -7,9 +7,10 @@
 # experiments/warm_start.sh, trained on conversations 0..599).
 # 1. code conversations (ShareGPT conversations whose answers hold a ``` block, from conversation 3,000 on,
 #    so none was in the general head's data) and the general ones again for replay (finetune_domain.py split);
-# 2. two fine-tunes from GENERAL_HEAD (draft.init_from), STEPS steps at LR: on code alone, and with replay
-#    (data.mix: code REPLAY_CODE, general REPLAY_GENERAL);
-# 3. the three heads in one `peagle evaluate` per benchmark: PROMPTS HumanEval prompts (no prompt in any
+# 2. three fine-tunes from GENERAL_HEAD (draft.init_from), STEPS steps at LR: on code alone (the code data's
+#    draft vocabulary, remapped), with replay (data.mix: code REPLAY_CODE, general REPLAY_GENERAL), and on code
+#    alone keeping the general head's vocabulary (data.draft_vocab_from_head=true);
+# 3. the four heads in one `peagle evaluate` per benchmark: PROMPTS HumanEval prompts (no prompt in any
 #    training set) and PROMPTS MT-Bench first turns (Spec-Bench), greedy, K = 5.
 set -euo pipefail
 GENERAL=${1:?usage: finetune_domain.sh GENERAL_HEAD OUTPUT_DIR}
@@ -40,10 +41,11 @@ stamp "1/3 $CODE code conversations and the general ones"
 stamp "2/3 fine-tuning on code ($STEPS steps, lr $LR), alone and with replay"
 finetune code data.path="$OUT/data/code.json"
 finetune replay "data.mix=[{path: $OUT/data/code.json, weight: $REPLAY_CODE}, {path: $OUT/data/general.json, weight: $REPLAY_GENERAL}]"
+finetune own_vocab data.path="$OUT/data/code.json" data.draft_vocab_from_head=true
 for bench in humaneval spec_bench; do
-    stamp "3/3 evaluating the three heads on $bench"
+    stamp "3/3 evaluating the four heads on $bench"
     [ -f "$OUT/eval-$bench/eval/acceptance.json" ] || "$PY" -m peagle_train.cli evaluate recipe=smollm2-135m-demo \
-        head="$OUT/code/checkpoint" baseline_head="$GENERAL" "more_heads=[$OUT/replay/checkpoint]" \
+        head="$OUT/code/checkpoint" baseline_head="$GENERAL" "more_heads=[$OUT/replay/checkpoint,$OUT/own_vocab/checkpoint]" \
         eval.benchmark="$bench" eval.num_prompts="$PROMPTS" eval.max_new_tokens="$NEW" eval.num_speculative_tokens=5 \
         eval.batch_size=16 threads="$THREADS" output_dir="$OUT/eval-$bench" > "$OUT/eval-$bench.log" 2>&1
 done

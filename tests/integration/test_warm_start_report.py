@@ -63,3 +63,21 @@ def test_finetune_table_hand_checked(tmp_path):
     assert rows[1].endswith("| 0.250 | 0.050 |")
     assert rows[2].startswith("| fine-tuned, replay | 1.300 ± ") and "| +0.100 ± 0.000 |" in rows[2]
     assert rows[2].endswith("| 0.300 | 0.020 |")
+    # a fourth head, fine-tuned keeping the general head's vocabulary: its row, and its Δ against the remapped one
+    cols["more2_"] = [(1.4, 10), (1.2, 10)]  # (4 + 2) / 20 → 1.3
+    for bench in ("humaneval", "spec_bench"):
+        d = run / f"eval-{bench}" / "eval"
+        acc = json.loads((d / "acceptance.json").read_text())
+        acc["more_heads"].append({"per_position_acceptance": [0.28, 0.03]})
+        (d / "acceptance.json").unlink()
+        (d / "per_prompt.csv").unlink()
+        d.rmdir()
+        _write_eval(d, acc, cols)
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "finetune_domain.py"), "report", str(run)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO_ROOT / "experiments")
+    assert r.returncode == 0, r.stderr
+    rows = [x for x in r.stdout.splitlines() if x.startswith("| fine-tuned, the head's")]
+    assert len(rows) == 2 and rows[0].startswith("| fine-tuned, the head's vocabulary | 1.300 ± ")
+    assert "| +0.100 ± " in rows[0] and rows[0].endswith("| 0.280 | 0.030 |")
+    # own − remapped per prompt: (4 − 5) and (2 − 0) accepted over 10 steps each: +0.050, paired s.e. of two prompts
+    assert r.stdout.count("The head's vocabulary against the code data's (remapped), paired: +0.050 ± ") == 2

@@ -180,8 +180,8 @@ def resolve_head_path(source: str | Path) -> Path:
 
 def head_description(path: Path) -> DraftConfig:
     """The description of the head at `path` (a checkpoint's draft_config.json, an export's
-    config.json or z-lab's DFlash config.json: zlab_dflash.py), read without its weights. Raises FileNotFoundError (neither file), CorruptFileError
-    / ExportError (a damaged or incomplete file)."""
+    config.json or z-lab's DFlash config.json: zlab_dflash.py), read without its weights. Raises
+    FileNotFoundError (neither file), CorruptFileError / ExportError (a damaged or incomplete file)."""
     if (path / "draft_config.json").is_file():
         return checkpoint_description(path)[1]
     if (path / "config.json").is_file():

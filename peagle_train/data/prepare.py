@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..errors import CorruptFileError, load_safetensors, read_json, writing
+from ..errors import ConfigError, CorruptFileError, load_safetensors, read_json, writing
 from ..io import atomic_dir, atomic_path, atomic_write_json
 from ..provenance import chat_template_fingerprint, digest, file_checksums, tokenizer_fingerprint, verify_files
 from .conversations import DataFileError
@@ -451,9 +451,14 @@ def token_counts(rows: datasets.Dataset, vocab_size: int) -> tuple[torch.Tensor,
 def with_draft_ids(data: PreparedData, draft_ids: torch.Tensor, target_vocab_size: int, source: str) -> PreparedData:
     """`data` with the draft vocabulary `draft_ids` ([V_draft] target ids: a head's own, from
     `source`, for data.draft_vocab_from_head) in place of the one built from its counts. The summary
-    and the manifest give its size, its coverage of the data's supervised tokens, and its source."""
-    sup, _ = token_counts(data.rows, target_vocab_size)
+    and the manifest give its size, its coverage of the data's supervised tokens, and its source.
+    Raises ConfigError naming `source` when an id lies outside the target's vocabulary."""
     ids = torch.as_tensor(draft_ids, dtype=torch.long)
+    if len(ids) and int(ids.max()) >= target_vocab_size:
+        raise ConfigError(f"{source}: its draft vocabulary holds target ids up to {int(ids.max())}, beyond this "
+                          f"target's vocabulary of {target_vocab_size}. Fix: target.path = the target the head was "
+                          "trained for, or data.draft_vocab_from_head=false.")
+    sup, _ = token_counts(data.rows, target_vocab_size)
     total = int(sup.sum())
     vocab = DraftVocab.from_ids(ids, target_vocab_size, float(sup[ids].sum()) / total if total else float("nan"))
     summary = {**data.summary, "draft_vocab_size": len(vocab.draft_ids), "draft_vocab_coverage": vocab.coverage,

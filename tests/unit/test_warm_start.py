@@ -254,6 +254,11 @@ def test_the_heads_vocabulary_is_kept_with_its_coverage_of_the_data(tmp_path, ta
     assert kept.summary == {"draft_vocab_size": 4, "draft_vocab_coverage": 4 / 6,
                             "draft_vocab_source": f"draft.init_from={ckpt}"}
     assert kept.manifest["draft_vocab"]["size"] == 4 and kept.manifest["draft_vocab"]["source"] == f"draft.init_from={ckpt}"
+    with pytest.raises(ConfigError) as e:  # a head made for a larger target: one line, before any weight is loaded
+        with_draft_ids(data, torch.tensor([2, 130]), 128, "draft.init_from=x")
+    assert str(e.value) == ("draft.init_from=x: its draft vocabulary holds target ids up to 130, beyond this target's "
+                            "vocabulary of 128. Fix: target.path = the target the head was trained for, or "
+                            "data.draft_vocab_from_head=false.")
     cfg = default_config()
     cfg.data.draft_vocab_from_head = True
     assert [p for p in config_problems(cfg) if "draft_vocab_from_head" in p] == [

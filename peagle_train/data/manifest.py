@@ -28,7 +28,6 @@ def build_manifest(*, sources: list[dict], tokenizer, template_kwargs: dict | No
                    max_length: int, min_supervised_tokens: int, draft_ids, coverage: float, mask_token_id: int,
                    mask_token_source: str, counts: dict, tokenizer_sha256: str | None = None) -> dict:
     """The manifest dict (see the module docstring); tokenizer_sha256: `tokenizer_fingerprint` if known."""
-    ids = [int(x) for x in draft_ids]
     return {
         "manifest_version": MANIFEST_VERSION,
         "sources": sources,
@@ -39,12 +38,19 @@ def build_manifest(*, sources: list[dict], tokenizer, template_kwargs: dict | No
         "target_vocab_size": int(target_vocab_size),
         "max_length": int(max_length),
         "min_supervised_tokens": int(min_supervised_tokens),
-        "draft_vocab": {"size": len(ids), "sha256": digest(json.dumps(ids)),
-                        "coverage": coverage},
+        "draft_vocab": draft_vocab_entry(draft_ids, coverage),
         "mask_token_id": int(mask_token_id),
         "mask_token_source": mask_token_source,
         "counts": counts,
     }
+
+
+def draft_vocab_entry(draft_ids, coverage: float, source: str | None = None) -> dict:
+    """The manifest's "draft_vocab": its size, the sha256 of its ids, its coverage of the supervised
+    tokens and, for a vocabulary not built from the data, its `source`."""
+    ids = [int(x) for x in draft_ids]
+    return {"size": len(ids), "sha256": digest(json.dumps(ids)), "coverage": coverage,
+            **({"source": source} if source else {})}
 
 
 def check_manifest(manifest: dict, tokenizer, target_vocab_size: int, *, template_kwargs: dict | None = None,

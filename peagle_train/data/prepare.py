@@ -9,7 +9,6 @@ with the same inputs reads Arrow files and tokenises nothing):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
@@ -25,7 +24,7 @@ from ..errors import ConfigError, CorruptFileError, load_safetensors, read_json,
 from ..io import atomic_dir, atomic_path, atomic_write_json
 from ..provenance import chat_template_fingerprint, digest, file_checksums, tokenizer_fingerprint, verify_files
 from .conversations import DataFileError
-from .manifest import build_manifest, check_manifest, read_manifest, rebuild_fix
+from .manifest import build_manifest, check_manifest, draft_vocab_entry, read_manifest, rebuild_fix
 from .sources import NORMALIZE_VERSION, check_data_path, default_cache_dir, load_source, source_info_dict
 from .template import (TemplateError, cut_at_end_of_turn_token, end_of_turn_strings, set_chat_template,
                        tokenize_conversation)
@@ -463,8 +462,7 @@ def with_draft_ids(data: PreparedData, draft_ids: torch.Tensor, target_vocab_siz
     vocab = DraftVocab.from_ids(ids, target_vocab_size, float(sup[ids].sum()) / total if total else float("nan"))
     summary = {**data.summary, "draft_vocab_size": len(vocab.draft_ids), "draft_vocab_coverage": vocab.coverage,
                "draft_vocab_source": source}
-    entry = {"size": len(vocab.draft_ids), "sha256": digest(json.dumps(vocab.draft_ids.tolist())),
-             "coverage": vocab.coverage, "source": source}
+    entry = draft_vocab_entry(vocab.draft_ids, vocab.coverage, source)
     return PreparedData(data.rows, vocab, data.mask_token_id, summary, {**data.manifest, "draft_vocab": entry})
 
 

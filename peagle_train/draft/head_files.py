@@ -184,33 +184,43 @@ def head_description(path: Path) -> DraftConfig:
     FileNotFoundError (neither file), CorruptFileError / ExportError (a damaged or incomplete file)."""
     if (path / "draft_config.json").is_file():
         return checkpoint_description(path)[1]
+    if (zlab := zlab_config(path)) is not None:
+        return zlab_description(zlab, path / "config.json")
     if (path / "config.json").is_file():
-        cfg = read_json(path / "config.json", "head config", fix=EXPORT_FIX)
-        return zlab_description(cfg, path / "config.json") if is_zlab_layout(cfg) else export_description(path)
+        return export_description(path)
     raise FileNotFoundError(f"draft.init_from={path}: neither a training checkpoint (draft_config.json) nor an "
                             "export (config.json). Fix: point it at runs/<run>/checkpoint, an export directory "
                             "or a hub id ORG/NAME.")
 
 
+def zlab_config(path: Path) -> dict | None:
+    """The config.json of the head directory `path` when it is of z-lab's DFlash layout, else None."""
+    if (path / "draft_config.json").is_file() or not (path / "config.json").is_file():
+        return None
+    cfg = read_json(path / "config.json", "head config", fix=EXPORT_FIX)
+    return cfg if is_zlab_layout(cfg) else None
+
+
 def head_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of the head at `path`: a checkpoint's or an export's state dict (`load_head`), or
     z-lab's DFlash weights as they are (no embed_tokens, lm_head or d2t/t2d: the target's)."""
-    if not (path / "draft_config.json").is_file() and (path / "config.json").is_file() and \
-            is_zlab_layout(read_json(path / "config.json", "head config", fix=EXPORT_FIX)):
-        return zlab_weights(path)
-    return load_head(path)[0].state_dict()
+    return zlab_weights(path) if zlab_config(path) is not None else load_head(path)[0].state_dict()
 
 
 def head_vocabulary(source: str | Path) -> torch.Tensor:
     """The draft vocabulary of the head `source` names (`draft.init_from`, for
     data.draft_vocab_from_head): its target ids [V_draft] int64, sorted (j + d2t[j]); the target's
-    whole vocabulary for a head without d2t (a DFlash head over the full vocabulary, z-lab's).
-    Raises what `resolve_head_path`, `head_description` and the weight readers raise."""
+    whole vocabulary for a head without d2t (a DFlash head over the full vocabulary, z-lab's). Reads
+    the weights file, builds no head. Raises what `resolve_head_path`, `head_description` and
+    `load_safetensors` raise, and CorruptFileError for a file without d2t."""
     path = resolve_head_path(source)
     desc = head_description(path)
     if desc.draft_vocab_size == desc.vocab_size:
         return torch.arange(desc.vocab_size)
-    d2t = head_weights(path)["d2t"].cpu().long()
+    weights = load_safetensors(path / "model.safetensors", "draft weights", EXPORT_FIX)  # no head built
+    if "d2t" not in weights:
+        raise CorruptFileError(f"{path / 'model.safetensors'}: lacks the tensor 'd2t' (draft weights). Fix: {EXPORT_FIX}.")
+    d2t = weights["d2t"].long()
     return torch.arange(len(d2t)) + d2t
 
 

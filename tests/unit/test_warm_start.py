@@ -243,6 +243,15 @@ def test_the_heads_vocabulary_is_kept_with_its_coverage_of_the_data(tmp_path, ta
     _, src = trained(target_model, "peagle", ids=torch.tensor([2, 5, 9, 40]))
     ckpt = save_checkpoint(src, tmp_path / "ckpt")
     assert head_vocabulary(str(ckpt)).tolist() == [2, 5, 9, 40]
+    from safetensors.torch import save_file
+
+    from peagle_train.errors import CorruptFileError
+
+    cut = save_checkpoint(src, tmp_path / "cut")  # weights without d2t: named, not a KeyError
+    save_file({k: v for k, v in load_file(str(cut / "model.safetensors")).items() if k != "d2t"},
+              str(cut / "model.safetensors"))
+    with pytest.raises(CorruptFileError, match=rf"^{cut / 'model.safetensors'}: lacks the tensor 'd2t' \(draft weights\)"):
+        head_vocabulary(str(cut))
     _, full = trained(target_model, "dflash", ids=torch.arange(128))
     assert head_vocabulary(str(write_zlab(full, tmp_path / "z", block_size=4))).tolist() == list(range(128))
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 5, 5, 7], [9, 3]], "loss_mask": [[0, 1, 1, 1, 1], [1, 1]]})

@@ -46,7 +46,7 @@ from peagle_train.training.tracking import eval_scalars, tracked_accelerator
 from peagle_train.evaluation.benchmarks import first_turn_ids
 from peagle_train.evaluation.run import eos_ids as _eos_ids
 from peagle_train.export.speculators import validate_export, verifier_name, write_export
-from peagle_train.serving.vllm_engine import evaluate_with_vllm, vllm_dtype, vllm_python
+from peagle_train.serving.vllm_engine import evaluate_heads_with_vllm, vllm_dtype, vllm_python
 from peagle_train.target.load import model_source
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,10 @@ def main(cfg: DictConfig) -> dict:
         raise SystemExit(f"eval.engine={engine} measures greedy decoding only. Fix: eval.temperature=0, or "
                          "eval.engine=reference for sampling.")
     prompts = prompts_from_config(cfg.eval)
+    others = ([("baseline_head", str(cfg.baseline_head), baseline)] if baseline is not None else []) + \
+        [(f"more_head_{i}", p, d) for i, (p, d, _) in enumerate(more, 1)]
     if engine == "vllm":
-        return evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec)
+        return evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec, others=others)
     acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
                               cpu=device == "cpu")
     result = evaluate_acceptance(target, draft, tok, prompts, settings, out_dir=Path(cfg.output_dir) / "eval",
@@ -126,47 +128,51 @@ def main(cfg: DictConfig) -> dict:
     acc.log(eval_scalars(result), step=0)  # τ, per-position acceptance (unconditional, conditional)
     acc.end_training()
     if engine == "both":
-        result["vllm"] = evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec, reference=result)
+        result["vllm"] = evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec, reference=result, others=others)
     return result
 
 
 def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: list[dict], precision: ResolvedPrecision,
-                     reference: dict | None = None) -> dict:
-    """τ of `head` served by vLLM on the first turns of `prompts` (their chat token ids, as our
+                     reference: dict | None = None, others: list[tuple[str, str, object]] = ()) -> dict:
+    """τ of `head`, and of each further head of `others` [(decoder name: baseline_head | more_head_i,
+    path, head)], served by vLLM on the first turns of `prompts` (their chat token ids, as our
     decoder sees them), greedy, batch 1, in `precision` (the run's: vLLM's dtype, and the dtype a
-    checkpoint is exported in for it); writes eval/acceptance_vllm.json and, beside a `reference`
-    result, eval/engines.md (the two side by side). Raises VllmError for a precision vLLM is not run
-    in (serving/vllm_engine.py `vllm_dtype`), before anything is exported."""
+    checkpoint is exported in for it): one engine per head, and one target-alone run that all share
+    (serving/vllm_engine.py `evaluate_heads_with_vllm`). Writes eval/acceptance_vllm.json (the head's;
+    a further head's in eval/<decoder name>/) and, beside a `reference` result, eval/engines.md (the
+    engines side by side, head by head). Returns the head's result, with the baseline's under
+    "baseline" and the further heads' in the list "more_heads" (each with its "name"), as the
+    reference's acceptance dict has them. Raises VllmError for a precision vLLM is not run in
+    (serving/vllm_engine.py `vllm_dtype`), before anything is exported."""
     vllm_dtype(precision)  # refused now, not after the export
     out = Path(cfg.output_dir) / "eval"
     if target.model.device.type == "cuda":  # after the reference decoder: give vLLM the GPU memory
         target.model.to("cpu")
-        draft.to("cpu")
+        for d in [draft, *(d for _, _, d in others)]:
+            d.to("cpu")
         torch.cuda.empty_cache()
-    export_dir = Path(head)
-    if not (export_dir / "config.json").is_file():  # a checkpoint: export it as `peagle export` would
-        export_dir = out / "vllm_export"
-        try:
-            verifier = verifier_name(cfg.target.name_or_path, cfg.target.path)
-        except ValueError:  # a local file: vLLM is given the target directory itself
-            verifier = str(cfg.target.path)
-        write_export(draft, export_dir, verifier_name_or_path=verifier,
-                     verifier_architectures=list(target.config.architectures or ["LlamaForCausalLM"]),
-                     dtype=precision.dtype, overwrite=True)
-    else:
-        validate_export(export_dir)  # an export vLLM would mis-read (older numbering, fc_norm) is refused here
+    heads = [("head", head, draft, out)] + [(name, path, d, out / name) for name, path, d in others]
+    exports = [(_vllm_export(cfg, path, d, target, precision, head_out), head_out) for _, path, d, head_out in heads]
     ids = [first_turn_ids(q, tok) for q in prompts]
     ids = [x for x in ids if x]
     eos = _eos_ids(target, tok)
-    result = evaluate_with_vllm(model_source(cfg.target.path), export_dir, ids, K=int(cfg.eval.num_speculative_tokens),
-                                max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos),
-                                precision=precision, out_dir=out, python=vllm_python(cfg.eval.get("vllm_python")),
-                                threads=cfg.threads, target_outputs_dir=cfg.eval.get("vllm_target_outputs"))
-    logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
-                "(%d mismatches, %s)", result["vllm_version"], result["acceptance_length"],
-                result["acceptance_length_stderr"], result["num_speculative_tokens"], result["num_prompts"],
-                ", ".join(f"{a:.3f}" for a in result["per_position_acceptance"]), result["lossless"],
-                result["lossless_mismatches"], result["precision"])
+    results = evaluate_heads_with_vllm(
+        model_source(cfg.target.path), exports, ids, K=int(cfg.eval.num_speculative_tokens),
+        max_new_tokens=int(cfg.eval.max_new_tokens), stop_token_ids=sorted(eos), precision=precision,
+        python=vllm_python(cfg.eval.get("vllm_python")), threads=cfg.threads,
+        target_outputs_dir=cfg.eval.get("vllm_target_outputs"))
+    for (name, path, _, _), r in zip(heads, results):
+        logger.info("vLLM %s: τ = %.3f ± %.3f at K=%d over %d prompts | per-position acceptance [%s] | lossless %s "
+                    "(%d mismatches, %s)%s", r["vllm_version"], r["acceptance_length"], r["acceptance_length_stderr"],
+                    r["num_speculative_tokens"], r["num_prompts"],
+                    ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"]), r["lossless"],
+                    r["lossless_mismatches"], r["precision"], f" | {name}={path}" if others else "")
+    result = results[0]
+    for (name, path, _, _), r in zip(heads[1:], results[1:]):
+        if name == "baseline_head":
+            result["baseline"] = r
+        else:
+            result.setdefault("more_heads", []).append({**r, "name": path})
     if reference is not None:
         table = engines_table(reference, result)
         atomic_write_text(out / "engines.md", table)
@@ -174,12 +180,41 @@ def evaluate_in_vllm(cfg: DictConfig, head: str, draft, target, tok, prompts: li
     return result
 
 
+def _vllm_export(cfg: DictConfig, path: str, draft, target, precision: ResolvedPrecision, out: Path) -> Path:
+    """The export directory vLLM serves for the head at `path`: an export as it is (validated: one
+    vLLM would mis-read, in an older numbering or with fc_norm, is refused here); a checkpoint
+    exported as `peagle export` would, in the run's dtype, to out/vllm_export."""
+    export_dir = Path(path)
+    if (export_dir / "config.json").is_file():
+        validate_export(export_dir)
+        return export_dir
+    export_dir = out / "vllm_export"
+    try:
+        verifier = verifier_name(cfg.target.name_or_path, cfg.target.path)
+    except ValueError:  # a local file: vLLM is given the target directory itself
+        verifier = str(cfg.target.path)
+    write_export(draft, export_dir, verifier_name_or_path=verifier,
+                 verifier_architectures=list(target.config.architectures or ["LlamaForCausalLM"]),
+                 dtype=precision.dtype, overwrite=True)
+    return export_dir
+
+
 def engines_table(reference: dict, vllm_result: dict) -> str:
     """Markdown: τ ± stderr, per-position acceptance, lossless (each with its definition) and
-    tokens/s of our decoder and of vLLM."""
+    tokens/s of our decoder and of vLLM, for the head and then for each further head (the
+    reference's `baseline` and `more_heads` beside vLLM's, rows named by decoder)."""
     rows = ["| decoder | prompts | K | precision | τ | per-position acceptance | lossless¹ | tokens/s (target alone) |",
             "|---|---|---|---|---|---|---|---|"]
-    for name, r in (("reference decoder", reference), (f"vLLM {vllm_result['vllm_version']}", vllm_result)):
+    common = {k: reference[k] for k in ("num_prompts", "num_speculative_tokens", "precision",
+                                        "target_only_tokens_per_second") if k in reference}
+    pairs = [("", reference, vllm_result)]
+    if "baseline" in vllm_result and "baseline" in reference:
+        pairs.append((" · baseline_head", {**common, **reference["baseline"]}, vllm_result["baseline"]))
+    for i, (ref, vl) in enumerate(zip(reference.get("more_heads", []), vllm_result.get("more_heads", [])), 1):
+        pairs.append((f" · more_head_{i}", {**common, **ref}, vl))
+    named = [row for tag, ref, vl in pairs
+             for row in ((f"reference decoder{tag}", ref), (f"vLLM {vl['vllm_version']}{tag}", vl))]
+    for name, r in named:
         pos = " ".join(f"{a:.3f}" for a in r["per_position_acceptance"])
         lossless = ("not checked" if r["lossless"] is None  # below fp32 in batches (the definition says why)
                     else f"{r['lossless']} ({r['lossless_mismatches']} mismatches)")

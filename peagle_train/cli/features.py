@@ -88,7 +88,8 @@ def main(cfg: DictConfig) -> dict:
     summary["engine"] = str(cfg.features.get("engine", "target"))
     if doc_features is not None and doc_features.response:
         v = summary["vllm"] = {k: doc_features.response.get(k) for k in ("vllm_version", "load_seconds",
-                                                                        "generate_seconds", "prompt_tokens")}
+                                                                        "generate_seconds", "prompt_tokens",
+                                                                        "engine_in_process")}
         if acc.is_main_process and v["generate_seconds"]:
             logger.info(
                 "vLLM %s: engine start %.1f s, then %d tokens in %.1f s (%.0f tokens/s); the feature pass's tokens/s "

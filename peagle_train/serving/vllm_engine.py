@@ -6,7 +6,7 @@ vLLM runs in its own environment (its torch and transformers need not be ours; o
 starts `vllm_worker.py` with that environment's Python and reads the response: one engine start per
 job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the environment. Jobs:
 
-- `evaluate_with_vllm`: the head's export served by vLLM's offline `LLM` API (speculative config
+- `evaluate_heads_with_vllm` (`evaluate_with_vllm` for one): each head's export served by vLLM's offline `LLM` API (speculative config
   `{"method": "eagle3", "model": EXPORT, "num_speculative_tokens": K, "parallel_drafting": true}` for
   P-EAGLE; `{"method": "dflash", ...}` for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
   vLLM's output without the head; written as acceptance_vllm.json.
@@ -265,37 +265,69 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
                        max_new_tokens: int, stop_token_ids: list[int], precision: str, out_dir: str | Path,
                        python: str, threads: int | None = None, max_model_len: int | None = None,
                        target_outputs_dir: str | Path | None = None) -> dict:
-    """τ of an export as vLLM serves it, on the given prompt token ids (greedy, batch 1).
+    """τ of one export as vLLM serves it: `evaluate_heads_with_vllm` with the one head
+    [(export_dir, out_dir)]; returns its result."""
+    return evaluate_heads_with_vllm(target_dir, [(export_dir, out_dir)], prompts, K=K, max_new_tokens=max_new_tokens,
+                                    stop_token_ids=stop_token_ids, precision=precision, python=python,
+                                    threads=threads, max_model_len=max_model_len,
+                                    target_outputs_dir=target_outputs_dir)[0]
 
-    Runs vLLM twice (with the head; without it, for the lossless check), one prompt at a time so that
-    each prompt's counters are known (τ's standard error). With `target_outputs_dir`, the run without
-    the head is reused from an earlier evaluation of the same request there (`target_alone`); the
-    result then names it (`target_alone_reused`) and gives no speed-up, since that run's time is not
-    this run's. precision: the run's ResolvedPrecision (or a setting auto | fp32 | bf16): vLLM's
-    `dtype` in the request (`vllm_dtype`; VllmError for one vLLM is not run in).
-    Writes out_dir/acceptance_vllm.json and returns its dict: acceptance_length (τ = 1 + accepted /
-    drafts), acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts),
-    num_drafts, num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal
-    vLLM's outputs without it), tokens per second of both, vllm_version.
+
+def evaluate_heads_with_vllm(target_dir: str, heads: list[tuple[str | Path, str | Path]], prompts: list[list[int]], *,
+                             K: int, max_new_tokens: int, stop_token_ids: list[int], precision: str, python: str,
+                             threads: int | None = None, max_model_len: int | None = None,
+                             target_outputs_dir: str | Path | None = None) -> list[dict]:
+    """τ of each export as vLLM serves it, on the given prompt token ids (greedy, batch 1).
+
+    heads: [(export directory, out_dir)]. Runs vLLM once per head (one engine each: vLLM serves one
+    speculative config per engine), then once without a head, whose outputs every head's lossless
+    check and speed-up share; one prompt at a time, so that each prompt's counters are known (τ's
+    standard error). With `target_outputs_dir`, the run without a head is reused from an earlier
+    evaluation of the same request there (`target_alone`); each result then names it
+    (`target_alone_reused`) and gives no speed-up, since that run's time is not this run's.
+    precision: the run's ResolvedPrecision (or a setting auto | fp32 | bf16): vLLM's `dtype` in the
+    request (`vllm_dtype`; VllmError for one vLLM is not run in).
+    Writes each head's out_dir/vllm_outputs.jsonl and out_dir/acceptance_vllm.json, and returns their
+    dicts in the order of `heads`: acceptance_length (τ = 1 + accepted / drafts),
+    acceptance_length_stderr, per_position_acceptance (accepted at position i / drafts), num_drafts,
+    num_accepted_tokens, lossless and lossless_mismatches (outputs with the head equal vLLM's outputs
+    without it), tokens per second of both, vllm_version, engine_in_process (vLLM's engine ran in the
+    worker's process: vllm_worker.py `_engine_in_process`).
 
     Raises VllmError when a vLLM job fails or no prompt is given."""
     if not prompts:
         raise VllmError("no prompt to serve in vLLM (every prompt was empty). Fix: check eval.prompts and "
                         "eval.num_prompts.")
-    from ..precision import dtype_of, short_name
-
-    out_dir = Path(out_dir)
     dtype = vllm_dtype(precision)
     longest = max(len(p) for p in prompts) + max_new_tokens + K + 8
     base = {"task": "generate", "model": str(target_dir), "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
             "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(int(t) for t in stop_token_ids),
             "max_model_len": int(max_model_len or max(longest, 256)), "one_at_a_time": True, "max_num_seqs": 1}
-    logger.info("vLLM: %d prompts with the head (K=%d, %s), then without it", len(prompts), K, dtype)
+    specs = []
+    for n, (export_dir, out_dir) in enumerate(heads, 1):
+        logger.info("vLLM: %d prompts with the head %s (K=%d, %s)%s", len(prompts), export_dir, K, dtype,
+                    f", head {n} of {len(heads)}" if len(heads) > 1 else "")
+        t0 = time.perf_counter()
+        spec = run_worker({**base, "speculative_config": speculative_config(export_dir, K)}, python,
+                          Path(out_dir) / "vllm_head.log", threads)
+        specs.append((spec, time.perf_counter() - t0))
+    logger.info("vLLM: %d prompts without a head", len(prompts))
     t0 = time.perf_counter()
-    spec = run_worker({**base, "speculative_config": speculative_config(export_dir, K)}, python,
-                      out_dir / "vllm_head.log", threads)
-    plain, reused = target_alone(base, python, out_dir / "vllm_target.log", threads, spec["vllm_version"],
-                                 target_outputs_dir)
+    plain, reused = target_alone(base, python, Path(heads[0][1]) / "vllm_target.log", threads,
+                                 specs[0][0]["vllm_version"], target_outputs_dir)
+    plain_s = time.perf_counter() - t0
+    return [_vllm_result(spec, plain, reused, export_dir, Path(out_dir), K=K, max_new_tokens=max_new_tokens,
+                         dtype=dtype, target_dir=target_dir, num_prompts=len(prompts), wall_s=spec_s + plain_s)
+            for (spec, spec_s), (export_dir, out_dir) in zip(specs, heads)]
+
+
+def _vllm_result(spec: dict, plain: dict, reused: Path | None, export_dir, out_dir: Path, *, K: int,
+                 max_new_tokens: int, dtype: str, target_dir: str, num_prompts: int, wall_s: float) -> dict:
+    """One head's result (evaluate_heads_with_vllm) from vLLM's responses with the head (`spec`) and
+    without it (`plain`; `reused`: the file it was kept in by an earlier run, else None), written
+    to out_dir/vllm_outputs.jsonl (per prompt) and out_dir/acceptance_vllm.json (the summary, last)."""
+    from ..precision import dtype_of, short_name
+
     m = spec["metrics"]
     drafts, acc = m["num_drafts"], m["num_accepted_tokens"]
     per_pos = [a / drafts if drafts else 0.0 for a in (m["accepted_per_pos"] + [0] * K)[:K]]
@@ -307,14 +339,15 @@ def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[li
                                                  [o["num_drafts"] for o in spec["outputs"]]),
         "tau_convention": TAU_CONVENTION,
         "per_position_acceptance": per_pos,
-        "num_prompts": len(prompts), "num_speculative_tokens": K, "max_new_tokens": max_new_tokens,
+        "num_prompts": num_prompts, "num_speculative_tokens": K, "max_new_tokens": max_new_tokens,
         "precision": short_name(dtype_of(dtype)), "batch_size": 1,
         "num_drafts": drafts, "num_accepted_tokens": acc,
         "lossless": all(same), "lossless_mismatches": sum(not s for s in same),
         "lossless_definition": f"vLLM's greedy output with the head == vLLM's output without it ({dtype})",
         "tokens_per_second": spec["new_tokens"] / spec["generate_seconds"] if spec["generate_seconds"] else 0.0,
         "target_only_tokens_per_second": plain["new_tokens"] / plain["generate_seconds"] if plain["generate_seconds"] else 0.0,
-        "engine_load_seconds": spec["load_seconds"], "wall_seconds": time.perf_counter() - t0,
+        "engine_load_seconds": spec["load_seconds"], "engine_in_process": spec.get("engine_in_process", False),
+        "wall_seconds": wall_s,
         "export": str(export_dir), "target": str(target_dir),
     }
     if reused is None:

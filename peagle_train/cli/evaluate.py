@@ -36,7 +36,7 @@ from peagle_train.config import check_config, register
 from peagle_train.runtime import RESUME_EVALUATE, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.evaluation.benchmarks import prompts_from_config
-from peagle_train.evaluation.run import check_head_target, evaluate_acceptance
+from peagle_train.evaluation.run import MORE_HEAD, check_head_target, evaluate_acceptance
 from peagle_train.evaluation.settings import EvalSettings
 from peagle_train.io import atomic_write_text
 from peagle_train.jobs.builders import build_target
@@ -117,7 +117,7 @@ def main(cfg: DictConfig) -> dict:
                          "eval.engine=reference for sampling.")
     prompts = prompts_from_config(cfg.eval)
     others = ([("baseline_head", str(cfg.baseline_head), baseline)] if baseline is not None else []) + \
-        [(f"more_head_{i}", p, d) for i, (p, d, _) in enumerate(more, 1)]
+        [(f"{MORE_HEAD}{i}", p, d) for i, (p, d, _) in enumerate(more, 1)]
     if engine == "vllm":
         return evaluate_in_vllm(cfg, head, draft, target, tok, prompts, prec, others=others)
     acc = tracked_accelerator(cfg.training.tracker, cfg.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
@@ -211,7 +211,7 @@ def engines_table(reference: dict, vllm_result: dict) -> str:
     if "baseline" in vllm_result and "baseline" in reference:
         pairs.append((" · baseline_head", {**common, **reference["baseline"]}, vllm_result["baseline"]))
     for i, (ref, vl) in enumerate(zip(reference.get("more_heads", []), vllm_result.get("more_heads", [])), 1):
-        pairs.append((f" · more_head_{i}", {**common, **ref}, vl))
+        pairs.append((f" · {MORE_HEAD}{i}", {**common, **ref}, vl))
     named = [row for tag, ref, vl in pairs
              for row in ((f"reference decoder{tag}", ref), (f"vLLM {vl['vllm_version']}{tag}", vl))]
     for name, r in named:

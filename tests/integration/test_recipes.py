@@ -3,6 +3,7 @@ their family (4-layer heads, K_train 8, bf16 autocast, 2 steps, checkpoint round
 a bf16 target with the fp32-trained head, export)."""
 
 import pytest
+import torch
 
 from peagle_train.cli.command_line import recipe_names
 from peagle_train.jobs.dry_run import dry_run, family_of
@@ -42,6 +43,8 @@ def test_gpu_recipe_dry_run(tmp_path, name):
     assert got == {"family": GPU[name], "draft_layers": 4, "num_depths": 8, "steps": 2, "loss": got["loss"],
                    "precision": "bf16", "engine": ENGINE[name]}  # the recipe's engine, on 1 process
     assert 0 < got["loss"] < 10
+    # ZeRO-3 leaves torch's own linear in place for what runs after it in the process (engines.py deepspeed_config)
+    assert torch.nn.functional.linear is torch._C._nn.linear
 
 
 def test_k_sweep_writes_table_and_plot(tmp_path):

@@ -6,7 +6,7 @@ vLLM runs in its own environment (its torch and transformers need not be ours; o
 starts `vllm_worker.py` with that environment's Python and reads the response: one engine start per
 job (a `VllmSession` keeps one engine for many calls). `vllm_python` finds the environment. Jobs:
 
-- `evaluate_heads_with_vllm` (`evaluate_with_vllm` for one): each head's export served by vLLM's
+- `evaluate_heads_with_vllm`: each head's export served by vLLM's
   offline `LLM` API (speculative config `{"method": "eagle3", "model": EXPORT,
   "num_speculative_tokens": K, "parallel_drafting": true}` for P-EAGLE; `{"method": "dflash", ...}`
   for DFlash), τ and per-position acceptance from vLLM's own counters, and lossless checked against
@@ -260,18 +260,6 @@ def target_alone(request: dict, python: str, log_path: Path, threads: int | None
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(plain))
     return plain, None
-
-
-def evaluate_with_vllm(target_dir: str, export_dir: str | Path, prompts: list[list[int]], *, K: int,
-                       max_new_tokens: int, stop_token_ids: list[int], precision: str, out_dir: str | Path,
-                       python: str, threads: int | None = None, max_model_len: int | None = None,
-                       target_outputs_dir: str | Path | None = None) -> dict:
-    """τ of one export as vLLM serves it: `evaluate_heads_with_vllm` with the one head
-    [(export_dir, out_dir)]; returns its result."""
-    return evaluate_heads_with_vllm(target_dir, [(export_dir, out_dir)], prompts, K=K, max_new_tokens=max_new_tokens,
-                                    stop_token_ids=stop_token_ids, precision=precision, python=python,
-                                    threads=threads, max_model_len=max_model_len,
-                                    target_outputs_dir=target_outputs_dir)[0]
 
 
 def evaluate_heads_with_vllm(target_dir: str, heads: list[tuple[str | Path, str | Path]], prompts: list[list[int]], *,

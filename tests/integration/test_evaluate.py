@@ -537,9 +537,9 @@ def test_vllm_target_alone_outputs_are_kept_and_reused_for_the_same_request_only
     keep = tmp_path / "keep"
 
     def run(prompts=([1, 2], [3]), threads=1, name="a"):
-        return vllm_engine.evaluate_with_vllm("target", export, [list(p) for p in prompts], K=2, max_new_tokens=3,
-                                              stop_token_ids=[0], precision="fp32", out_dir=tmp_path / name,
-                                              python="py", threads=threads, target_outputs_dir=keep)
+        return vllm_engine.evaluate_heads_with_vllm("target", [(export, tmp_path / name)], [list(p) for p in prompts],
+                                                    K=2, max_new_tokens=3, stop_token_ids=[0], precision="fp32",
+                                                    python="py", threads=threads, target_outputs_dir=keep)[0]
 
     first = run()
     assert calls == ["head", "target"] and "target_alone_reused" not in first and first["speedup"] == 1.0
@@ -643,16 +643,16 @@ def test_vllm_is_asked_for_the_runs_precision(tmp_path, monkeypatch):
     bf16 = P.ResolvedPrecision(torch.bfloat16, "bf16", "auto", "amx")
     for prec, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
         requests.clear()
-        r = vllm_engine.evaluate_with_vllm("target", tmp_path / "export", [[1, 2]], K=2, max_new_tokens=2,
-                                           stop_token_ids=[0], precision=prec, out_dir=tmp_path / prec.name, python="py")
+        r, = vllm_engine.evaluate_heads_with_vllm("target", [(tmp_path / "export", tmp_path / prec.name)], [[1, 2]],
+                                                  K=2, max_new_tokens=2, stop_token_ids=[0], precision=prec, python="py")
         assert [q["dtype"] for q in requests] == [dtype, dtype] and r["precision"] == prec.name
         assert r["lossless_definition"].endswith(f"({dtype})")
     fp16 = P.ResolvedPrecision(torch.float16, "fp16", "fp16", "forced")
     requests.clear()
     with pytest.raises(vllm_engine.VllmError, match=r"precision fp16 \(float16\): vLLM is run here in float32 or "
                                                     r"bfloat16 only .*Fix: precision=fp32 or precision=bf16"):
-        vllm_engine.evaluate_with_vllm("target", tmp_path / "export", [[1, 2]], K=2, max_new_tokens=2,
-                                       stop_token_ids=[0], precision=fp16, out_dir=tmp_path / "fp16", python="py")
+        vllm_engine.evaluate_heads_with_vllm("target", [(tmp_path / "export", tmp_path / "fp16")], [[1, 2]], K=2,
+                                             max_new_tokens=2, stop_token_ids=[0], precision=fp16, python="py")
     assert requests == []
     # `peagle evaluate eval.engine=vllm`: a checkpoint is exported in the run's dtype, and vLLM asked in its precision
     exported, asked = [], []

@@ -94,6 +94,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_DFLASH = "## Peer parity, DFlash: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_EAGLE3 = "## Peer parity, EAGLE-3: our trainer against speculators' (benchmarks/bench_parity.py)"
+HEADING_ARMS = "## Per depth, seeds pooled: arms against a reference (benchmarks/bench_parity.py --arm)"
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
 # our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
@@ -115,6 +116,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap = bench_arguments(ap, ROOT / "docs" / "BENCHMARKS.md", threads=1)  # --out (the docs file), --no-docs, --threads
     ap.add_argument("--out-dir", type=Path, required=True, help="run directory (resumable)")
+    ap.add_argument("--shared-dir", type=Path, default=None,
+                    help="where the features and vLLM's target-alone outputs are kept (default: --out-dir); "
+                         "run directories of one recipe and data (seeds, variants) share them")
     ap.add_argument("--recipe", default="smollm2-135m", help="recipe of the target, data and hyper-parameters")
     ap.add_argument("--steps", type=int, nargs="+", default=[170, 340], help="budgets: optimizer steps (≥ 2 budgets)")
     ap.add_argument("--algorithms", nargs="+", default=list(DEFAULT_ALGORITHMS), choices=ALGORITHMS)
@@ -131,7 +135,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--match-wall-clock", action="store_true",
                     help="also train ours, for each speculators budget, for the steps it reaches in that budget's "
                          "wall-clock (features counted, at its measured rate), for a paired comparison there")
-    return ap.parse_args(argv)
+    ap.add_argument("--arm", dest="arms", action="append", default=[], metavar="LABEL=TRAINER@DIR[,DIR...]",
+                    help="table only: the runs of TRAINER at --steps in each DIR (one per seed, same seed order in "
+                         "every arm), pooled; the first arm is the reference the others are paired against")
+    args = ap.parse_args(argv)
+    args.shared_dir = args.shared_dir or args.out_dir
+    return args
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -156,13 +165,13 @@ def features_stage(args) -> dict:
     """`peagle features` into OUT/features, once, for the target layers of `--algorithms` (DFlash alone:
     its default layers; else P-EAGLE's, which a DFlash run then reads only with target.aux_layer_ids set
     to them). Returns its generation_summary.json (tokens, seconds of the feature pass)."""
-    d = args.out_dir / "features"
+    d = args.shared_dir / "features"
     summary = d / "generation_summary.json"
     algorithm = "dflash" if set(args.algorithms) == {"dflash"} else "peagle"
     if not summary.is_file():
         run([sys.executable, "-m", "peagle_train.cli", "features", *peagle_args(args, f"algorithm={algorithm}",
                                                                                 f"features.dir={d}",
-                                                                                f"output_dir={args.out_dir / 'features-run'}")],
+                                                                                f"output_dir={args.shared_dir / 'features-run'}")],
             args.out_dir / "logs" / "features.log", args.threads)
     return json.loads(summary.read_text())
 
@@ -178,12 +187,18 @@ def ours_stage(args, algorithm: str, steps: int) -> Path:
     if not (out / "parity" / "ours.json").is_file() or not (out / "export" / "config.json").is_file():
         run([sys.executable, str(ROOT / "benchmarks" / "parity_ours.py"), str(out / "parity"),
              *peagle_args(args, f"algorithm={algorithm}", "features.source=offline",
-                          f"features.dir={args.out_dir / 'features'}", f"training.max_steps={steps}",
+                          f"features.dir={args.shared_dir / 'features'}", f"training.max_steps={steps}",
                           "training.max_minutes=null", "training.save_every=null", "training.val_conversations=0",
                           "training.grad_accum=1", "training.resume=false", "eval.enabled=false",
                           "export.enabled=true", f"output_dir={out}", *OURS_EXTRA.get(algorithm, ()))],
             args.out_dir / "logs" / f"ours-{algorithm}-{steps}.log", args.threads)
     return out
+
+
+def trainer_seed(cfg: dict) -> int:
+    """The seed our run trained with (its resolved config.yaml): training.seed, else the run's seed."""
+    seed = cfg["training"].get("seed")
+    return int(cfg["seed"] if seed is None else seed)
 
 
 def spec_hyper(cfg: dict, autocast: str, algorithm: str = "peagle") -> dict:
@@ -254,7 +269,7 @@ def spec_stage(args, algorithm: str, steps: int) -> Path:
             "verifier": model_source(cfg["target"]["path"]), "threads": args.threads,
             "hyper": spec_hyper(cfg, json.loads((ours / "run.json").read_text())["precision"]["draft_autocast"],
                                algorithm),
-            "seed": cfg["seed"], "out": str(out), "result": str(out / "result.json")}
+            "seed": trainer_seed(cfg), "out": str(out), "result": str(out / "result.json")}
     (out / "run_spec.json").write_text(json.dumps(spec, indent=1))
     run([args.spec_python, str(ROOT / "benchmarks" / "parity_speculators.py"), str(out / "run_spec.json")],
         args.out_dir / "logs" / f"speculators-{algorithm}-{steps}.log", args.threads)
@@ -272,7 +287,7 @@ def eval_stage(args, export: Path, out: Path) -> dict | None:
         run([sys.executable, "-m", "peagle_train.cli", "evaluate",
              *peagle_args(args, f"head={export}", "eval.engine=vllm", f"eval.num_prompts={args.num_prompts}",
                           f"eval.num_speculative_tokens={args.k}", f"output_dir={out}",
-                          f"eval.vllm_target_outputs={args.out_dir / 'vllm-target'}")],
+                          f"eval.vllm_target_outputs={args.shared_dir / 'vllm-target'}")],
             args.out_dir / "logs" / f"eval-{out.parent.name}.log", args.threads)
     res = json.loads(acc.read_text())
     rows = [json.loads(x) for x in (out / "eval" / "vllm_outputs.jsonl").read_text().splitlines()]
@@ -500,6 +515,93 @@ def depth_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def parse_arm(text: str) -> tuple[str, str, list[Path]]:
+    """`LABEL=TRAINER@DIR[,DIR...]` → (label, trainer, run directories). Raises SystemExit naming the
+    argument when it is not of that form or names no trainer of TRAINERS."""
+    label, _, rest = text.partition("=")
+    trainer, _, dirs = rest.partition("@")
+    if not label or trainer not in TRAINERS or not dirs:
+        raise SystemExit(f"--arm {text}: expected LABEL=TRAINER@DIR[,DIR...] with TRAINER one of {', '.join(TRAINERS)}; "
+                         "e.g. --arm speculators=speculators@runs/p/s0,runs/p/s1")
+    return label, trainer, [Path(d) for d in dirs.split(",")]
+
+
+def arm_records(trainer: str, dirs: list[Path], algorithm: str, steps: int) -> list[dict]:
+    """The result records (OUT/results/TRAINER-ALGORITHM-STEPS.json) of one arm, one per directory
+    (seed), each with per-prompt per-position counts. Raises SystemExit naming a missing file or a
+    record written without those counts."""
+    recs = []
+    for d in dirs:
+        path = d / "results" / f"{trainer}-{algorithm}-{steps}.json"
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: run bench_parity.py --out-dir {d} (its stages) first")
+        rec = json.loads(path.read_text())
+        if not rec.get("per_prompt_positions"):
+            raise SystemExit(f"{path} has no per-prompt per-position counts (evaluated with --no-eval, or by an "
+                             "older vLLM worker); delete its vllm/ directory and result, then run it again")
+        recs.append(rec)
+    return recs
+
+
+def pooled(records: list[dict]) -> dict:
+    """One record of several seeds' records on the same prompts: per prompt, accepted tokens, drafts
+    and accepted at each position summed over the seeds (so ratios are of pooled counts, and a
+    difference's s.e. clustered by prompt (`depth_rows`) holds each prompt's seeds together).
+    Raises ValueError when the records' prompt counts or positions differ."""
+    shapes = {(len(r["per_prompt"]), len(r["per_prompt_positions"][0])) for r in records}
+    if len(shapes) != 1:
+        raise ValueError(f"pooled: records of {sorted(shapes)} (prompts, positions); seeds pool on the same prompts and K")
+    per_prompt = [tuple(sum(r["per_prompt"][i][j] for r in records) for j in (0, 1))
+                  for i in range(len(records[0]["per_prompt"]))]
+    positions = [[sum(r["per_prompt_positions"][i][k] for r in records) for k in range(len(records[0]["per_prompt_positions"][i]))]
+                 for i in range(len(records[0]["per_prompt_positions"]))]
+    return {"per_prompt": per_prompt, "per_prompt_positions": positions, "seeds": len(records),
+            "tokens": records[0]["tokens"], "optimizer_steps": records[0].get("optimizer_steps")}
+
+
+def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> str:
+    """The markdown of `--arm` at one budget: each arm pooled over its seeds (τ ± s.e., P(≥k), c1),
+    then each arm after the first against the first, per depth on the same prompts (`depth_rows` of
+    the pooled records: s.e. clustered by prompt), with the difference of each seed alone beside it
+    (seed i of the arm against seed i of the reference: the same rows when the trainers share them)."""
+    from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
+
+    ref_label, ref_recs = arms[0]
+    ref = pooled(ref_recs)
+    k = len(ref["per_prompt_positions"][0])
+    lines = [f"`{meta['command']}`, {meta['date']}: {meta['cpu']} (bf16 unit: {meta['bf16']}), load average "
+             f"{meta['load']}. {steps} steps ({ref['tokens']:,} token-passes) per run; each arm's seeds pooled on the "
+             "same prompts; τ and P(≥k) from vLLM's counters (greedy, batch 1), s.e. clustered by prompt; "
+             "c1 = P(≥2) / P(≥1).", "",
+             "| arm | seeds | τ ± s.e. | " + " | ".join(f"P(≥{i + 1})" for i in range(k)) + " | c1 |",
+             "|---|---|---|" + "---|" * k + "---|"]
+    for label, recs in arms:
+        p = pooled(recs)
+        tau, se = tau_stats(p["per_prompt"])
+        drafts = sum(d for _, d in p["per_prompt"])
+        pos = [sum(x[i] for x in p["per_prompt_positions"]) / drafts for i in range(k)]
+        lines.append(f"| {label} | {len(recs)} | {tau:.3f} ± {se:.3f} | " + " | ".join(f"{x:.3f}" for x in pos)
+                     + f" | {_f(pos[1] / pos[0] if k > 1 and pos[0] else None, '.2f')} |")
+    for label, recs in arms[1:]:
+        if len(recs) != len(ref_recs):
+            raise SystemExit(f"--arm {label}: {len(recs)} runs, the reference {ref_label} {len(ref_recs)}; pair "
+                             "them seed by seed")
+        p = pooled(recs)
+        per_seed = [depth_rows(a, b) for a, b in zip(recs, ref_recs)]
+        d_tau = tau_stats(p["per_prompt"])[0] - tau_stats(ref["per_prompt"])[0]
+        se_tau = paired_tau_stderr(p["per_prompt"], ref["per_prompt"])
+        seeds_tau = ", ".join(f"{tau_stats(a['per_prompt'])[0] - tau_stats(b['per_prompt'])[0]:+.3f}"
+                              for a, b in zip(recs, ref_recs))
+        lines += ["", f"{label} − {ref_label}, paired on the same prompts:", "",
+                  f"| quantity | {label} | {ref_label} | difference ± s.e. | each seed | verdict |", "|---|---|---|---|---|---|",
+                  f"| τ | {tau_stats(p['per_prompt'])[0]:.3f} | {tau_stats(ref['per_prompt'])[0]:.3f} | {d_tau:+.3f} ± "
+                  f"{se_tau:.3f} | {seeds_tau} | {noise_verdict(d_tau, se_tau, label, ref_label)} |"]
+        for j, (q, a, b, d, se) in enumerate(depth_rows(p, ref)):
+            each = ", ".join(f"{rows[j][3]:+.3f}" for rows in per_seed)
+            lines.append(f"| {q} | {a:.3f} | {b:.3f} | {d:+.3f} ± {se:.3f} | {each} | {noise_verdict(d, se, label, ref_label)} |")
+    return "\n".join(lines) + "\n"
+
+
 def heading_of(records: list[dict]) -> str:
     """The section's heading: HEADING_DFLASH / HEADING_EAGLE3 for a run directory of DFlash / EAGLE-3
     alone (its own section, so that the P-EAGLE / EAGLE-3 table beside it stays), else HEADING."""
@@ -563,6 +665,8 @@ def main(argv: list[str] | None = None) -> str:
     table of every finished run. Returns the table."""
     argv = sys.argv[1:] if argv is None else argv
     args = arguments(argv)
+    if args.arms:
+        return arms_main(args, argv)
     if not args.table_only:
         feats = features_stage(args)
         for algorithm in args.algorithms:
@@ -582,6 +686,28 @@ def main(argv: list[str] | None = None) -> str:
         from bench_tables import write_section
 
         print(f"written to {write_section(heading_of(records), text, args.out)}")
+    return text
+
+
+def arms_main(args, argv: list[str]) -> str:
+    """`--arm`: print (and with --write-docs write, under HEADING_ARMS) `arms_table` for the first of
+    --algorithms at each of --steps. Returns the text."""
+    from bench_tables import cpu_model
+    from peagle_train.precision import cpu_bf16_units
+
+    algorithm = args.algorithms[0]
+    meta = {"command": "python benchmarks/bench_parity.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
+            "cpu": cpu_model(), "bf16": cpu_bf16_units() or "none", "load": " / ".join(f"{x:.1f}" for x in os.getloadavg())}
+    parts = []
+    for steps in args.steps:
+        arms = [(label, arm_records(trainer, dirs, algorithm, steps)) for label, trainer, dirs in map(parse_arm, args.arms)]
+        parts.append(arms_table(arms, meta, steps))
+    text = HEADING_ARMS + f" ({algorithm})\n\n" + "\n".join(parts)
+    print(text)
+    if args.write_docs and not args.no_docs:
+        from bench_tables import write_section
+
+        print(f"written to {write_section(HEADING_ARMS + f' ({algorithm})', text, args.out)}")
     return text
 
 

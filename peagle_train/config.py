@@ -124,6 +124,9 @@ class TrainingConfig:
     tokens_per_step: int = opt(2048, "tokens per packed row (one row per process per micro-step)", ge=1)
     max_steps: Optional[int] = opt(None, "stop after this many optimizer steps; null = all epochs", ge=1)
     max_minutes: Optional[float] = opt(None, "wall-clock guard for the training loop", gt=0)
+    seed: Optional[int] = opt(None, "seed of the head's initialisation, the validation split, the packing of rows "
+                                    "and COD sampling; null = the run's seed (which also picks and shuffles the "
+                                    "conversations): seeds of one head on the same data", ge=0, le=SEED_MAX)
     lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     warmup_steps: int = opt(10, "linear warm-up steps before the schedule", ge=0)
@@ -207,7 +210,8 @@ class Config:
     algorithm: Algorithm = opt(Algorithm.peagle, "peagle (parallel drafting) | eagle3 (the sequential baseline, "
                                                  "trained with TTT) | dflash (a block of mask tokens over the "
                                                  "target features as keys and values; vLLM ≥ 0.32 serves it)")
-    seed: int = opt(0, "seed of data shuffling, initialisation and COD sampling", ge=0, le=SEED_MAX)
+    seed: int = opt(0, "seed of data shuffling, and of initialisation and COD sampling unless "
+                          "training.seed is set", ge=0, le=SEED_MAX)
     threads: Optional[int] = opt(None, "torch CPU threads; null = cores / processes on this node "
                                        "(also under accelerate launch, which sets 1)", ge=1)
     precision: Precision = opt(Precision.auto, "compute precision of the target forward and the draft "

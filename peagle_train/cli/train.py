@@ -94,8 +94,8 @@ def train_job(cfg: DictConfig) -> dict:
     check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
-    torch.manual_seed(cfg.seed)
     settings = TrainSettings.from_config(cfg)  # the training group and the values of other groups the trainer reads
+    torch.manual_seed(settings.seed)  # the head's initialisation: training.seed, else seed
     check_training_config(settings)  # fail at start-up, naming the setting
     check_distributed_config(cfg.distributed.engine, cfg.distributed.zero_stage)
     verifier = verifier_name(cfg.target.name_or_path, cfg.target.path) if cfg.export.enabled and not cfg.dry_run \

@@ -41,8 +41,9 @@ class TrainSettings:
     draft: the `draft` group, of which the trainer reads num_depths (K_train: the depths trained);
     distributed: the `distributed` group (engine, zero_stage, timeout_minutes of the groups the engine
     makes; default: the schema's, ddp);
-    algorithm: peagle | eagle3 | dflash (its objective, algorithms/); seed: data split, packing and
-    sampling; precision: of the draft's autocast and the target's forward, the run's ResolvedPrecision
+    algorithm: peagle | eagle3 | dflash (its objective, algorithms/); seed: the head's initialisation,
+    the validation split, packing and sampling (training.seed, else the run's seed); precision: of the
+    draft's autocast and the target's forward, the run's ResolvedPrecision
     (peagle_train/precision.py; what `peagle train` and its dry run pass: resolved once, at the
     command's start) or a setting auto | fp32 | bf16 that the trainer resolves on its device (None =
     fp32), as tests and scripts pass it; `precision_name` is its name either way.
@@ -78,6 +79,8 @@ class TrainSettings:
         """The settings of a composed train config `cfg` (or `config.default_config()`); `override`
         replaces fields by name (a group whole)."""
         values = {f.name: cfg[f.name] for f in dataclasses.fields(cls)}
+        if cfg.training.get("seed") is not None:  # training.seed: the trainer's seed, the data keeps `seed`
+            values["seed"] = cfg.training.seed
         return cls(**{**values, **override})
 
     def items(self) -> Iterator[tuple[str, Any]]:

@@ -120,6 +120,41 @@ def test_per_depth_table_by_hand():
     assert len(lines) == 8  # the budget without per-position counts gives no table
 
 
+def test_arms_pool_seeds_and_pair_each_seed_by_hand(tmp_path):
+    """--arm: two seeds of two arms on the same 2 prompts, K = 2, pooled and paired, by hand."""
+    def rec(per_prompt, positions):
+        return {"tokens": 4096, "optimizer_steps": 2, "per_prompt": per_prompt, "per_prompt_positions": positions}
+
+    ref = [rec([(2, 10), (1, 10)], [[2, 0], [1, 0]]), rec([(3, 10), (0, 10)], [[2, 1], [0, 0]])]
+    arm = [rec([(4, 10), (2, 10)], [[3, 1], [2, 0]]), rec([(2, 10), (2, 10)], [[2, 0], [1, 1]])]
+    p = bench_parity.pooled(ref)
+    assert p["per_prompt"] == [(5, 20), (1, 20)] and p["per_prompt_positions"] == [[4, 1], [1, 0]]
+    meta = {"command": "c", "date": "d", "cpu": "cpu", "bf16": "none", "load": "0"}
+    lines = bench_parity.arms_table([("speculators", ref), ("ours", arm)], meta, 2).splitlines()
+    # pooled: speculators τ = 1 + 6/40, P(≥1) 5/40, P(≥2) 1/40, c1 1/5; ours τ = 1 + 10/40, 8/40, 2/40, c1 2/8
+    assert lines[4].startswith("| speculators | 2 | 1.150 ± ") and lines[4].endswith(" | 0.125 | 0.025 | 0.20 |")
+    assert lines[5].startswith("| ours | 2 | 1.250 ± ") and lines[5].endswith(" | 0.200 | 0.050 | 0.25 |")
+    rows = {ln.split(" | ")[0][2:]: ln for ln in lines[7:] if ln.startswith("| ") and not ln.startswith("| quantity")}
+    # τ per seed: 1 + 6/20 − (1 + 3/20) = +0.150; 1 + 4/20 − (1 + 3/20) = +0.050
+    assert " | +0.150, +0.050 | " in rows["τ"]
+    # P(≥2) pooled: 2/40 − 1/40; u = (1 − 1)/40 − (1 − .5)/40, (1 − 1)/40 − (0 − .5)/40 = ∓.0125 → s.e. .025;
+    # per seed: 1/20 − 0/20 = +0.050, 1/20 − 1/20 = +0.000
+    assert rows["P(≥2)"] == "| P(≥2) | 0.050 | 0.025 | +0.025 ± 0.025 | +0.050, +0.000 | within noise |"
+    assert rows["c1"].startswith("| c1 | 0.250 | 0.200 | +0.050 ± ")
+    with pytest.raises(ValueError, match="same prompts"):
+        bench_parity.pooled([ref[0], rec([(1, 10)], [[1, 0]])])
+    with pytest.raises(SystemExit, match="pair them seed by seed"):
+        bench_parity.arms_table([("speculators", ref), ("ours", arm[:1])], meta, 2)
+    assert bench_parity.parse_arm("ours=ours@a,b") == ("ours", "ours", [Path("a"), Path("b")])
+    with pytest.raises(SystemExit, match="LABEL=TRAINER@DIR"):
+        bench_parity.parse_arm("ours=mine@a")
+    with pytest.raises(SystemExit, match="is missing: run bench_parity.py"):
+        bench_parity.arm_records("ours", [tmp_path], "peagle", 2)
+    # the seed speculators gets: our run's training.seed, else the run's seed
+    assert bench_parity.trainer_seed({"seed": 0, "training": {"seed": 2}}) == 2
+    assert bench_parity.trainer_seed({"seed": 3, "training": {"seed": None}}) == 3
+
+
 def test_match_wall_clock_stage_runs_ours_past_its_budgets_only(tmp_path, monkeypatch):
     # ours 80 and 160 steps at 2,000 tokens/s with features (100 per step); theirs 80 steps in 10 s and 160 in
     # 5 s: in 0.97 × 10 s ours reaches 194 steps (past its budgets: run), in 0.97 × 5 s 97 (inside them: not run)

@@ -113,6 +113,19 @@ def test_choices_are_enums_that_compare_print_and_serialise_as_strings():
             settings.training.lr) == ("eagle3", "auto", "ddp", 8, 1.0e-3)
 
 
+def test_training_seed_is_the_trainers_and_leaves_the_data_seed():
+    """training.seed, when set, is the seed the trainer gets (initialisation, split, packing, COD draws);
+    the run's seed stays the data's; null leaves both at the run's seed; a negative one is refused."""
+    from peagle_train.errors import ConfigError
+    from peagle_train.training.checks import TrainSettings, check_training_config
+
+    cfg = compose_train(["seed=3", "training.seed=7"])
+    assert (cfg.seed, TrainSettings.from_config(cfg).seed) == (3, 7)
+    assert TrainSettings.from_config(compose_train(["seed=3"])).seed == 3
+    with pytest.raises(ConfigError, match="training.seed"):
+        check_training_config(TrainSettings.from_config(compose_train(["training.seed=-1"])))
+
+
 def test_the_choices_are_the_ones_the_code_accepts():
     """Registries of functions (losses, objectives) agree with the Enums; the name tuples are derived
     from them (one list of names each)."""

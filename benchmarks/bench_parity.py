@@ -94,7 +94,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_DFLASH = "## Peer parity, DFlash: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_EAGLE3 = "## Peer parity, EAGLE-3: our trainer against speculators' (benchmarks/bench_parity.py)"
-HEADING_ARMS = "## Per depth, seeds pooled: arms against a reference (benchmarks/bench_parity.py --arm)"
+HEADING_ARMS = "## Per depth, seeds pooled, {algorithm}: arms against a reference (benchmarks/bench_parity.py --arm)"
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
 # our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
@@ -590,15 +590,16 @@ def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> st
         per_seed = [depth_rows(a, b) for a, b in zip(recs, ref_recs)]
         d_tau = tau_stats(p["per_prompt"])[0] - tau_stats(ref["per_prompt"])[0]
         se_tau = paired_tau_stderr(p["per_prompt"], ref["per_prompt"])
-        seeds_tau = ", ".join(f"{tau_stats(a['per_prompt'])[0] - tau_stats(b['per_prompt'])[0]:+.3f}"
+        seeds_tau = ", ".join(f"{tau_stats(a['per_prompt'])[0] - tau_stats(b['per_prompt'])[0]:+.4f}"
                               for a, b in zip(recs, ref_recs))
-        lines += ["", f"{label} − {ref_label}, paired on the same prompts:", "",
+        lines += ["", f"{label} − {ref_label}, paired on the same prompts (differences to 4 decimals: P(≥k) is small "
+                      "at depth ≥ 1):", "",
                   f"| quantity | {label} | {ref_label} | difference ± s.e. | each seed | verdict |", "|---|---|---|---|---|---|",
-                  f"| τ | {tau_stats(p['per_prompt'])[0]:.3f} | {tau_stats(ref['per_prompt'])[0]:.3f} | {d_tau:+.3f} ± "
-                  f"{se_tau:.3f} | {seeds_tau} | {noise_verdict(d_tau, se_tau, label, ref_label)} |"]
+                  f"| τ | {tau_stats(p['per_prompt'])[0]:.4f} | {tau_stats(ref['per_prompt'])[0]:.4f} | {d_tau:+.4f} ± "
+                  f"{se_tau:.4f} | {seeds_tau} | {noise_verdict(d_tau, se_tau, label, ref_label)} |"]
         for j, (q, a, b, d, se) in enumerate(depth_rows(p, ref)):
-            each = ", ".join(f"{rows[j][3]:+.3f}" for rows in per_seed)
-            lines.append(f"| {q} | {a:.3f} | {b:.3f} | {d:+.3f} ± {se:.3f} | {each} | {noise_verdict(d, se, label, ref_label)} |")
+            each = ", ".join(f"{rows[j][3]:+.4f}" for rows in per_seed)
+            lines.append(f"| {q} | {a:.4f} | {b:.4f} | {d:+.4f} ± {se:.4f} | {each} | {noise_verdict(d, se, label, ref_label)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -702,12 +703,13 @@ def arms_main(args, argv: list[str]) -> str:
     for steps in args.steps:
         arms = [(label, arm_records(trainer, dirs, algorithm, steps)) for label, trainer, dirs in map(parse_arm, args.arms)]
         parts.append(arms_table(arms, meta, steps))
-    text = HEADING_ARMS + f" ({algorithm})\n\n" + "\n".join(parts)
+    heading = HEADING_ARMS.format(algorithm=algorithm)
+    text = heading + "\n\n" + "\n".join(parts)
     print(text)
     if args.write_docs and not args.no_docs:
         from bench_tables import write_section
 
-        print(f"written to {write_section(HEADING_ARMS + f' ({algorithm})', text, args.out)}")
+        print(f"written to {write_section(heading, text, args.out)}")
     return text
 
 

@@ -136,11 +136,11 @@ def test_arms_pool_seeds_and_pair_each_seed_by_hand(tmp_path):
     assert lines[5].startswith("| ours | 2 | 1.250 ± ") and lines[5].endswith(" | 0.200 | 0.050 | 0.25 |")
     rows = {ln.split(" | ")[0][2:]: ln for ln in lines[7:] if ln.startswith("| ") and not ln.startswith("| quantity")}
     # τ per seed: 1 + 6/20 − (1 + 3/20) = +0.150; 1 + 4/20 − (1 + 3/20) = +0.050
-    assert " | +0.150, +0.050 | " in rows["τ"]
+    assert " | +0.1500, +0.0500 | " in rows["τ"]
     # P(≥2) pooled: 2/40 − 1/40; u = (1 − 1)/40 − (1 − .5)/40, (1 − 1)/40 − (0 − .5)/40 = ∓.0125 → s.e. .025;
     # per seed: 1/20 − 0/20 = +0.050, 1/20 − 1/20 = +0.000
-    assert rows["P(≥2)"] == "| P(≥2) | 0.050 | 0.025 | +0.025 ± 0.025 | +0.050, +0.000 | within noise |"
-    assert rows["c1"].startswith("| c1 | 0.250 | 0.200 | +0.050 ± ")
+    assert rows["P(≥2)"] == "| P(≥2) | 0.0500 | 0.0250 | +0.0250 ± 0.0250 | +0.0500, +0.0000 | within noise |"
+    assert rows["c1"].startswith("| c1 | 0.2500 | 0.2000 | +0.0500 ± ")
     with pytest.raises(ValueError, match="same prompts"):
         bench_parity.pooled([ref[0], rec([(1, 10)], [[1, 0]])])
     with pytest.raises(SystemExit, match="pair them seed by seed"):

@@ -137,7 +137,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                          "wall-clock (features counted, at its measured rate), for a paired comparison there")
     ap.add_argument("--arm", dest="arms", action="append", default=[], metavar="LABEL=TRAINER@DIR[,DIR...]",
                     help="table only: the runs of TRAINER at --steps in each DIR (one per seed, same seed order in "
-                         "every arm), pooled; the first arm is the reference the others are paired against")
+                         "every arm), pooled; the first arm is the reference the others are paired against (an "
+                         "arm of fewer seeds against the reference's first ones)")
     args = ap.parse_args(argv)
     args.shared_dir = args.shared_dir or args.out_dir
     return args
@@ -563,7 +564,8 @@ def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> st
     """The markdown of `--arm` at one budget: each arm pooled over its seeds (τ ± s.e., P(≥k), c1),
     then each arm after the first against the first, per depth on the same prompts (`depth_rows` of
     the pooled records: s.e. clustered by prompt), with the difference of each seed alone beside it
-    (seed i of the arm against seed i of the reference: the same rows when the trainers share them)."""
+    (seed i of the arm against seed i of the reference: the same rows when the trainers share them). An
+    arm of n seeds is paired against the reference's first n; one of more seeds raises SystemExit."""
     from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
 
     ref_label, ref_recs = arms[0]
@@ -583,17 +585,20 @@ def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> st
         lines.append(f"| {label} | {len(recs)} | {tau:.3f} ± {se:.3f} | " + " | ".join(f"{x:.3f}" for x in pos)
                      + f" | {_f(pos[1] / pos[0] if k > 1 and pos[0] else None, '.2f')} |")
     for label, recs in arms[1:]:
-        if len(recs) != len(ref_recs):
+        if len(recs) > len(ref_recs):
             raise SystemExit(f"--arm {label}: {len(recs)} runs, the reference {ref_label} {len(ref_recs)}; pair "
-                             "them seed by seed")
+                             "them seed by seed (the reference needs a run of each seed)")
+        refs = ref_recs[:len(recs)]  # the reference's runs of the same seeds
+        ref = pooled(refs)
         p = pooled(recs)
-        per_seed = [depth_rows(a, b) for a, b in zip(recs, ref_recs)]
+        per_seed = [depth_rows(a, b) for a, b in zip(recs, refs)]
         d_tau = tau_stats(p["per_prompt"])[0] - tau_stats(ref["per_prompt"])[0]
         se_tau = paired_tau_stderr(p["per_prompt"], ref["per_prompt"])
         seeds_tau = ", ".join(f"{tau_stats(a['per_prompt'])[0] - tau_stats(b['per_prompt'])[0]:+.4f}"
-                              for a, b in zip(recs, ref_recs))
-        lines += ["", f"{label} − {ref_label}, paired on the same prompts (differences to 4 decimals: P(≥k) is small "
-                      "at depth ≥ 1):", "",
+                              for a, b in zip(recs, refs))
+        which = "" if len(refs) == len(ref_recs) else f", against the reference's first {len(refs)} seeds"
+        lines += ["", f"{label} − {ref_label}, paired on the same prompts{which} (differences to 4 decimals: P(≥k) "
+                      "is small at depth ≥ 1):", "",
                   f"| quantity | {label} | {ref_label} | difference ± s.e. | each seed | verdict |", "|---|---|---|---|---|---|",
                   f"| τ | {tau_stats(p['per_prompt'])[0]:.4f} | {tau_stats(ref['per_prompt'])[0]:.4f} | {d_tau:+.4f} ± "
                   f"{se_tau:.4f} | {seeds_tau} | {noise_verdict(d_tau, se_tau, label, ref_label)} |"]

@@ -144,7 +144,11 @@ def test_arms_pool_seeds_and_pair_each_seed_by_hand(tmp_path):
     with pytest.raises(ValueError, match="same prompts"):
         bench_parity.pooled([ref[0], rec([(1, 10)], [[1, 0]])])
     with pytest.raises(SystemExit, match="pair them seed by seed"):
-        bench_parity.arms_table([("speculators", ref), ("ours", arm[:1])], meta, 2)
+        bench_parity.arms_table([("speculators", ref[:1]), ("ours", arm)], meta, 2)
+    # an arm of fewer seeds pairs against the reference's runs of those seeds: seed 0, P(≥2) 1/20 − 0/20
+    one = bench_parity.arms_table([("speculators", ref), ("ours", arm[:1])], meta, 2)
+    assert "paired on the same prompts, against the reference's first 1 seeds" in one
+    assert "| P(≥2) | 0.0500 | 0.0000 | +0.0500 ± " in one
     assert bench_parity.parse_arm("ours=ours@a,b") == ("ours", "ours", [Path("a"), Path("b")])
     with pytest.raises(SystemExit, match="LABEL=TRAINER@DIR"):
         bench_parity.parse_arm("ours=mine@a")

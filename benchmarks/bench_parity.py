@@ -560,12 +560,25 @@ def pooled(records: list[dict]) -> dict:
             "tokens": records[0]["tokens"], "optimizer_steps": records[0].get("optimizer_steps")}
 
 
+def seed_stderr(diffs: list[float]) -> float | None:
+    """The standard error of the mean of per-seed differences (their sample s.d. / √n): the training
+    noise the prompt-clustered s.e. does not hold (every seed decodes the same prompts). None for
+    fewer than 2 seeds."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    mean = sum(diffs) / n
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+
+
 def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> str:
     """The markdown of `--arm` at one budget: each arm pooled over its seeds (τ ± s.e., P(≥k), c1),
     then each arm after the first against the first, per depth on the same prompts (`depth_rows` of
     the pooled records: s.e. clustered by prompt), with the difference of each seed alone beside it
-    (seed i of the arm against seed i of the reference: the same rows when the trainers share them). An
-    arm of n seeds is paired against the reference's first n; one of more seeds raises SystemExit."""
+    (seed i of the arm against seed i of the reference: the same rows when the trainers share them) and
+    their s.e. (`seed_stderr`). The verdict takes both: within noise inside 2·sqrt(s.e.(prompts)² +
+    s.e.(seeds)²) (the prompts' alone for one seed). An arm of n seeds is paired against the
+    reference's first n; one of more seeds raises SystemExit."""
     from peagle_train.evaluation.report import noise_verdict, paired_tau_stderr
 
     ref_label, ref_recs = arms[0]
@@ -574,7 +587,8 @@ def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> st
     lines = [f"`{meta['command']}`, {meta['date']}: {meta['cpu']} (bf16 unit: {meta['bf16']}), load average "
              f"{meta['load']}. {steps} steps ({ref['tokens']:,} token-passes) per run; each arm's seeds pooled on the "
              "same prompts; τ and P(≥k) from vLLM's counters (greedy, batch 1), s.e. clustered by prompt; "
-             "c1 = P(≥2) / P(≥1).", "",
+             "c1 = P(≥2) / P(≥1). A verdict is within noise inside 2·√(s.e.(prompts)² + s.e.(seeds)²), the second "
+             "from the spread of the per-seed differences.", "",
              "| arm | seeds | τ ± s.e. | " + " | ".join(f"P(≥{i + 1})" for i in range(k)) + " | c1 |",
              "|---|---|---|" + "---|" * k + "---|"]
     for label, recs in arms:
@@ -594,17 +608,23 @@ def arms_table(arms: list[tuple[str, list[dict]]], meta: dict, steps: int) -> st
         per_seed = [depth_rows(a, b) for a, b in zip(recs, refs)]
         d_tau = tau_stats(p["per_prompt"])[0] - tau_stats(ref["per_prompt"])[0]
         se_tau = paired_tau_stderr(p["per_prompt"], ref["per_prompt"])
-        seeds_tau = ", ".join(f"{tau_stats(a['per_prompt'])[0] - tau_stats(b['per_prompt'])[0]:+.4f}"
-                              for a, b in zip(recs, refs))
+        tau_seeds = [tau_stats(a["per_prompt"])[0] - tau_stats(b["per_prompt"])[0] for a, b in zip(recs, refs)]
+
+        def cells(d: float, se: float, each: list[float]) -> str:
+            s_seed = seed_stderr(each)
+            both = se if s_seed is None else math.hypot(se, s_seed)
+            return (f"{d:+.4f} ± {se:.4f} | {', '.join(f'{x:+.4f}' for x in each)} | {_f(s_seed, '.4f')} | "
+                    f"{noise_verdict(d, both, label, ref_label)} |")
+
         which = "" if len(refs) == len(ref_recs) else f", against the reference's first {len(refs)} seeds"
         lines += ["", f"{label} − {ref_label}, paired on the same prompts{which} (differences to 4 decimals: P(≥k) "
                       "is small at depth ≥ 1):", "",
-                  f"| quantity | {label} | {ref_label} | difference ± s.e. | each seed | verdict |", "|---|---|---|---|---|---|",
-                  f"| τ | {tau_stats(p['per_prompt'])[0]:.4f} | {tau_stats(ref['per_prompt'])[0]:.4f} | {d_tau:+.4f} ± "
-                  f"{se_tau:.4f} | {seeds_tau} | {noise_verdict(d_tau, se_tau, label, ref_label)} |"]
+                  f"| quantity | {label} | {ref_label} | difference ± s.e. (prompts) | each seed | s.e. (seeds) | verdict |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| τ | {tau_stats(p['per_prompt'])[0]:.4f} | {tau_stats(ref['per_prompt'])[0]:.4f} | "
+                  + cells(d_tau, se_tau, tau_seeds)]
         for j, (q, a, b, d, se) in enumerate(depth_rows(p, ref)):
-            each = ", ".join(f"{rows[j][3]:+.4f}" for rows in per_seed)
-            lines.append(f"| {q} | {a:.4f} | {b:.4f} | {d:+.4f} ± {se:.4f} | {each} | {noise_verdict(d, se, label, ref_label)} |")
+            lines.append(f"| {q} | {a:.4f} | {b:.4f} | " + cells(d, se, [rows[j][3] for rows in per_seed]))
     return "\n".join(lines) + "\n"
 
 

@@ -139,7 +139,14 @@ def test_arms_pool_seeds_and_pair_each_seed_by_hand(tmp_path):
     assert " | +0.1500, +0.0500 | " in rows["τ"]
     # P(≥2) pooled: 2/40 − 1/40; u = (1 − 1)/40 − (1 − .5)/40, (1 − 1)/40 − (0 − .5)/40 = ∓.0125 → s.e. .025;
     # per seed: 1/20 − 0/20 = +0.050, 1/20 − 1/20 = +0.000
-    assert rows["P(≥2)"] == "| P(≥2) | 0.0500 | 0.0250 | +0.0250 ± 0.0250 | +0.0500, +0.0000 | within noise |"
+    # over seeds: s.d. of (+.05, 0) = .05/√2, / √2 → .025; the verdict's s.e. √(.025² + .025²) = .0354
+    assert rows["P(≥2)"] == "| P(≥2) | 0.0500 | 0.0250 | +0.0250 ± 0.0250 | +0.0500, +0.0000 | 0.0250 | within noise |"
+    # P(≥1): 8/40 − 5/40 = +.075; u = (5 − 4)/40 − (4 − 2.5)/40 = −.0125, (3 − 4)/40 − (1 − 2.5)/40 = +.0125
+    # → prompt s.e. √(2 · 2 · .0125²) = .025; per seed 5/20 − 3/20 = +.1, 3/20 − 2/20 = +.05 → seed s.e. .025;
+    # 0.075 > 2 · √(.025² + .025²) = .0707: ahead
+    assert rows["P(≥1)"] == "| P(≥1) | 0.2000 | 0.1250 | +0.0750 ± 0.0250 | +0.1000, +0.0500 | 0.0250 | ours ahead |"
+    assert bench_parity.seed_stderr([0.1]) is None
+    assert bench_parity.seed_stderr([0.1, 0.2, 0.6]) == pytest.approx(math.sqrt(0.07 / 3))
     assert rows["c1"].startswith("| c1 | 0.2500 | 0.2000 | +0.0500 ± ")
     with pytest.raises(ValueError, match="same prompts"):
         bench_parity.pooled([ref[0], rec([(1, 10)], [[1, 0]])])

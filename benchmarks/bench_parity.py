@@ -75,6 +75,11 @@ budget's wall-clock (`matched_steps`), and the two heads' τ are compared paired
 Per depth: P(≥k) (k = 1..K) and c1 = P(≥2) / P(≥1) of both heads at each budget, with ours −
 speculators ± the paired s.e. clustered by prompt (`depth_rows`), from vLLM's counters per prompt
 and position (vllm_outputs.jsonl `accepted_per_pos`).
+Over seeds (experiments/parity_seeds.sh): one run directory per seed and variant, each with
+`--set training.seed=S` (the head's init, row packing and COD draws; the data and features stay) and
+`--shared-dir` (one feature pass and one vLLM target-alone run for all); then `--arm` pools each
+arm's seeds and pairs it per depth against the first arm (`arms_table`), with each seed's difference
+and their standard error beside the prompts'.
 """
 
 from __future__ import annotations

@@ -723,12 +723,8 @@ def main(argv: list[str] | None = None) -> str:
 def arms_main(args, argv: list[str]) -> str:
     """`--arm`: print (and with --write-docs write, under HEADING_ARMS) `arms_table` for the first of
     --algorithms at each of --steps. Returns the text."""
-    from bench_tables import cpu_model
-    from peagle_train.precision import cpu_bf16_units
-
     algorithm = args.algorithms[0]
-    meta = {"command": "python benchmarks/bench_parity.py " + " ".join(argv), "date": time.strftime("%Y-%m-%d"),
-            "cpu": cpu_model(), "bf16": cpu_bf16_units() or "none", "load": " / ".join(f"{x:.1f}" for x in os.getloadavg())}
+    meta = machine_meta(args, argv)
     parts = []
     for steps in args.steps:
         arms = [(label, arm_records(trainer, dirs, algorithm, steps)) for label, trainer, dirs in map(parse_arm, args.arms)]

@@ -17,14 +17,9 @@ from peagle_train.config import check_config, register
 from peagle_train.draft import DraftConfig
 from peagle_train.errors import ConfigError
 from peagle_train.runtime import cli_main
-from peagle_train.evaluation.report import read_acceptance
 from peagle_train.paths import CONF_DIR
-from peagle_train.export.speculators import (ExportError, head_name, installed_vllm_problem, installed_vllm_version,
-                                             serve_commands, validate_export, verifier_name, vllm_release,
-                                             write_export)
-from peagle_train.precision import dtype_of
-from peagle_train.target.load import load_target_config
-from peagle_train.draft.head_files import load_checkpoint
+
+# torch and the export's writer load in `main` and `card_acceptance`, after the command line is checked
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +47,8 @@ def card_acceptance(eval_dir: Path) -> dict:
     benchmark it decoded (eval.benchmark): acceptance.json's "benchmark", else, for a file written
     before it recorded one, the first record of results.jsonl, else "benchmark not recorded".
     {} without an acceptance.json. Raises what `read_acceptance` raises (CorruptFileError)."""
+    from peagle_train.evaluation.report import read_acceptance
+
     if not (eval_dir / "acceptance.json").is_file():
         return {}
     acc = read_acceptance(eval_dir / "acceptance.json")
@@ -68,6 +65,15 @@ def card_acceptance(eval_dir: Path) -> dict:
 @cli_main(config_path=str(CONF_DIR), config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     check_config(cfg, "export")  # every setting in range (config.py), before any work
+    if not cfg.get("validate") and not cfg.get("head"):
+        raise SystemExit("Give head=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")
+    from peagle_train.draft.head_files import load_checkpoint
+    from peagle_train.export.speculators import (ExportError, head_name, installed_vllm_problem, installed_vllm_version,
+                                                 serve_commands, validate_export, verifier_name, vllm_release,
+                                                 write_export)
+    from peagle_train.precision import dtype_of
+    from peagle_train.target.load import load_target_config
+
     if cfg.get("validate"):
         not_an_export = export_dir_problem(Path(cfg.validate))
         if not_an_export:
@@ -97,8 +103,6 @@ def main(cfg: DictConfig) -> None:
         elif installed_vllm_version():
             print(f"the vLLM installed here ({installed_vllm_version()}) serves it")
         return
-    if not cfg.get("head"):
-        raise SystemExit("Give head=runs/<run>/checkpoint (and output=DIR), or validate=DIR.")
     ckpt = Path(cfg.head)
     if not (ckpt / "draft_config.json").is_file():
         raise SystemExit(f"head={ckpt}: no draft_config.json there (a training checkpoint). "

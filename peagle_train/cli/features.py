@@ -27,19 +27,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register
-from peagle_train.data.prepare import data_from_config
 from peagle_train.runtime import RESUME_FEATURES, cli_main
 from peagle_train.paths import CONF_DIR
 from peagle_train.io import atomic_write_json
-from peagle_train.jobs.builders import build_target
-from peagle_train.precision import autocast_context, log_precision, resolve_precision
-from peagle_train.features.shards import write_features_from_config
-from peagle_train.training.engines import process_group_kwargs
 
 logger = logging.getLogger("peagle_train.features")
 
@@ -47,10 +40,20 @@ logger = logging.getLogger("peagle_train.features")
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_FEATURES)
 def main(cfg: DictConfig) -> dict:
     check_config(cfg, "features")  # every setting in range (config.py), before any work
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     if not cfg.features.dir:
         raise SystemExit("Give the output directory: features.dir=/path/to/features (kept out of git).")
+    # torch and the target load here, after the command line is checked (`--help` answers without them)
+    import torch
+    from accelerate import Accelerator
+
+    from peagle_train.data.prepare import data_from_config
+    from peagle_train.features.shards import write_features_from_config
+    from peagle_train.jobs.builders import build_target
+    from peagle_train.precision import autocast_context, log_precision, resolve_precision
+    from peagle_train.training.engines import process_group_kwargs
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

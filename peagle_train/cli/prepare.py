@@ -20,7 +20,6 @@ import time
 from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
-from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared
 from peagle_train.runtime import RESUME_PREPARE, cli_main
 from peagle_train.paths import CONF_DIR
 
@@ -41,6 +40,8 @@ def load_tokenizer_and_vocab_size(target_cfg):
 
 @cli_main(config_path=str(CONF_DIR), config_name="train", version_base="1.3", resume=RESUME_PREPARE)
 def main(cfg: DictConfig) -> dict:
+    from peagle_train.data.prepare import format_summary, prepare_from_config, save_prepared  # after the checks
+
     check_config(cfg, "prepare")  # every setting in range (config.py), before any work
     t0 = time.perf_counter()
     tok, vocab_size = load_tokenizer_and_vocab_size(cfg.target)

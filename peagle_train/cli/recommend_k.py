@@ -32,14 +32,15 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from peagle_train.config import check_config, register
-from peagle_train.recommend.cost_model import CostModelError
 from peagle_train.runtime import cli_main
-from peagle_train.recommend.measure import recommend_k
 from peagle_train.paths import CONF_DIR
 
 
 @cli_main(config_path=str(CONF_DIR), config_name="recommend_k", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    from peagle_train.recommend.cost_model import CostModelError  # torch: after the command line is checked
+    from peagle_train.recommend.measure import recommend_k
+
     check_config(cfg, "recommend-k")  # every setting in range (config.py), before any work
     try:
         return recommend_k(cfg)

@@ -14,28 +14,20 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from peagle_train.config import check_config, register
-from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
 from peagle_train.errors import ConfigError
 from peagle_train.runtime import RESUME_TRAIN, cli_main, exit_at_once, usable_cores
 from peagle_train.paths import CONF_DIR
-from peagle_train.evaluation.benchmarks import prompts_from_config
-from peagle_train.export.speculators import verifier_name
-from peagle_train.features import open_features
-from peagle_train.jobs.builders import build_target, run_metadata, write_json
-from peagle_train.jobs.training_job import JobInputs, run_training_job
-from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
-from peagle_train.training.checks import TrainSettings, check_training_config
-from peagle_train.training import engines
-from peagle_train.training.engines import check_distributed_config, gather_object, process_group_kwargs
 from peagle_train.training.run_lock import check_not_locked, claim_at_run_start, claim_output_dir, release_lock
-from peagle_train.training.tracking import start_trackers, untracked_accelerator
+
+# torch, transformers and the trainer load in `train_job`, after the command line is checked: `--help` and a
+# refused setting answer without them
 
 logger = logging.getLogger("peagle_train.train")  # a package logger: info from the main process only (logs.py)
 
@@ -91,6 +83,13 @@ def main(cfg: DictConfig) -> dict:
 def train_job(cfg: DictConfig) -> dict:
     """The job of `peagle train` (see the module docstring); one run per output_dir: the main process holds
     output_dir/.peagle_run.lock from before anything is written (training/run_lock.py; `main` releases it)."""
+    import torch
+
+    from peagle_train.export.speculators import verifier_name
+    from peagle_train.jobs.builders import write_json
+    from peagle_train.training.checks import TrainSettings, check_training_config
+    from peagle_train.training.engines import check_distributed_config
+
     check_config(cfg, "train")  # every setting in range (config.py), before any work
     t_start = time.perf_counter()
     torch.set_num_threads(cpu_threads(cfg.threads))
@@ -111,6 +110,24 @@ def train_job(cfg: DictConfig) -> dict:
         res = dry_run(cfg, run_dir(cfg))
         write_json(run_dir(cfg) / "summary.json", {"dry_run": res, "training": res["training"]})
         return res
+    return _run_job(cfg, settings, verifier, t_start)
+
+
+def _run_job(cfg: DictConfig, settings, verifier: str, t_start: float) -> dict:
+    """`train_job` once its checks passed: the run itself, from the accelerator to summary.json.
+    settings: its TrainSettings; verifier: the name the export gives the target; t_start: its
+    perf_counter start (the summary's wall_seconds)."""
+    import torch
+
+    from peagle_train.data.prepare import data_from_config, format_summary, save_prepared
+    from peagle_train.evaluation.benchmarks import prompts_from_config
+    from peagle_train.features import open_features
+    from peagle_train.jobs.builders import build_target, run_metadata, write_json
+    from peagle_train.jobs.training_job import JobInputs, run_training_job
+    from peagle_train.precision import log_precision, precision_record, resolve_precision, target_weight_dtype
+    from peagle_train.training.engines import gather_object, process_group_kwargs
+    from peagle_train.training.tracking import start_trackers, untracked_accelerator
+
     out = run_dir(cfg)
     acc = untracked_accelerator(cfg.training.tracker, out, cpu=not torch.cuda.is_available(),
                                 kwargs_handlers=process_group_kwargs(cfg.distributed.timeout_minutes))
@@ -174,6 +191,7 @@ def run(argv: list[str] | None = None) -> int:
 
     claim_at_run_start("peagle train")  # output_dir's run lock taken before Hydra writes there (training/run_lock.py)
     status = run_hydra(main, argv, __doc__, "train")
-    if engines.LEFT_A_GROUP:  # a process of a multi-process run: no interpreter teardown (runtime.exit_at_once)
+    engines = sys.modules.get("peagle_train.training.engines")  # loaded by a job that ran
+    if engines is not None and engines.LEFT_A_GROUP:  # a process of a multi-process run: no interpreter teardown (runtime.exit_at_once)
         exit_at_once(status or 0)
     return status

@@ -37,6 +37,7 @@ from ..io import atomic_write_text
 from ..runtime import usable_cores
 from ..evaluation.report import ratio_stderr, speedup_or_reason
 from ..features.shards import DocFeatures, staged_bytes_per_token
+from ..precision import dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,33 @@ def vllm_dtype(precision) -> str:
     return prec.dtype_name
 
 
-def worker_env(python: str, threads: int | None = None, devices: str | None = None) -> dict:
+# GiB of vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE) when a job's need is unknown or larger: its engine
+# fills the whole space at start, so a small job gets less (`kv_cache_gib`)
+KV_CACHE_GIB_MAX = 4
+
+
+def kv_cache_gib(request: dict) -> int:
+    """GiB of vLLM's CPU KV cache for a worker `request`: its max_num_seqs (default 16) sequences of
+    max_model_len tokens of the target in request["model"] (config.json, or its text_config: layers,
+    KV heads, head size) in request["dtype"], twice over (a draft head's layers, block rounding);
+    at least 1 (VLLM_CPU_KVCACHE_SPACE takes whole GiB) and at most KV_CACHE_GIB_MAX, which is also
+    the answer when the model's config.json cannot be read (a hub id, a GGUF file)."""
+    try:
+        cfg = json.loads((Path(request["model"]) / "config.json").read_text())
+        cfg = cfg.get("text_config") or cfg
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head
+        tokens = int(request["max_model_len"]) * int(request.get("max_num_seqs", 16))
+        need = 2 * per_token * dtype_of(request.get("dtype", "bfloat16")).itemsize * tokens
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # ConfigError is a ValueError
+        return KV_CACHE_GIB_MAX
+    return min(KV_CACHE_GIB_MAX, max(1, -(-need // 2**30)))
+
+
+def worker_env(python: str, threads: int | None = None, devices: str | None = None,
+               kv_gib: int = KV_CACHE_GIB_MAX) -> dict:
     """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
-    for it), VLLM_CPU_KVCACHE_SPACE (GiB, default 4), `threads` threads (None: one per core) bound to the first
+    for it), VLLM_CPU_KVCACHE_SPACE (`kv_gib` GiB: see `kv_cache_gib`), `threads` threads (None: one per core) bound to the first
     cores this process may run on (runtime.usable_cores), and
     PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
     environment win, but `devices`: the job's CUDA_VISIBLE_DEVICES (e.g. "3" or "0,1"; None: this
@@ -108,7 +133,7 @@ def worker_env(python: str, threads: int | None = None, devices: str | None = No
         iomp = Path(python).parents[1] / "lib" / "libiomp5.so"
     if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_gib)))
     cores = usable_cores()
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:threads or len(cores)])))
     env["PYTHONPATH"] = ":".join(filter(None, [str(WORKER.parent), env.get("PYTHONPATH")]))
@@ -129,7 +154,8 @@ def run_worker(request: dict, python: str, log_path: Path, threads: int | None =
         req.write_text(json.dumps(request))
         with open(log_path, "w") as log:
             proc = subprocess.Popen([python, str(WORKER), str(req), str(resp)], stdout=log, stderr=subprocess.STDOUT,
-                                    env=worker_env(python, threads), start_new_session=True)
+                                    env=worker_env(python, threads, kv_gib=kv_cache_gib(request)),
+                                    start_new_session=True)
             try:
                 rc = proc.wait(timeout=timeout_s)
             except BaseException as e:  # a timeout, Ctrl-C: no engine process outlives the job
@@ -160,13 +186,13 @@ class VllmSession:
         self._tmp = tempfile.TemporaryDirectory(prefix="peagle-vllm-")
         tmp = Path(self._tmp.name)
         req = tmp / "request.json"
-        req.write_text(json.dumps({"task": "serve", "model": str(target_dir), "dtype": dtype,
-                                   "max_model_len": int(max_model_len), "max_num_seqs": int(max_num_seqs),
-                                   "tensor_parallel_size": int(tensor_parallel)}))
+        request = {"task": "serve", "model": str(target_dir), "dtype": dtype, "max_model_len": int(max_model_len),
+                   "max_num_seqs": int(max_num_seqs), "tensor_parallel_size": int(tensor_parallel)}
+        req.write_text(json.dumps(request))
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen([python, str(WORKER), str(req), str(tmp / "ready.json")], stdin=subprocess.PIPE,
                                       stdout=self._log, stderr=subprocess.STDOUT,
-                                      env=worker_env(python, threads, devices),
+                                      env=worker_env(python, threads, devices, kv_cache_gib(request)),
                                       text=True, start_new_session=True)
         self._calls, self.generate_seconds = 0, 0.0
         self.info = self._wait(tmp / "ready.json", startup_timeout_s, "start")  # vllm_version, load_seconds

@@ -278,3 +278,29 @@ def test_the_cores_are_those_this_process_may_run_on(monkeypatch):
     assert vllm_engine.worker_env("/nowhere/venv/bin/python", threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "3"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-7")  # the user's own binding wins
     assert vllm_engine.worker_env("/nowhere/venv/bin/python", threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0-7"
+
+
+def test_vllm_cpu_kv_cache_is_sized_by_the_job(tmp_path, monkeypatch):
+    """vLLM's CPU engine fills its whole KV cache (VLLM_CPU_KVCACHE_SPACE) at start: a job gets twice
+    what its sequences need, in whole GiB, 1 at least and 4 (the former fixed size) at most or when
+    the target's config is unreadable; the user's own setting wins. SmolLM2-135M's shape: 30 layers,
+    3 KV heads of 64, so 2 · 30 · 3 · 64 = 11,520 values a token."""
+    from peagle_train.serving import vllm_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "hidden_size": 576,
+                                                      "num_attention_heads": 9, "num_key_value_heads": 3}))
+    job = {"model": str(tmp_path), "dtype": "float32"}
+    # one prompt of 1,024 tokens: 11,520 · 4 B · 1,024 · 2 = 94 MB → 1 GiB
+    assert vllm_engine.kv_cache_gib({**job, "max_model_len": 1024, "max_num_seqs": 1}) == 1
+    # 16 sequences of 2,048: 11,520 · 4 · 32,768 · 2 = 3.02e9 B = 2.81 GiB → 3
+    assert vllm_engine.kv_cache_gib({**job, "max_model_len": 2048}) == 3
+    assert vllm_engine.kv_cache_gib({**job, "max_model_len": 2048, "dtype": "bfloat16"}) == 2
+    assert vllm_engine.kv_cache_gib({**job, "max_model_len": 4096}) == 4  # 5.6 GiB: capped
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 30, "head_dim": 64,
+                                                                      "num_attention_heads": 9, "num_key_value_heads": 3}}))
+    assert vllm_engine.kv_cache_gib({**job, "max_model_len": 2048}) == 3  # a multimodal config's text_config
+    assert vllm_engine.kv_cache_gib({**job, "model": "HuggingFaceTB/SmolLM2-135M", "max_model_len": 64}) == 4
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert vllm_engine.worker_env("/nowhere/venv/bin/python", kv_gib=1)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    assert vllm_engine.worker_env("/nowhere/venv/bin/python", kv_gib=1)["VLLM_CPU_KVCACHE_SPACE"] == "8"

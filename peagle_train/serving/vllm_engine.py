@@ -120,8 +120,8 @@ def kv_cache_gib(request: dict) -> int:
 def worker_env(python: str, threads: int | None = None, devices: str | None = None,
                kv_gib: int = KV_CACHE_GIB_MAX) -> dict:
     """The environment of a vLLM job: LD_PRELOAD of the venv's libiomp5.so (vLLM's CPU backend asks
-    for it), VLLM_CPU_KVCACHE_SPACE (`kv_gib` GiB: see `kv_cache_gib`), `threads` threads (None: one per core) bound to the first
-    cores this process may run on (runtime.usable_cores), and
+    for it), VLLM_CPU_KVCACHE_SPACE (`kv_gib` GiB: see `kv_cache_gib`), `threads` threads (None: one
+    per core) bound to the first cores this process may run on (runtime.usable_cores), and
     PYTHONPATH holding this folder (the CPU hidden-states connector). Settings already in the
     environment win, but `devices`: the job's CUDA_VISIBLE_DEVICES (e.g. "3" or "0,1"; None: this
     process's)."""

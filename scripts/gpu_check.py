@@ -310,12 +310,20 @@ def pytest_counts(log: str) -> dict[str, int]:
     return counts
 
 
+def _sigint_default() -> None:
+    """In the step's process before it starts: SIGINT back to its default action. A check started as a
+    shell's background job (`... &`, nohup) inherits SIGINT ignored, and a step would then sit out the
+    whole grace and be killed without its summary."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_limited(cmd: list[str], limit: float, log_path: Path, env: dict) -> tuple[int, bool, float]:
     """Run `cmd` (its stdout and stderr into `log_path`) for at most `limit` seconds: then SIGINT to
     its process group, SIGKILL after KILL_GRACE_S. Returns (exit status, timed out, seconds)."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
+                             preexec_fn=_sigint_default)
         timed_out = False
         try:
             rc = p.wait(timeout=max(1.0, limit))

@@ -1,9 +1,10 @@
-"""Distributed engines with 2 real processes on CPU (gloo): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 give the
-losses and validation EAL of 1 process with the same global batch (grad_accum 2), save checkpoints
+"""Distributed engines with 2 real processes on CPU (gloo), one run per engine with partitions 2 ×
+grad_accum 2 (6 backward passes per optimizer step): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 give the
+losses and validation EAL of 1 process with the same global batch (grad_accum 4), save checkpoints
 whose weights load and match, and resume exactly (FSDP: rank 0 alone reads the state); every process
-group they make has the run's distributed.timeout_minutes; with partitions 2 × grad_accum 2 (6
-backward passes per optimizer step) each reduces the gradients once per step, ZeRO-3 also with
-gradient checkpointing (the gpt-oss-20b recipe's engine).
+group they make has the run's distributed.timeout_minutes; each reduces the gradients once per step,
+ZeRO-3 also with gradient checkpointing (the gpt-oss-20b recipe's engine). DFlash under FSDP2 runs
+without partitions against 1 process with grad_accum 2.
 
 Tolerance 1e-5 on the loss (values 2-7): the engines reduce the same fp32 gradients in another order
 (reduce-scatter of flat buckets vs all-reduce), ≈ 1e-7 relative per step; measured ≤ 5e-7 over 6

@@ -22,6 +22,7 @@ import time
 import torch
 from ..draft import DraftHead, Eagle3Draft, PEagleDraft
 from ..target.capture import FeatureTarget
+from ..target.load import kv_values_per_token
 from ..decoding.acceptance import first_argmax
 from ..decoding.engine import target_cache
 from ..draft.kv_cache import SlotCache
@@ -57,10 +58,8 @@ def estimate_bytes(target_config, draft: DraftHead, batch: int, K: int, context:
     layer, plus the draft's KV cache. Used to refuse batch sizes before they run out of memory."""
     tc = target_config
     layers = tc.num_hidden_layers
-    kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     n = context + K + 1
-    kv = 2 * layers * kvh * hd * n * batch * dtype_bytes
+    kv = kv_values_per_token(tc) * n * batch * dtype_bytes
     logits = batch * (K + 1) * tc.vocab_size * 4
     act = 4 * layers * batch * (K + 1) * max(tc.hidden_size, getattr(tc, "intermediate_size", 0)) * dtype_bytes
     dc = draft.config

@@ -105,14 +105,16 @@ def kv_cache_gib(request: dict) -> int:
     KV heads, head size) in request["dtype"], twice over (a draft head's layers, block rounding);
     at least 1 (VLLM_CPU_KVCACHE_SPACE takes whole GiB) and at most KV_CACHE_GIB_MAX, which is also
     the answer when the model's config.json cannot be read (a hub id, a GGUF file)."""
+    from types import SimpleNamespace
+
+    from ..target.load import kv_values_per_token
+
     try:
         cfg = json.loads((Path(request["model"]) / "config.json").read_text())
-        cfg = cfg.get("text_config") or cfg
-        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head
+        per_token = kv_values_per_token(SimpleNamespace(**(cfg.get("text_config") or cfg)))
         tokens = int(request["max_model_len"]) * int(request.get("max_num_seqs", 16))
         need = 2 * per_token * dtype_of(request.get("dtype", "bfloat16")).itemsize * tokens
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):  # ConfigError is a ValueError
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, ZeroDivisionError):  # ConfigError too
         return KV_CACHE_GIB_MAX
     return min(KV_CACHE_GIB_MAX, max(1, -(-need // 2**30)))
 

@@ -225,6 +225,15 @@ def _dequantised_gguf_dir(gguf: Path) -> Path:
     return out
 
 
+def kv_values_per_token(config) -> int:
+    """Values the target's KV cache holds per token: 2 (keys and values) × layers × KV heads × head
+    size. config: an HF config (its text part) or any object with those attributes; KV heads default
+    to the attention heads and the head size to hidden_size / attention heads."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head
+
+
 def load_target_config(path: str):
     """The target's HF config without loading its weights (GGUF: from the dequantised cache if
     present, else from the GGUF metadata; a hub id: its config and tokenizer files, downloaded if

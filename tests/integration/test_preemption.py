@@ -173,12 +173,12 @@ def test_a_second_ctrl_c_stops_at_once():
 
 
 def test_a_frozen_rank_past_the_timeout_leaves_the_other_with_one_line(tiny_recipe):  # noqa: F811
-    """Rank 1 frozen (SIGSTOP) after its 3rd step, a 15 s process-group timeout: rank 0's collective
+    """Rank 1 frozen (SIGSTOP) after its 3rd step, a 12 s process-group timeout: rank 0's collective
     times out and it ends with the one line; rank 1, let go again, ends with it too (its peer is
     gone), neither with a traceback through our code."""
     out = tiny_recipe[0] / "frozen-peer"
     p, log_path = _start(tiny_recipe, out, "training.epochs=20", "training.max_steps=30", "training.save_every=2",
-                         "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=0.25")
+                         "eval.enabled=false", "export.enabled=false", "distributed.timeout_minutes=0.2")
     try:
         deadline = time.monotonic() + 180
         while _steps_logged(out) < 3:

@@ -99,7 +99,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_tables, parity_speculators
 HEADING = "## Peer parity: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_DFLASH = "## Peer parity, DFlash: our trainer against speculators' (benchmarks/bench_parity.py)"
 HEADING_EAGLE3 = "## Peer parity, EAGLE-3: our trainer against speculators' (benchmarks/bench_parity.py)"
-HEADING_ARMS = "## Per depth, seeds pooled, {algorithm}: arms against a reference (benchmarks/bench_parity.py --arm)"
+HEADING_ARMS = ("## Per depth, seeds pooled, {algorithm}, {steps} steps: arms against a reference "
+                "(benchmarks/bench_parity.py --arm)")  # a section per budget
 ALGORITHMS = ("peagle", "eagle3", "dflash")
 DEFAULT_ALGORITHMS = ("peagle", "eagle3")  # dflash on its own --out-dir: it wants its own vocabulary (docstring)
 # our DFlash run as speculators' DFlash trains (its embed_tokens and lm_head are the target's, frozen)
@@ -721,22 +722,21 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def arms_main(args, argv: list[str]) -> str:
-    """`--arm`: print (and with --write-docs write, under HEADING_ARMS) `arms_table` for the first of
-    --algorithms at each of --steps. Returns the text."""
+    """`--arm`: print (and with --write-docs write, each under its HEADING_ARMS) `arms_table` for the
+    first of --algorithms at each of --steps: a section per budget. Returns the text."""
     algorithm = args.algorithms[0]
     meta = machine_meta(args, argv)
-    parts = []
+    texts = []
     for steps in args.steps:
         arms = [(label, arm_records(trainer, dirs, algorithm, steps)) for label, trainer, dirs in map(parse_arm, args.arms)]
-        parts.append(arms_table(arms, meta, steps))
-    heading = HEADING_ARMS.format(algorithm=algorithm)
-    text = heading + "\n\n" + "\n".join(parts)
-    print(text)
-    if args.write_docs and not args.no_docs:
-        from bench_tables import write_section
+        heading = HEADING_ARMS.format(algorithm=algorithm, steps=steps)
+        texts.append(heading + "\n\n" + arms_table(arms, meta, steps))
+        print(texts[-1])
+        if args.write_docs and not args.no_docs:
+            from bench_tables import write_section
 
-        print(f"written to {write_section(heading, text, args.out)}")
-    return text
+            print(f"written to {write_section(heading, texts[-1], args.out)}")
+    return "\n".join(texts)
 
 
 if __name__ == "__main__":

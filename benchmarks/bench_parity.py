@@ -216,6 +216,9 @@ def spec_hyper(cfg: dict, autocast: str, algorithm: str = "peagle") -> dict:
     if t["schedule"] not in SPEC_SCHEDULE or t["loss"] not in SPEC_LOSS:
         raise SystemExit(f"training.schedule={t['schedule']} / training.loss={t['loss']}: speculators has no "
                          f"counterpart; use one of {sorted(SPEC_SCHEDULE)} / {sorted(SPEC_LOSS)}")
+    if algorithm == "peagle" and float(t.get("depth_weight", 1.0)) != 1.0:
+        raise SystemExit(f"training.depth_weight={t['depth_weight']}: speculators' P-EAGLE weighs every depth the "
+                         "same; train this variant with --trainers ours")
     hyper = {"lr": t["lr"], "weight_decay": t["weight_decay"], "warmup_steps": t["warmup_steps"],
              "schedule": SPEC_SCHEDULE[t["schedule"]], "loss": SPEC_LOSS[t["loss"]], "num_depths": cfg["draft"]["num_depths"],
              "down_sample_ratio": t["down_sample_ratio"], "down_sample_ratio_min": t["down_sample_ratio_min"],

@@ -147,6 +147,10 @@ class TrainingConfig:
     down_sample_ratio_min: float = opt(0.2, "COD: the kept share never falls below this", gt=0, le=1)
     max_anchors: Optional[int] = opt(256, "anchors (chain starts) sampled per packed row; null = all", ge=1)
     partitions: int = opt(1, "sequence partitioning (P-EAGLE Alg. 1): parts per row, same gradients, less memory", ge=1)
+    depth_weight: float = opt(1.0, "peagle only: loss weight depth_weight^d of an element at depth d, the loss "
+                                   "divided by the valid elements' total weight (1 = every element the same, the "
+                                   "P-EAGLE paper's; 1/down_sample_ratio gives each depth about the same total "
+                                   "weight under COD)", gt=0, le=4)
     ttt_decay: float = opt(0.8, "eagle3 only: loss weight decay^j of TTT step j", gt=0, le=1)
     slot_weights: SlotWeights = opt(SlotWeights.uniform, "dflash only: loss weight of block slot j = 1..K: uniform | "
                                                           "exp_decay (exp(-(j-1)/γ), the DFlash paper's) | dpace "

@@ -9,15 +9,40 @@ import torch
 
 from ..features.rows import PackedRow
 from .cod import CODElements, attention_kind, cod_mask, cod_sample
-from .loss import LOSSES, chain_counts, depth_counts
+from .loss import LOSSES, chain_counts, depth_counts, weighted_loss_sum
 from .base import Objective
 
 
+def depth_loss_sum(loss_name: str, logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
+                   depths: torch.Tensor, depth_weight: float = 1.0) -> torch.Tensor:
+    """Σ over valid elements e of depth_weight^(depth of e) · loss_e, the loss `loss_name` (a key of
+    LOSSES), in fp32.
+
+    logits, target_logits: [M, V_draft]; valid: [M] bool; depths: [M] int64. With depth_weight 1
+    this is LOSSES[loss_name] itself (every element the same, P-EAGLE arXiv 2602.01469 §3.2).
+    Returns an fp32 scalar differentiable in logits. Raises KeyError for an unknown loss name."""
+    if depth_weight == 1:
+        return LOSSES[loss_name](logits, target_logits, valid)
+    return weighted_loss_sum(loss_name, logits, target_logits, valid.float() * depth_weight ** depths.float())
+
+
+def depth_weight_total(valid: torch.Tensor, depths: torch.Tensor, depth_weight: float = 1.0) -> float:
+    """Σ over valid elements of depth_weight^depth: the divisor that makes `depth_loss_sum` a
+    weighted mean (the count of valid elements when depth_weight is 1). valid: [M] bool;
+    depths: [M] int64."""
+    if depth_weight == 1:
+        return float(int(valid.sum()))
+    return float((valid.double() * float(depth_weight) ** depths.double()).sum())
+
+
 def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num_depths: int, *,
-               partitions: int = 1, attention: str = "dense", loss_norm: float | None = None, backward=None):
+               partitions: int = 1, attention: str = "dense", loss_norm: float | None = None, backward=None,
+               depth_weight: float = 1.0):
     """Forward the draft over the COD elements of one row, compute the loss and backpropagate.
 
-    The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4).
+    The loss is Σ loss over valid elements of all depths / their count (DESIGN.md §4); with
+    depth_weight w ≠ 1, Σ w^d · loss over valid elements at depth d / Σ w^d over them
+    (`depth_loss_sum`, `depth_weight_total`).
     Sequence partitioning (P-EAGLE Algorithm 1, gradient accumulation within a sequence): with
     partitions = P > 1, the depth-0 context is run once and its per-layer keys/values are kept as
     detached leaves; the row's positions are cut into P contiguous parts, and each part runs only
@@ -32,7 +57,7 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     `attention`: dense | sparse | flex | auto (algorithms/cod.py `attention_kind`; sparse builds no
     M×M mask, algorithms/cod_attention.py). Gradients are local: with
     several processes, average them afterwards (`average_gradients`).
-    `loss_norm` replaces this row's valid count as the divisor: with W processes, pass
+    `loss_norm` replaces this row's valid count (weight total) as the divisor: with W processes, pass
     (valid count of all processes) / W so that DDP's gradient mean equals one process's step
     over all rows (see `global_loss_norm`).
     `backward`: called on every scalar loss (default `loss.backward()`); a distributed engine's
@@ -45,7 +70,7 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
     dev = row.tokens.device
     a_all, d_all = elements.anchors.to(dev), elements.depths.to(dev)
     valid_all = row.valid[a_all + d_all]
-    count = loss_norm if loss_norm is not None else max(int(valid_all.sum()), 1)
+    count = loss_norm if loss_norm is not None else max(depth_weight_total(valid_all, d_all, depth_weight), 1.0)
     kind = attention_kind(attention, dev)
     backward = backward or (lambda x: x.backward())
 
@@ -60,7 +85,7 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
         tl = row.target_logits[a + d]
         with torch.no_grad():
             c = depth_counts(logits, tl, a, d, lmask, num_depths).cpu()
-        return LOSSES[loss_name](logits, tl, lmask) / count, c
+        return depth_loss_sum(loss_name, logits, tl, lmask, d, depth_weight) / count, c
 
     if partitions == 1:
         logits, _ = run(a_all, d_all)
@@ -68,11 +93,13 @@ def draft_step(draft, row: PackedRow, elements: CODElements, loss_name: str, num
         backward(loss)
         return loss.item(), int(valid_all.sum()), counts
     return _partitioned_step(row, a_all, d_all, valid_all, run, loss_and_counts, partitions=partitions,
-                             loss_name=loss_name, num_depths=num_depths, count=count, backward=backward)
+                             loss_name=loss_name, num_depths=num_depths, count=count, backward=backward,
+                             depth_weight=depth_weight)
 
 
 def _partitioned_step(row: PackedRow, a_all: torch.Tensor, d_all: torch.Tensor, valid_all: torch.Tensor, run,
-                      loss_and_counts, *, partitions: int, loss_name: str, num_depths: int, count: float, backward):
+                      loss_and_counts, *, partitions: int, loss_name: str, num_depths: int, count: float, backward,
+                      depth_weight: float = 1.0):
     """`draft_step` with partitions = P > 1 (P-EAGLE Algorithm 1): the depth-0 context once, its
     keys/values kept as detached leaves; per contiguous part of the row's n positions, the chains
     anchored in it (or one zero-loss padding element) forwarded against them and back-propagated;
@@ -107,7 +134,7 @@ def _partitioned_step(row: PackedRow, a_all: torch.Tensor, d_all: torch.Tensor, 
         logits, _ = run(a, d, q_start=n, cache=leaves)
         tl = row.target_logits[a[n:] + d[n:]]
         lmask = row.valid[a[n:] + d[n:]]
-        loss = LOSSES[loss_name](logits, tl, lmask) / count
+        loss = depth_loss_sum(loss_name, logits, tl, lmask, d[n:], depth_weight) / count
         backward(loss)  # into the weights and the kept keys/values, not yet through the context
         total += loss.item()
         with torch.no_grad():  # chain metrics need the depth-0 correctness of the same anchors
@@ -122,9 +149,10 @@ def _partitioned_step(row: PackedRow, a_all: torch.Tensor, d_all: torch.Tensor, 
     return total + loss0.item(), int(valid_all.sum()), counts + c0
 
 
-def global_loss_norm(accelerator, valid_count: int) -> float:
+def global_loss_norm(accelerator, valid_count: float) -> float:
     """(Σ over processes of valid_count) / W: the per-process loss divisor for which DDP's
-    gradient mean equals the gradient of Σ loss / Σ count over all processes' rows (DESIGN §4)."""
+    gradient mean equals the gradient of Σ loss / Σ count over all processes' rows (DESIGN §4).
+    valid_count: this process's count of valid elements, or their total weight (`depth_weight_total`)."""
     total = accelerator.reduce(torch.tensor(float(valid_count), device=accelerator.device), "sum")
     return max(float(total), 1.0) / accelerator.num_processes
 
@@ -132,9 +160,10 @@ def global_loss_norm(accelerator, valid_count: int) -> float:
 
 class PEagleObjective(Objective):
     """P-EAGLE: COD elements per row (`cod_sample`: num_depths, down_sample_ratio(_min),
-    max_anchors), the step by `draft_step` (loss, partitions, attention), normalised by the valid
-    count of all micro-rows of all processes (`global_loss_norm`), so the step equals one process's
-    over every row whatever the number of processes and micro-rows."""
+    max_anchors), the step by `draft_step` (loss, depth_weight, partitions, attention), normalised
+    by the valid count (weight total) of all micro-rows of all processes (`global_loss_norm`), so
+    the step equals one process's over every row whatever the number of processes and micro-rows.
+    The validation loss weighs every element the same, whatever depth_weight."""
 
     name = "peagle"
 
@@ -150,13 +179,16 @@ class PEagleObjective(Objective):
 
     def step(self, model, micro, *, accelerator, amp, backward=None):
         t = self.training
-        norm = global_loss_norm(accelerator, sum(int(row.valid[el.targets.to(row.valid.device)].sum())
-                                                 for row, el in micro))
+        norm = global_loss_norm(accelerator, sum(
+            depth_weight_total(row.valid[el.targets.to(row.valid.device)], el.depths.to(row.valid.device),
+                               t.depth_weight)
+            for row, el in micro))
         loss_value, counts = 0.0, 0
         for row, el in micro:
             with amp:
                 lv, _, c = draft_step(model, row, el, t.loss, self.num_depths, partitions=t.partitions,
-                                      attention=t.attention, loss_norm=norm, backward=backward)
+                                      attention=t.attention, loss_norm=norm, backward=backward,
+                                      depth_weight=t.depth_weight)
             loss_value, counts = loss_value + lv, counts + c
         return loss_value, counts
 

@@ -141,3 +141,52 @@ def test_fused_adamw_matches_the_reference_update():
     for a, b, w in zip(runs[True], runs[False], w0):
         assert not torch.equal(a, w)  # 4 steps of lr 1e-2 moved every weight
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_depth_weight_gradients_equal_the_weighted_mean_of_per_element_kl(target_model):
+    """depth_weight w: the step's loss is Σ w^d · KL_e / Σ w^d over the valid elements of both
+    micro-rows, and its gradients equal that expression's, by autograd, unpartitioned and
+    partitioned; they differ from the uniform loss's."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from peagle_train.algorithms.cod import cod_mask
+    from peagle_train.algorithms.peagle import PEagleObjective
+
+    _, d = make_draft(target_model, torch.arange(0, 128, 2), K=4, layers=2)
+    d.train()
+    rows = [random_row(target_model, seed=7), random_row(target_model, seed=8, lengths=(40, 12))]
+    els = [cod_sample(r.valid, r.doc_ids, 4, 0.8, 0.2, None, torch.Generator().manual_seed(5 + i))
+           for i, r in enumerate(rows)]
+    w = 1.5
+    d.zero_grad()
+    num, den = 0.0, 0.0
+    for r, el in zip(rows, els):
+        a, dp = el.anchors, el.depths
+        logits, _ = d(r.tokens[a][None], r.features[a][None], (r.pos_ids[a] + dp)[None],
+                      cod_mask(a, dp, r.doc_ids, "dense", 0), None, is_slot=(dp > 0)[None])
+        logp = F.log_softmax(r.target_logits[a + dp].float(), -1)
+        kl = (logp.exp() * (logp - F.log_softmax(logits[0].float(), -1))).sum(-1)
+        weight = r.valid[a + dp].double() * w ** dp.double()
+        num, den = num + (kl.double() * weight).sum(), den + weight.sum()
+    assert (den - sum(int(r.valid[e.targets].sum()) for r, e in zip(rows, els))).abs() > 1  # deeper elements count
+    ref_loss = num / den
+    ref_loss.backward()
+    ref_value = float(ref_loss.detach())
+    ref = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    accelerator = SimpleNamespace(reduce=lambda t, op: t, num_processes=1, device="cpu")
+    grads = {}
+    for weight_, parts in ((w, 1), (w, 3), (1.0, 1)):
+        d.zero_grad()
+        training = SimpleNamespace(loss="kl", partitions=parts, attention="dense", depth_weight=weight_)
+        loss, _ = PEagleObjective(training, 4).step(d, list(zip(rows, els)), accelerator=accelerator,
+                                                      amp=nullcontext())
+        grads[weight_, parts] = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+        if weight_ == w:
+            assert abs(loss - ref_value) < 1e-5 * ref_value
+            assert grads[weight_, parts].keys() == ref.keys() and "mask_hidden" in ref
+            for k in ref:
+                torch.testing.assert_close(grads[weight_, parts][k], ref[k].float(), rtol=1e-4, atol=1e-6, msg=k)
+    assert not torch.allclose(grads[1.0, 1]["mask_hidden"], ref["mask_hidden"].float(), rtol=1e-2, atol=0)

@@ -19,6 +19,10 @@ Injected, from the environment (all optional):
                                 longer than the process-group timeout)
   PEAGLE_TEST_RANK1_DROP_ROWS   rank 1's trainer loses its last n prepared rows (a node whose data
                                 differs from the others')
+  PEAGLE_TEST_COLLECTIVE_DESTROY  set: `torch.distributed.destroy_process_group` of the default group
+                                waits for every process first (a barrier), as NCCL's does since PyTorch 2.6
+                                (ncclCommFinalize, then ncclCommDestroy): a process that destroys the group
+                                while another still works waits for it, up to the process-group timeout
 Each process writes the line "RANK r STEPS n" (one write) when its training returns.
 """
 
@@ -88,6 +92,18 @@ def inject() -> None:
         return evaluate(*a, **k)
 
     training_job.evaluate_acceptance = slow_evaluate
+
+    if os.environ.get("PEAGLE_TEST_COLLECTIVE_DESTROY"):
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def collective_destroy(group=None):
+            if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+            destroy(group)
+
+        dist.destroy_process_group = collective_destroy
 
 
 if __name__ == "__main__":

@@ -222,11 +222,13 @@ def test_max_minutes_stops_every_rank_at_the_same_step(tiny_recipe):
 
 def test_rank0_evaluation_longer_than_the_timeout_still_ends_the_run(tiny_recipe):
     """A 12 s process-group timeout (room for the ranks' own waits: the test runs alone, `serial`) and
-    a rank-0 evaluation of more than 25 s: both processes exit 0, and eval/acceptance.json, the export
-    and summary.json are written."""
+    a rank-0 evaluation of more than 25 s, with the group's destruction collective as under NCCL (every
+    process waits for the others there): both processes exit 0, and eval/acceptance.json, the export
+    and summary.json are written. (Without `end_distributed` after training, rank 1 would destroy the
+    group while rank 0 evaluates, and wait there past the timeout.)"""
     out = tiny_recipe[0] / "slow-eval"
-    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_SLOW_EVAL_S": "25"}, "training.max_steps=2",
-                "distributed.timeout_minutes=0.2")
+    p = _launch(tiny_recipe, out, {"PEAGLE_TEST_SLOW_EVAL_S": "25", "PEAGLE_TEST_COLLECTIVE_DESTROY": "1"},
+                "training.max_steps=2", "distributed.timeout_minutes=0.2")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert _steps_per_rank(p.stdout) == {0: 2, 1: 2}
     done = json.loads((out / "summary.json").read_text())

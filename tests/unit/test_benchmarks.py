@@ -43,7 +43,7 @@ def test_every_benchmark_script_has_the_shared_options():
     a = bench_arguments(argparse.ArgumentParser(), Path("d.md")).parse_args(["--out", "o.md", "--no-docs", "--threads", "3"])
     assert (a.out, a.no_docs, a.threads) == (Path("o.md"), True, 3)
     scripts = sorted(p for p in (REPO_ROOT / "benchmarks").glob("bench_*.py") if p.name != "bench_tables.py")
-    assert len(scripts) == 16  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
+    assert len(scripts) == 17  # every bench_*.py of benchmarks/ but bench_tables.py, what they share
     for path in scripts:
         src = path.read_text()
         if path.name == "bench_speculators_step.py":  # bench_draft.py's worker in the speculators venv (JSON argv)
@@ -87,3 +87,40 @@ def test_versions_table_gives_each_package_sets_medians():
     assert table([("installed", ver, runs)]).splitlines()[2] == (
         "| installed | 5.25.0 | 1.16.0 | 2.13.0+cpu | 0.23.3 | 3 | 5.00 min | 700 tokens/s | 38.4 tokens/s | "
         "30.0 tokens/s | 1.180 |")
+
+
+PYTEST_TAIL = """........ [100%]
+tiers (tests, sum of their durations): unit 349 in 128 s, integration 323 in 895 s, e2e 10 in 968 s
+============================ slowest 5 durations =============================
+300.75s call     tests/e2e/test_vllm.py::test_vllm_serves_each_head_at_the_reference_tau
+287.23s setup    tests/e2e/test_vllm.py::test_vllm_serves_each_head_at_the_reference_tau
+79.60s call     tests/e2e/test_vllm.py::test_vllm_features_equal_ours_and_train
+681 passed, 28 skipped, 22 warnings in 1157.68s (0:19:17)
+"""
+
+
+def test_suite_time_is_read_from_pytest_and_each_cpu_keeps_its_row(tmp_path):
+    """bench_suite.parse reads the counts, pytest's seconds, the tiers' line (conftest.py) and the
+    slowest phases; bench_suite.table replaces the row of the same CPU and keeps the others'."""
+    from bench_suite import HEADING, parse, row, table
+
+    res = parse(PYTEST_TAIL)
+    assert res["counts"] == {"passed": 681, "skipped": 28}
+    assert res["pytest_s"] == 1157.68
+    assert res["tiers"] == {"unit": (349, 128.0), "integration": (323, 895.0), "e2e": (10, 968.0)}
+    assert res["slow"][1] == ("287.23", "setup", "tests/e2e/test_vllm.py::test_vllm_serves_each_head_at_the_reference_tau")
+    new = row("AMD EPYC (bf16 unit: none) as AVX2", res, 1200.4, 0.5, "abc1234")
+    assert new.split(" | ")[2:5] == ["0.50", "681 / 28 / 0", "20.0 min (1200 s)"]
+    assert new.split(" | ")[5] == "unit 349 / 128 s, integration 323 / 895 s, e2e 10 / 968 s"
+    assert new.split(" | ")[6].startswith("test_vllm.py::test_vllm_serves_each_head_at_the_reference_tau (call) 301 s; "
+                                          "test_vllm.py::test_vllm_serves_each_head_at_the_reference_tau (setup) 287 s; ")
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# B\n\n## Next\n\nstays\n")
+    write_section(HEADING, table(new, "AMD EPYC (bf16 unit: none) as AVX2", doc), doc)
+    other = new.replace("| AMD EPYC (bf16 unit: none) as AVX2 |", "| Intel Xeon (bf16 unit: amx) |")
+    write_section(HEADING, table(other, "Intel Xeon (bf16 unit: amx)", doc), doc)
+    again = table(new.replace("20.0 min", "19.0 min"), "AMD EPYC (bf16 unit: none) as AVX2", doc)
+    rows = [r for r in again.splitlines() if r.startswith("| ") and not r.startswith(("| CPU", "|---"))]
+    assert len(rows) == 2 and "19.0 min" in rows[0] and "20.0 min" not in rows[0]  # the same CPU: replaced
+    assert rows[1] == other  # another CPU's row kept
+    assert doc.read_text().startswith(f"# B\n\n## Next\n\nstays\n\n{HEADING}\n")  # the other section kept

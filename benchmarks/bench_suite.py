@@ -1,0 +1,188 @@
+"""The README's test command, timed: the wall time, each tier's summed test durations and the slowest
+tests, on this CPU or as on a CPU with AVX2 only (no AVX512, no AMX: fp32 wherever `precision=auto`).
+
+    python benchmarks/bench_suite.py [--as-cpu avx2] [--probe] [--out FILE | --no-docs] [-- PYTEST_ARGS]
+
+The command is `python -m pytest -q -n 2 --dist loadfile` (README "Run the tests"; PYTEST_ARGS are
+added, e.g. `-m unit`), run from the checkout with the environment as installed. `--as-cpu avx2`
+models the AVX2-only AMD EPYC this project meets on a machine whose CPU has AVX512 (the same code
+paths, not that CPU's clock or caches): in a private mount namespace (`unshare --mount`, as root)
+/proc/cpuinfo loses its avx512* and amx* flags, so `precision=auto` resolves to fp32
+(peagle_train/precision.py `cpu_bf16_units`); PyTorch's kernels are capped at AVX2
+(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA); and `torch.cpu`'s AVX512 and
+AMX probes answer False in every Python process of this venv and of vLLM's (a `.pth` file put in
+each venv's site-packages for the run and removed after), so vLLM loads its AVX2 kernels
+(`vllm._C_AVX2`). `--probe` runs, in place of pytest, what each process would see.
+
+Prints a table and writes it into docs/BENCHMARKS.md under its own heading, one row per CPU (as
+measured or modelled), a new run replacing the row of the same CPU; each row records the CPU model,
+its bf16 unit, the load average before, the date and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_tables import bench_arguments, cpu_model, publish, write_section
+
+REPO = Path(__file__).resolve().parent.parent
+HEADING = "## The test command's time (benchmarks/bench_suite.py)"
+COMMAND = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+HIDDEN_FLAGS = re.compile(r" (avx512[a-z0-9_]*|amx[a-z0-9_]*)(?=\s)")
+# run by the .pth line in each Python process that has PEAGLE_CPU_AS_HOOK set: `torch.cpu`, once
+# imported, answers False to its AVX512 and AMX probes
+HOOK = '''import importlib.abc, importlib.machinery, sys
+
+class _TorchCpuAsAvx2(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for probe in ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
+                          "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+                if hasattr(module, probe):
+                    setattr(module, probe, lambda: False)
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _TorchCpuAsAvx2())
+'''
+PTH = ('import os; exec(open(os.environ["PEAGLE_CPU_AS_HOOK"]).read(), {}) '
+       'if os.environ.get("PEAGLE_CPU_AS_HOOK") else None\n')
+PROBE = ("import torch, json; from peagle_train.precision import cpu_bf16_units, resolve_precision; "
+         "print(json.dumps({'bf16_unit': cpu_bf16_units(), 'auto': str(resolve_precision('auto', 'cpu').dtype), "
+         "'aten': torch.backends.cpu.get_cpu_capability(), 'avx512': torch.cpu._is_avx512_supported(), "
+         "'amx': torch.cpu._is_amx_tile_supported()}))")
+VLLM_PROBE = ("import torch, json, re; from vllm.platforms.cpu import CpuPlatform; CpuPlatform.import_kernels(); "
+              "libs = sorted(set(re.findall(r'vllm/(_C\\w*)\\.abi3\\.so', open('/proc/self/maps').read()))); "
+              "print(json.dumps({'avx512': torch.cpu._is_avx512_supported(), 'vllm_kernels': libs}))")
+
+
+def _site_packages(python: str) -> Path:
+    out = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                         text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def _vllm_python() -> str | None:
+    from peagle_train.serving.vllm_engine import VllmError, vllm_python
+
+    try:
+        return vllm_python()
+    except VllmError:
+        return None
+
+
+def as_cpu_command(command: list[str], tmp: Path) -> tuple[list[str], dict, list[Path]]:
+    """`command` wrapped to run as on an AVX2-only CPU: (argv, env, the .pth files put in place,
+    which the caller removes). Raises SystemExit with one line where the model cannot be built (not
+    root, no `unshare`)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        raise SystemExit("bench_suite.py: --as-cpu avx2 needs root and unshare(1) (a private /proc/cpuinfo); "
+                         "run it as root, or measure on an AVX2-only CPU without --as-cpu")
+    cpuinfo = tmp / "cpuinfo"
+    cpuinfo.write_text(HIDDEN_FLAGS.sub("", Path("/proc/cpuinfo").read_text()))
+    hook = tmp / "torch_cpu_as_avx2.py"
+    hook.write_text(HOOK)
+    pths = []
+    for python in filter(None, {sys.executable, _vllm_python()}):
+        pth = _site_packages(python) / "peagle_cpu_as.pth"
+        pth.write_text(PTH)
+        pths.append(pth)
+    env = {**os.environ, **AVX2_ENV, "PEAGLE_CPU_AS_HOOK": str(hook)}
+    argv = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"', str(cpuinfo), *command]
+    return argv, env, pths
+
+
+def parse(output: str) -> dict:
+    """From pytest's output under the project's conftest: passed/skipped/failed counts, pytest's
+    own seconds, each tier's (tests, summed seconds) and the 5 slowest test phases."""
+    last = next((line for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped|failed|errors?)", last)}
+    seconds = re.search(r" in ([\d.]+)s", last)
+    tiers = {t: (int(n), float(s)) for t, n, s in re.findall(r"(unit|integration|e2e) (\d+) in ([\d.]+) s", output)}
+    slow = re.findall(r"^([\d.]+)s (call|setup|teardown) +(\S+)", output, flags=re.M)[:5]
+    return {"counts": counts, "pytest_s": float(seconds.group(1)) if seconds else None, "tiers": tiers, "slow": slow}
+
+
+def row(label: str, res: dict, wall: float, load: float, commit: str) -> str:
+    c = res["counts"]
+    tiers = ", ".join(f"{t} {n} / {s:.0f} s" for t, (n, s) in res["tiers"].items())
+    slow = "; ".join(f"{n.split('/')[-1]} ({phase}) {float(s):.0f} s" for s, phase, n in res["slow"][:3])
+    return (f"| {label} | {time.strftime('%Y-%m-%d')} {commit} | {load:.2f} | {c.get('passed', 0)} / "
+            f"{c.get('skipped', 0)} / {c.get('failed', 0) + c.get('error', 0) + c.get('errors', 0)} | "
+            f"{wall / 60:.1f} min ({wall:.0f} s) | {tiers} | {slow} |")
+
+
+def table(new: str, label: str, path: Path) -> str:
+    """The section: the existing rows of `path`'s section for other CPUs, and `new` for `label`."""
+    header = ("| CPU | date, commit | load before | passed / skipped / failed | pytest wall | tiers: tests / summed "
+              "s | slowest |\n|---|---|---|---|---|---|---|")
+    rows = []
+    if path.is_file() and HEADING in (text := path.read_text()):
+        body = text[text.index(HEADING):].split("\n## ", 1)[0]
+        rows = [r for r in body.splitlines() if r.startswith("| ") and not r.startswith(("| CPU ", "|---"))
+                and r.split(" | ")[0] != f"| {label}"]
+    return (f"{HEADING}\n\n`{' '.join(['python -m pytest', *COMMAND[3:]])}` (README \"Run the tests\", the "
+            "install excluded), timed by `python benchmarks/bench_suite.py`; tiers: tests, and the sum of their "
+            "durations over both workers (conftest.py). \"as AVX2\": on a CPU with AVX512, its avx512 and amx "
+            "flags hidden and PyTorch and vLLM capped at AVX2 (`--as-cpu avx2`): the code paths of an AVX2-only "
+            f"CPU, not its clock.\n\n{header}\n" + "\n".join(sorted([*rows, new])) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_arguments(ap, REPO / "docs" / "BENCHMARKS.md", threads=None)
+    ap.add_argument("--as-cpu", choices=["avx2"], help="run as on a CPU with AVX2 only (root: unshare --mount)")
+    ap.add_argument("--probe", action="store_true", help="print what the processes see; run no tests")
+    ap.add_argument("pytest_args", nargs="*", help="added to the pytest command (after --)")
+    args = ap.parse_args(argv)
+    probes = [[sys.executable, "-c", PROBE]] + ([[v, "-c", VLLM_PROBE]] if (v := _vllm_python()) else [])
+    commands = probes if args.probe else [COMMAND + ["--durations=5"] + args.pytest_args]
+    from peagle_train.precision import cpu_bf16_units
+
+    label = f"{cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'})" + (" as AVX2" if args.as_cpu else "")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        pths = []
+        try:
+            outputs, load, t0 = [], os.getloadavg()[0], time.perf_counter()
+            for command in commands:
+                run_argv, env = command, os.environ.copy()
+                if args.as_cpu:
+                    run_argv, env, pths = as_cpu_command(command, Path(tmp))
+                proc = subprocess.run(run_argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+                print(proc.stdout[-3000:] if not args.probe else proc.stdout.strip())
+                outputs.append(proc)
+                for pth in pths:
+                    pth.unlink(missing_ok=True)
+            wall = time.perf_counter() - t0
+        finally:
+            for pth in pths:
+                pth.unlink(missing_ok=True)
+    if args.probe:
+        return max(p.returncode for p in outputs)
+    res = parse(outputs[0].stdout)
+    publish(HEADING, table(row(label, res, wall, load, commit), label, args.out), args)
+    return outputs[0].returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

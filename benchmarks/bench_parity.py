@@ -42,8 +42,8 @@ max_anchors, the loss (KL), lr, weight decay, warm-up steps, the draft's autocas
 clip 1.0 (ours: training.grad_clip), 1 process, the same torch threads.
 Not equal (each library's own choice): initialisation (its `mask_hidden` N(0, 1) and its layer
 init; ours from the recipe), the COD sample drawn (same rule, different generators), the end of the
-cosine (ours decays to 0.1 × lr, its transformers schedule to 0), AdamW betas (ours 0.9/0.95,
-its torch default 0.9/0.999), which parameters train (each library's rule: `trainable` in the JSONs),
+cosine (ours decays to training.min_lr_ratio × lr, 0.1, its transformers schedule to 0), AdamW betas
+(ours 0.9/training.adam_beta2, 0.95, its torch default 0.9/0.999), which parameters train (each library's rule: `trainable` in the JSONs),
 its attention (`sdpa` with a dense mask) and loss (`eager`) on a CPU, its packed-axis position
 ids for P-EAGLE, its EAGLE-3 TTT loss decay (ours: training.ttt_decay, passed as its
 ttt_step_loss_decay).

@@ -127,7 +127,9 @@ class TrainingConfig:
     seed: Optional[int] = opt(None, "seed of the head's initialisation, the validation split, the packing of rows "
                                     "and COD sampling; null = the run's seed (which also picks and shuffles the "
                                     "conversations): seeds of one head on the same data", ge=0, le=SEED_MAX)
-    lr: float = opt(1.0e-3, "peak learning rate (AdamW, betas 0.9/0.95)", gt=0)
+    lr: float = opt(1.0e-3, "peak learning rate (AdamW, β1 0.9, β2 adam_beta2)", gt=0)
+    adam_beta2: float = opt(0.95, "AdamW's second-moment decay β2 (torch's default, speculators', is 0.999)",
+                            gt=0, le=0.9999)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     warmup_steps: int = opt(10, "linear warm-up steps before the schedule", ge=0)
     warmup_fraction: Optional[float] = opt(None, "warm-up as a share of the run's optimizer steps (rounded; sized "
@@ -138,6 +140,8 @@ class TrainingConfig:
                                               "the steps)")
     decay_fraction: float = opt(0.2, "wsd only: share of the steps (after warm-up) in the final linear decay",
                                 gt=0, le=1)
+    min_lr_ratio: float = opt(0.1, "the learning rate cosine, linear and wsd end at, as a share of lr (0: "
+                                   "transformers' cosine, speculators'; 1: no decay)", ge=0, le=1)
     grad_clip: Optional[float] = opt(1.0, "gradient-norm clip; null = none", gt=0)
     loss: Loss = opt(Loss.kl, "kl (forward KL to the target) | ce (target argmax) | tv (total variation "
                               "distance to the target)")

@@ -43,8 +43,9 @@ from .tracking import step_scalars, tracker_name
 logger = logging.getLogger(__name__)
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fused: bool) -> torch.optim.AdamW:
-    """The head's optimizer: AdamW, betas (0.9, 0.95).
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fused: bool,
+          beta2: float = 0.95) -> torch.optim.AdamW:
+    """The head's optimizer: AdamW, betas (0.9, `beta2`) (training.adam_beta2).
 
     `fused` (the ddp engine, whose parameters are plain tensors) takes PyTorch's fused kernel where
     the parameters' device has one (CPU and CUDA): one pass over each tensor instead of a dozen
@@ -53,7 +54,7 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fuse
     implementation."""
     fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                           for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), fused=fused or None)
 
 
 class Trainer:
@@ -208,12 +209,13 @@ class Trainer:
         acc, settings, training, draft, W = self.accelerator, self.settings, self.training, self.draft, self.W
         engine_kind, zero_stage = resolve_engine(acc, settings.distributed.engine, settings.distributed.zero_stage)
         self.opt = adamw([p for p in draft.parameters() if p.requires_grad], training.lr, training.weight_decay,
-                         fused=fused_optimizer(engine_kind))
+                         fused=fused_optimizer(engine_kind), beta2=training.get("adam_beta2", 0.95))
         # not prepared by Accelerate: its scheduler wrapper steps num_processes times per optimizer step
         warmup = warmup_steps_of(training.warmup_steps, training.get("warmup_fraction"), self.steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.steps,
                                                                          training.schedule,
-                                                                         training.get("decay_fraction", 0.2)))
+                                                                         training.get("decay_fraction", 0.2),
+                                                                         training.get("min_lr_ratio", 0.1)))
         attention_kind(training.attention, acc.device)  # raises now, not at the first backward
         # on a CUDA device, a step that cannot fit its memory is refused now (the estimate `peagle plan` prints)
         check_step_memory(acc.device, self.target.model, self.target.config, draft.config, training,

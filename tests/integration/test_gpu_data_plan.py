@@ -3,6 +3,7 @@ target in a stage of their own (`peagle regenerate`, whose output is data.path),
 set as a share of the run's steps (training.warmup_fraction). Offline: nothing is downloaded."""
 
 import pytest
+import torch
 
 from peagle_train.config import compose, config_problems, sources_problems
 from peagle_train.data.conversations import DataFileError
@@ -71,6 +72,43 @@ def test_the_trainer_warms_up_over_the_fraction_of_its_steps(tmp_path):
     tr.setup()
     f = tr.sched.lr_lambdas[0]
     assert tr.steps == 23 and [f(i) for i in range(6)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]  # round(0.2 × 23) = 5
+    assert f(23) == pytest.approx(0.1) and tr.opt.param_groups[0]["betas"] == (0.9, 0.95)  # the defaults
+
+
+def test_the_trainer_takes_min_lr_ratio_and_adam_beta2(tmp_path):
+    """Trainer.setup: training.min_lr_ratio is where its cosine ends, training.adam_beta2 its AdamW's β2;
+    one step's update is Adam's with that β2 (hand-computed from the first two steps' moments)."""
+    from accelerate import Accelerator
+
+    from peagle_train.training.trainer import Trainer
+
+    from .test_loop import tiny_rows
+    from .test_resume import tiny_setup
+
+    t, vocab, draft, cfg = tiny_setup(epochs=4, max_steps=None, save_every=None, val_conversations=0,
+                                      min_lr_ratio=0.0, adam_beta2=0.5, warmup_steps=0)
+    tr = Trainer(Accelerator(cpu=True), draft, t, tiny_rows(n=10), vocab.draft_ids, cfg, tmp_path)
+    tr.setup()
+    f = tr.sched.lr_lambdas[0]
+    assert f(tr.steps) == 0.0 and f(0) == 1.0 and tr.opt.param_groups[0]["betas"] == (0.9, 0.5)
+    p = next(q for q in tr.opt.param_groups[0]["params"] if q.numel() > 1)
+    before, grads = p.detach().clone(), [torch.full_like(p, 0.5), torch.full_like(p, -1.0)]
+    for g in grads:
+        tr.opt.zero_grad()
+        p.grad = g.clone()
+        tr.opt.step()
+    lr, wd = tr.opt.param_groups[0]["lr"], tr.opt.param_groups[0]["weight_decay"]
+
+    def adamw_by_hand(beta2):  # AdamW (Loshchilov & Hutter 2019, Alg. 2), β1 0.9, eps 1e-8
+        x, m, v = before.clone(), 0.0, 0.0
+        for i, g in enumerate((0.5, -1.0), start=1):
+            x = x * (1 - lr * wd)
+            m, v = 0.9 * m + 0.1 * g, beta2 * v + (1 - beta2) * g * g
+            x = x - lr * (m / (1 - 0.9 ** i)) / ((v / (1 - beta2 ** i)) ** 0.5 + 1e-8)
+        return x
+
+    assert torch.allclose(p.detach(), adamw_by_hand(0.5), atol=1e-6)
+    assert not torch.allclose(p.detach(), adamw_by_hand(0.95), atol=1e-6)  # the β2 taken matters
 
 
 def test_the_recipes_sources_map_the_published_datasets_columns(tmp_path):

@@ -114,7 +114,7 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
     commands = COMMANDS_BY_SCHEMA[schema]
     cfg = C.compose(schema, [])
     keys = numeric_keys(schema)
-    assert len(keys) == {"train": 45, "evaluate": 47, "export": 45, "regenerate": 55, "recommend-k": 53}[schema]
+    assert len(keys) == {"train": 47, "evaluate": 49, "export": 47, "regenerate": 57, "recommend-k": 55}[schema]
     codes = {}
     with time_bound(120, f"{len(keys)} keys of {schema}"):
         for key in keys:
@@ -123,10 +123,11 @@ def test_every_numeric_key_accepts_or_refuses_every_value(schema):
     scalars = [k for k in keys if typing.get_origin(C.schema_keys(C.schema_of(schema))[k]) is not list
                and k not in ("target.aux_layer_ids", "recommend.ks", "recommend.batch_sizes")]
     # 1 is refused by max_length > min_supervised_tokens 16, zero_stage ∈ {2, 3}, (train) eval K 5 ≤ K_train,
-    # warmup_fraction beside the warmup_steps the config sets and a sliding window on the default P-EAGLE head
+    # AdamW's β2 < 1, warmup_fraction beside the warmup_steps the config sets and a sliding window on the default
+    # P-EAGLE head
     assert [k for k in scalars if codes[f"{k}=1"] != 0] == ["data.max_length"] + \
-        (["draft.num_depths"] if schema == "train" else []) + ["draft.sliding_window", "training.warmup_fraction",
-                                                               "distributed.zero_stage"]
+        (["draft.num_depths"] if schema == "train" else []) + ["draft.sliding_window", "training.adam_beta2",
+                                                               "training.warmup_fraction", "distributed.zero_stage"]
     # a range is written for every numeric key
     assert [k.name for k in C.schema_entries(C.schema_of(schema)) if k.name in keys and k.range is None] == \
         ["target.aux_layer_ids"]  # its rule is AuxLayers.problem

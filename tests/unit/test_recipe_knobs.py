@@ -21,6 +21,19 @@ def test_wsd_holds_then_decays_linearly_over_the_last_fraction():
     assert math.isclose(lr_lambda(10, 110, "cosine")(60), 0.55)
 
 
+def test_every_decay_ends_at_min_lr_ratio():
+    """training.min_lr_ratio: cosine, linear and wsd end at that share of lr; 0 is transformers' cosine."""
+    for end in (0.0, 0.1, 0.3):
+        cos, lin = lr_lambda(10, 110, "cosine", end=end), lr_lambda(10, 110, "linear", end=end)
+        wsd = lr_lambda(10, 110, "wsd", decay_fraction=0.2, end=end)
+        assert [cos(9), lin(9), wsd(9)] == [1.0, 1.0, 1.0]  # warm-up alike
+        assert math.isclose(cos(60), end + (1 - end) * 0.5) and math.isclose(lin(60), end + (1 - end) * 0.5)
+        assert math.isclose(cos(35), end + (1 - end) * 0.5 * (1 + math.cos(math.pi / 4)))
+        assert math.isclose(wsd(95), 1 - (1 - end) * 0.25)
+        for f in (cos, lin, wsd):
+            assert math.isclose(f(110), end, abs_tol=1e-12) and math.isclose(f(500), end, abs_tol=1e-12)
+
+
 def test_tv_loss_value_and_gradient_against_the_plain_expression():
     torch.manual_seed(0)
     x = torch.randn(5, 7, requires_grad=True)

@@ -12,7 +12,9 @@ paths, not that CPU's clock or caches): in a private mount namespace (`unshare -
 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA); and `torch.cpu`'s AVX512 and
 AMX probes answer False in every Python process of this venv and of vLLM's (a `.pth` file put in
 each venv's site-packages for the run and removed after), so vLLM loads its AVX2 kernels
-(`vllm._C_AVX2`). `--probe` runs, in place of pytest, what each process would see.
+(`vllm._C_AVX2`); TorchInductor compiles into a cache of the run's own (a kernel cached for AVX512 and
+reused under the model gave wrong block masks). `--probe` runs, in place of pytest, what each process
+would see.
 
 Prints a table and writes it into docs/BENCHMARKS.md under its own heading, one row per CPU (as
 measured or modelled), a new run replacing the row of the same CPU; each row records the CPU model,
@@ -104,7 +106,8 @@ def as_cpu_command(command: list[str], tmp: Path) -> tuple[list[str], dict, list
         pth = _site_packages(python) / "peagle_cpu_as.pth"
         pth.write_text(PTH)
         pths.append(pth)
-    env = {**os.environ, **AVX2_ENV, "PEAGLE_CPU_AS_HOOK": str(hook)}
+    # TorchInductor's cache of its own: kernels compiled for this CPU's ISA are not reused
+    env = {**os.environ, **AVX2_ENV, "PEAGLE_CPU_AS_HOOK": str(hook), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
     argv = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"', str(cpuinfo), *command]
     return argv, env, pths
 
@@ -169,7 +172,7 @@ def main(argv=None):
                     run_argv, env, pths = as_cpu_command(command, Path(tmp))
                 proc = subprocess.run(run_argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
-                print(proc.stdout[-3000:] if not args.probe else proc.stdout.strip())
+                print(proc.stdout.strip())
                 outputs.append(proc)
                 for pth in pths:
                     pth.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_tables import bench_arguments, cpu_model, publish, write_section
+from bench_tables import bench_arguments, cpu_model, publish
 
 REPO = Path(__file__).resolve().parent.parent
 HEADING = "## The test command's time (benchmarks/bench_suite.py)"

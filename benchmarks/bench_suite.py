@@ -1,4 +1,4 @@
-"""The README's test command, timed: the wall time, each tier's summed test durations and the slowest
+"""The README's test command, timed: pytest's seconds, each tier's summed test durations and the slowest
 tests, on this CPU or as on a CPU with AVX2 only (no AVX512, no AMX: fp32 wherever `precision=auto`).
 
     python benchmarks/bench_suite.py [--as-cpu avx2] [--probe] [--out FILE | --no-docs] [-- PYTEST_ARGS]
@@ -66,8 +66,8 @@ sys.meta_path.insert(0, _TorchCpuAsAvx2())
 '''
 PTH = ('import os; exec(open(os.environ["PEAGLE_CPU_AS_HOOK"]).read(), {}) '
        'if os.environ.get("PEAGLE_CPU_AS_HOOK") else None\n')
-PROBE = ("import torch, json; from peagle_train.precision import cpu_bf16_units, resolve_precision; "
-         "print(json.dumps({'bf16_unit': cpu_bf16_units(), 'auto': str(resolve_precision('auto', 'cpu').dtype), "
+PROBE = ("import os, torch, json; from peagle_train.precision import cpu_bf16_units, resolve_precision; "
+         "print(json.dumps({'inductor_cache': os.environ.get('TORCHINDUCTOR_CACHE_DIR'), 'bf16_unit': cpu_bf16_units(), 'auto': str(resolve_precision('auto', 'cpu').dtype), "
          "'aten': torch.backends.cpu.get_cpu_capability(), 'avx512': torch.cpu._is_avx512_supported(), "
          "'amx': torch.cpu._is_amx_tile_supported()}))")
 VLLM_PROBE = ("import torch, json, re; from vllm.platforms.cpu import CpuPlatform; CpuPlatform.import_kernels(); "
@@ -90,10 +90,10 @@ def _vllm_python() -> str | None:
         return None
 
 
-def as_cpu_command(command: list[str], tmp: Path) -> tuple[list[str], dict, list[Path]]:
-    """`command` wrapped to run as on an AVX2-only CPU: (argv, env, the .pth files put in place,
-    which the caller removes). Raises SystemExit with one line where the model cannot be built (not
-    root, no `unshare`)."""
+def as_avx2(tmp: Path, pythons: list[str]) -> tuple[list[str], dict, list[Path]]:
+    """The AVX2-only model, built in `tmp`: (the argv prefix that runs a command in it, its env, the
+    .pth files put into `pythons`' site-packages, which the caller removes). Raises SystemExit with
+    one line where it cannot be built (not root, no `unshare`)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         raise SystemExit("bench_suite.py: --as-cpu avx2 needs root and unshare(1) (a private /proc/cpuinfo); "
                          "run it as root, or measure on an AVX2-only CPU without --as-cpu")
@@ -101,15 +101,12 @@ def as_cpu_command(command: list[str], tmp: Path) -> tuple[list[str], dict, list
     cpuinfo.write_text(HIDDEN_FLAGS.sub("", Path("/proc/cpuinfo").read_text()))
     hook = tmp / "torch_cpu_as_avx2.py"
     hook.write_text(HOOK)
-    pths = []
-    for python in filter(None, {sys.executable, _vllm_python()}):
-        pth = _site_packages(python) / "peagle_cpu_as.pth"
+    pths = [_site_packages(python) / "peagle_cpu_as.pth" for python in pythons]
+    for pth in pths:
         pth.write_text(PTH)
-        pths.append(pth)
     # TorchInductor's cache of its own: kernels compiled for this CPU's ISA are not reused
     env = {**os.environ, **AVX2_ENV, "PEAGLE_CPU_AS_HOOK": str(hook), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
-    argv = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"', str(cpuinfo), *command]
-    return argv, env, pths
+    return ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"', str(cpuinfo)], env, pths
 
 
 def parse(output: str) -> dict:
@@ -124,12 +121,12 @@ def parse(output: str) -> dict:
 
 
 def row(label: str, res: dict, wall: float, load: float, commit: str) -> str:
-    c = res["counts"]
+    c, seconds = res["counts"], res["pytest_s"] or wall  # pytest's own seconds; the command's where it printed none
     tiers = ", ".join(f"{t} {n} / {s:.0f} s" for t, (n, s) in res["tiers"].items())
     slow = "; ".join(f"{n.split('/')[-1]} ({phase}) {float(s):.0f} s" for s, phase, n in res["slow"][:3])
     return (f"| {label} | {time.strftime('%Y-%m-%d')} {commit} | {load:.2f} | {c.get('passed', 0)} / "
             f"{c.get('skipped', 0)} / {c.get('failed', 0) + c.get('error', 0) + c.get('errors', 0)} | "
-            f"{wall / 60:.1f} min ({wall:.0f} s) | {tiers} | {slow} |")
+            f"{seconds / 60:.1f} min ({seconds:.0f} s) | {tiers} | {slow} |")
 
 
 def table(new: str, label: str, path: Path) -> str:
@@ -155,31 +152,28 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true", help="print what the processes see; run no tests")
     ap.add_argument("pytest_args", nargs="*", help="added to the pytest command (after --)")
     args = ap.parse_args(argv)
-    probes = [[sys.executable, "-c", PROBE]] + ([[v, "-c", VLLM_PROBE]] if (v := _vllm_python()) else [])
+    vllm = _vllm_python()
+    probes = [[sys.executable, "-c", PROBE]] + ([[vllm, "-c", VLLM_PROBE]] if vllm else [])
     commands = probes if args.probe else [COMMAND + ["--durations=5"] + args.pytest_args]
     from peagle_train.precision import cpu_bf16_units
 
     label = f"{cpu_model()} (bf16 unit: {cpu_bf16_units() or 'none'})" + (" as AVX2" if args.as_cpu else "")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
+    outputs, load, t0 = [], os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        pths = []
+        prefix, env, pths = as_avx2(Path(tmp), [sys.executable, *filter(None, [vllm])]) if args.as_cpu else \
+            ([], os.environ.copy(), [])
         try:
-            outputs, load, t0 = [], os.getloadavg()[0], time.perf_counter()
             for command in commands:
-                run_argv, env = command, os.environ.copy()
-                if args.as_cpu:
-                    run_argv, env, pths = as_cpu_command(command, Path(tmp))
-                proc = subprocess.run(run_argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
+                proc = subprocess.run(prefix + command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
                 print(proc.stdout.strip())
                 outputs.append(proc)
-                for pth in pths:
-                    pth.unlink(missing_ok=True)
-            wall = time.perf_counter() - t0
         finally:
             for pth in pths:
                 pth.unlink(missing_ok=True)
+    wall = time.perf_counter() - t0
     if args.probe:
         return max(p.returncode for p in outputs)
     res = parse(outputs[0].stdout)

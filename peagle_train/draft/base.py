@@ -100,6 +100,20 @@ class DraftHead(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    @torch.no_grad()
+    def init_linears(self, std: float) -> None:
+        """Redraw the weights of the head's own linear layers (every nn.Linear but `lm_head`, which
+        holds the target's rows) from N(0, std²), biases zero: Hugging Face's `_init_weights` with
+        `initializer_range` std, the init speculators' heads get. The draws continue the global CPU
+        random stream inside `torch.random.fork_rng`, so what follows them (the rows' order, the COD
+        draws) is the same whatever `std`."""
+        with torch.random.fork_rng(devices=[]):
+            for module in self.modules():
+                if isinstance(module, nn.Linear) and module is not self.lm_head:
+                    module.weight.normal_(0.0, std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., V_draft] from pre-norm hidden states [.., H]."""
         return self.lm_head(self.norm(hidden))

@@ -145,6 +145,10 @@ class DraftConfig:
         False, "activation checkpointing of the draft layers (multi-layer heads)", recipe="gradient_checkpointing")
     mask_hidden_std: float = head_field(0.02, "peagle: standard deviation of the normal init of mask_hidden",
                                         recipe="mask_hidden_std", gt=0)
+    linear_init_std: float | None = head_field(
+        None, "standard deviation of a normal init of the head's own linear layers (fc and the decoder layers; "
+              "lm_head holds the target's rows); null = torch's nn.Linear init U(±1/√fan_in); 0.02 = Hugging "
+              "Face's, which speculators' heads get", recipe="linear_init_std", gt=0)
     algorithm: str = head_field("peagle")  # peagle (parallel drafting) | eagle3 (sequential, the baseline) | dflash
     block_causal: bool = head_field(False, "dflash: the block attends to itself causally (else all of it, DFlash's "
                                            "default)", recipe="block_causal")

@@ -37,6 +37,8 @@ def build_draft(target: FeatureTarget, dcfg, vocab, mask_token_id: int, algorith
     cfg.check_target(target.config)
     draft = make_draft_head(cfg)
     draft.init_from_target(target.model, vocab.draft_ids, vocab.d2t, vocab.t2d)
+    if cfg.linear_init_std is not None:
+        draft.init_linears(cfg.linear_init_std)
     if hasattr(draft, "mask_hidden"):
         draft.init_mask_hidden(cfg.mask_hidden_std)
     init_from = dcfg.get("init_from") if hasattr(dcfg, "get") else getattr(dcfg, "init_from", None)

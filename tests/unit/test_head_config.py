@@ -28,8 +28,8 @@ def test_the_draft_group_is_the_recipe_fields_of_the_description():
     group = {f.name: f for f in dataclasses.fields(DraftSchema)}
     assert list(group) == [*declared, "init_from"]
     assert list(declared) == ["num_layers", "num_depths", "norm_before_fc", "fc_norm", "norm_before_residual",
-                              "gradient_checkpointing", "mask_hidden_std", "block_causal", "sliding_window",
-                              "train_embeddings", "train_lm_head"]
+                              "gradient_checkpointing", "mask_hidden_std", "linear_init_std", "block_causal",
+                              "sliding_window", "train_embeddings", "train_lm_head"]
     for key, f in declared.items():
         g = group[key]
         assert g.default == f.metadata["recipe_default"] and g.metadata["help"] == f.metadata["help"], key

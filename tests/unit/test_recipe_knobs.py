@@ -78,3 +78,40 @@ def test_mask_hidden_init_std_rescales_the_same_draw(target_model):
     b.init_mask_hidden(1.0)
     assert torch.allclose(b.mask_hidden, a.mask_hidden * 50)
     assert 0.8 < float(b.mask_hidden.detach().std()) < 1.2
+
+
+def test_linear_init_std_draws_the_layers_from_a_normal_and_keeps_the_random_stream(target_model):
+    """draft.linear_init_std=0.02 (Hugging Face's init, speculators'): every linear of the head but
+    lm_head is redrawn from N(0, 0.02²) (kurtosis 3, where nn.Linear's uniform has 1.8), lm_head,
+    the embeddings and mask_hidden stay as built, and the global random stream after the build is
+    the default build's, so the rows and COD draws that follow stay paired."""
+    from omegaconf import OmegaConf
+
+    from peagle_train.data.vocab import DraftVocab
+    from peagle_train.jobs.builders import build_draft
+    from peagle_train.target.capture import FeatureTarget
+
+    t, vocab = FeatureTarget(target_model), DraftVocab.from_ids(torch.arange(0, 128, 2), 128)
+
+    def build(std):
+        torch.manual_seed(5)
+        head = build_draft(t, OmegaConf.create({"num_layers": 2, "linear_init_std": std}), vocab, 127)
+        return head, torch.rand(4)
+
+    def kurtosis(w):
+        z = (w - w.mean()) / w.std()
+        return float((z ** 4).mean())
+
+    default, after_default = build(None)
+    normal, after_normal = build(0.02)
+    assert torch.equal(after_default, after_normal)
+    for name in ("lm_head.weight", "embed_tokens.weight", "mask_hidden"):
+        assert torch.equal(normal.get_parameter(name), default.get_parameter(name)), name
+    linears = [n for n, m in normal.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert len(linears) == 1 + 2 * 7  # fc, then q k v o gate up down per layer
+    drawn = torch.cat([normal.get_submodule(n).weight.detach().flatten() for n in linears])
+    assert abs(float(drawn.std()) - 0.02) < 0.0004 and abs(float(drawn.mean())) < 0.0004
+    for n in linears:
+        assert not torch.equal(normal.get_submodule(n).weight, default.get_submodule(n).weight), n
+    fc_default, fc_normal = default.fc.weight.detach().flatten(), normal.fc.weight.detach().flatten()
+    assert kurtosis(fc_default) < 2.0 and kurtosis(fc_normal) > 2.7

@@ -1,8 +1,11 @@
 """Quality guard for `precision: bf16`: a small real run (SmolLM2-135M-Instruct, ShareGPT) trained
 with the same data, seed and steps in fp32 and in bf16 (the target's forward and the draft under
 bf16 autocast; master weights, optimizer state and the KL loss in fp32) reaches the same
-validation EAL within 1% relative."""
+validation EAL within 1% relative. On a CPU without a bf16 unit the bf16 run's matrix products are
+fp32 GEMMs of the bf16 operands rounded to bf16 once, a bf16 unit's numbers (tests/bf16_unit.py), in
+place of PyTorch's emulated bf16 GEMM."""
 
+import contextlib
 import json
 
 import pytest
@@ -16,6 +19,7 @@ from peagle_train.config import default_config
 from peagle_train.paths import resolve_path
 from peagle_train.training.checks import TrainSettings
 from peagle_train.training.trainer import train
+from tests.bf16_unit import bf16_as_on_a_unit_without_one
 
 pytestmark = pytest.mark.real
 
@@ -35,7 +39,9 @@ def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
             "lr": 3e-4,  # 5e-4 spikes at steps 4-5 on the aux states [2, 15, 27] (vLLM's numbering) and the
             # two runs then part by chance: val loss 3.8% apart (0.2% at 3e-4; 0.1% at 5e-4 on [3, 16, 28])
             "val_conversations": 12, "save_every": 9}))
-        res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name)
+        unit = bf16_as_on_a_unit_without_one() if name == "bf16" else None
+        with unit or contextlib.nullcontext():
+            res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name)
         assert res["precision"] == name and res["steps"] == 9
         assert all(p.dtype == torch.float32 for p in res["draft"].parameters())  # master weights stay fp32
         results[name] = res["validation"]

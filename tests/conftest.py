@@ -94,8 +94,9 @@ def pytest_collection_modifyitems(items):
         if item.path.parent.name in TIERS and item.path.parent.parent == REPO_ROOT / "tests":
             item.add_marker(item.path.parent.name)
     # the `serial` modules first, each whole (a stable sort): under -n 2 they run one after another at
-    # the start, the other worker waiting; then every other test in parallel: the `vllm` module (the
-    # longest: one worker runs it while the other runs the rest), the other e2e modules, integration, unit
+    # the start, the other worker waiting; then every other test in parallel: the two `vllm` modules (the
+    # longest: one on each worker, the heads served in one, vLLM's other stages in the other), the other
+    # e2e modules, integration, unit
     last = {"e2e": 0, "integration": 1, "unit": 2}  # short tests at the end fill the workers' last minutes
     items.sort(key=lambda item: (item.get_closest_marker("serial") is None, item.get_closest_marker("vllm") is None,
                                  last.get(item.path.parent.name, 3)))

@@ -50,15 +50,16 @@ def test_minus_m_selects_by_tier():
 
 def test_the_serial_modules_come_first_then_vllm_then_e2e(request):
     """The order the README's `-n 2 --dist loadfile` hands out modules in (conftest.py): the
-    `serial` modules (alone, all the cores) first, then the `vllm` module, the longest, on one worker
-    while the other runs the rest, then the other e2e modules, integration and unit; xdist keeps
+    `serial` modules (alone, all the cores) first, then the two `vllm` modules, the longest, one on
+    each worker, then the other e2e modules, integration and unit; xdist keeps
     that order (its default sorts the modules by their number of tests)."""
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/unit/test_tiers.py", "tests/integration/test_cli.py", "tests/e2e/test_smoke_real.py",
-                        "tests/e2e/test_vllm.py", "tests/integration/test_run_lock.py"], cwd=REPO_ROOT,
-                       capture_output=True, text=True, timeout=300)
+                        "tests/e2e/test_vllm_stages.py", "tests/e2e/test_vllm.py", "tests/integration/test_run_lock.py"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     order = list(dict.fromkeys(line.split("::")[0] for line in p.stdout.splitlines() if "::" in line))
-    assert order == ["tests/integration/test_run_lock.py", "tests/e2e/test_vllm.py", "tests/e2e/test_smoke_real.py",
-                     "tests/integration/test_cli.py", "tests/unit/test_tiers.py"], p.stdout[-2000:]
+    assert order == ["tests/integration/test_run_lock.py", "tests/e2e/test_vllm_stages.py", "tests/e2e/test_vllm.py",
+                     "tests/e2e/test_smoke_real.py", "tests/integration/test_cli.py", "tests/unit/test_tiers.py"], \
+        p.stdout[-2000:]
     if request.config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist` has no such option to set
         assert request.config.option.loadscopereorder is False

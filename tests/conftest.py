@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -128,13 +129,48 @@ def pytest_configure(config):
         _LOCK = open(Path(tempfile.gettempdir()) / f"peagle-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock", "a")
 
 
+# The serial tests come first in every worker's queue, but a worker done with its own can start a long
+# test (vLLM's, minutes) while the other still has serial tests queued: they would wait for its shared
+# lock. So a worker's first other test waits, holding no lock, until every selected serial test has run
+# on either worker (each appends its id to a file of the run).
+_SERIAL: set[str] = set()  # the ids of the selected serial tests (every worker collects them all)
+_SERIAL_PHASE_OVER = False
+
+
+def pytest_collection_finish(session):
+    _SERIAL.update(item.nodeid for item in session.items if item.get_closest_marker("serial") is not None)
+
+
+def _serial_done_file() -> Path:
+    return Path(tempfile.gettempdir()) / f"peagle-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.serial-done"
+
+
+def wait_for_serial_tests(expected: set[str], done_file: Path, poll_s: float = 0.5,
+                          stall_s: float = 600.0) -> bool:
+    """Block until `done_file` lists every id in `expected` (one per line); True then. False when
+    no id was added for `stall_s` seconds (a worker lost mid-test): the caller goes on."""
+    seen, last_change = -1, time.monotonic()
+    while True:
+        done = set(done_file.read_text().splitlines()) if done_file.exists() else set()
+        if expected <= done:
+            return True
+        if len(done) != seen:
+            seen, last_change = len(done), time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            return False
+        time.sleep(poll_s)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if _LOCK is None:
         yield
         return
-    global _HELD
+    global _HELD, _SERIAL_PHASE_OVER
     serial = item.get_closest_marker("serial") is not None
+    if not serial and not _SERIAL_PHASE_OVER:
+        wait_for_serial_tests(_SERIAL, _serial_done_file())
+        _SERIAL_PHASE_OVER = True
     if _HELD != serial:  # a run of serial tests keeps the exclusive lock from its first to its last
         fcntl.flock(_LOCK, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
         _HELD = serial
@@ -147,6 +183,8 @@ def pytest_runtest_protocol(item, nextitem):
         if serial:
             os.sched_setaffinity(0, _own_core())
             torch.set_num_threads(1)
+            with open(_serial_done_file(), "a") as f:
+                f.write(item.nodeid + "\n")
         if not (serial and nextitem is not None and nextitem.get_closest_marker("serial") is not None):
             fcntl.flock(_LOCK, fcntl.LOCK_UN)
             _HELD = None

@@ -63,3 +63,35 @@ def test_the_serial_modules_come_first_then_vllm_then_e2e(request):
         p.stdout[-2000:]
     if request.config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist` has no such option to set
         assert request.config.option.loadscopereorder is False
+
+
+def test_a_workers_first_other_test_waits_for_every_serial_test(tmp_path):
+    """conftest.wait_for_serial_tests: it returns once the run's file lists every selected serial
+    test (not before: a worker would otherwise start a long test that the other worker's queued
+    serial tests then wait behind), and gives up when no test was added for `stall_s`."""
+    import threading
+    import time
+
+    from tests.conftest import wait_for_serial_tests
+
+    done = tmp_path / "serial-done"
+    expected = {"tests/integration/test_a.py::t1", "tests/integration/test_b.py::t2"}
+
+    def finish():
+        time.sleep(0.3)
+        done.write_text("tests/integration/test_a.py::t1\n")
+        time.sleep(0.6)
+        with open(done, "a") as f:
+            f.write("tests/integration/test_b.py::t2\n")
+
+    writer = threading.Thread(target=finish)
+    start = time.monotonic()
+    writer.start()
+    assert wait_for_serial_tests(expected, done, poll_s=0.05, stall_s=5) is True
+    waited = time.monotonic() - start
+    writer.join()
+    assert 0.85 <= waited < 3, waited
+    assert wait_for_serial_tests(set(), tmp_path / "none", poll_s=0.05) is True  # no serial test selected
+    start = time.monotonic()
+    assert wait_for_serial_tests(expected | {"tests/integration/test_c.py::t3"}, done, poll_s=0.05, stall_s=0.5) is False
+    assert 0.5 <= time.monotonic() - start < 3

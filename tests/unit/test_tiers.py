@@ -75,14 +75,14 @@ def test_a_workers_first_other_test_waits_for_every_serial_test(tmp_path):
     from tests.conftest import wait_for_serial_tests
 
     done = tmp_path / "serial-done"
-    expected = {"tests/integration/test_a.py::t1", "tests/integration/test_b.py::t2"}
+    expected = {"a::t1", "b::t2"}
 
     def finish():
         time.sleep(0.3)
-        done.write_text("tests/integration/test_a.py::t1\n")
+        done.write_text("a::t1\n")
         time.sleep(0.6)
         with open(done, "a") as f:
-            f.write("tests/integration/test_b.py::t2\n")
+            f.write("b::t2\n")
 
     writer = threading.Thread(target=finish)
     start = time.monotonic()
@@ -93,5 +93,5 @@ def test_a_workers_first_other_test_waits_for_every_serial_test(tmp_path):
     assert 0.85 <= waited < 3, waited
     assert wait_for_serial_tests(set(), tmp_path / "none", poll_s=0.05) is True  # no serial test selected
     start = time.monotonic()
-    assert wait_for_serial_tests(expected | {"tests/integration/test_c.py::t3"}, done, poll_s=0.05, stall_s=0.5) is False
+    assert wait_for_serial_tests(expected | {"c::t3"}, done, poll_s=0.05, stall_s=0.5) is False
     assert 0.5 <= time.monotonic() - start < 3

@@ -6,6 +6,7 @@ import fcntl
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,8 @@ def pytest_runtest_protocol(item, nextitem):
     global _HELD, _SERIAL_PHASE_OVER
     serial = item.get_closest_marker("serial") is not None
     if not serial and not _SERIAL_PHASE_OVER:
-        wait_for_serial_tests(_SERIAL, _serial_done_file())
+        if not wait_for_serial_tests(_SERIAL, _serial_done_file()):
+            warnings.warn(f"{WORKER}: no serial test finished for 10 minutes; the other tests start without them")
         _SERIAL_PHASE_OVER = True
     if _HELD != serial:  # a run of serial tests keeps the exclusive lock from its first to its last
         fcntl.flock(_LOCK, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)

@@ -8,6 +8,8 @@ exact fp32 values, runs the fp32 GEMM and rounds the result to bf16: the same nu
 order of the fp32 sums (tests/unit/test_bf16_unit.py). Every other op runs as it is.
 """
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,6 +32,6 @@ class Bf16AsOnAUnit(TorchDispatchMode):
 
 
 def bf16_as_on_a_unit_without_one():
-    """`Bf16AsOnAUnit()` on a CPU without a bf16 unit (`cpu_bf16_units` None), else None: use as
-    `with bf16_as_on_a_unit_without_one() or contextlib.nullcontext():`."""
-    return Bf16AsOnAUnit() if cpu_bf16_units() is None else None
+    """`Bf16AsOnAUnit()` on a CPU without a bf16 unit (`cpu_bf16_units` None), else a context that
+    changes nothing."""
+    return Bf16AsOnAUnit() if cpu_bf16_units() is None else contextlib.nullcontext()

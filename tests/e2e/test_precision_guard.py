@@ -39,8 +39,7 @@ def test_bf16_and_fp32_runs_reach_the_same_validation_eal(tmp_path):
             "lr": 3e-4,  # 5e-4 spikes at steps 4-5 on the aux states [2, 15, 27] (vLLM's numbering) and the
             # two runs then part by chance: val loss 3.8% apart (0.2% at 3e-4; 0.1% at 5e-4 on [3, 16, 28])
             "val_conversations": 12, "save_every": 9}))
-        unit = bf16_as_on_a_unit_without_one() if name == "bf16" else None
-        with unit or contextlib.nullcontext():
+        with bf16_as_on_a_unit_without_one() if name == "bf16" else contextlib.nullcontext():
             res = train(Accelerator(cpu=True), draft, target, data.rows, data.vocab.draft_ids, train_cfg, tmp_path / name)
         assert res["precision"] == name and res["steps"] == 9
         assert all(p.dtype == torch.float32 for p in res["draft"].parameters())  # master weights stay fp32

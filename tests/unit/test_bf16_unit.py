@@ -1,6 +1,8 @@
 """tests/bf16_unit.py: bf16 products computed as fp32 GEMMs of the bf16 operands equal PyTorch's own
 bf16 products (a bf16 unit's where the CPU has one) up to the order of the fp32 sums."""
 
+import contextlib
+
 import torch
 
 from tests.bf16_unit import Bf16AsOnAUnit
@@ -39,14 +41,15 @@ def test_autocast_linear_forward_and_backward_go_through_the_fp32_gemm():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
     x = torch.randn(20, 64, requires_grad=True)
-    grads = {}
-    for mode in (None, Bf16AsOnAUnit()):
-        lin.zero_grad(), x.grad.zero_() if x.grad is not None else None
-        with torch.autocast("cpu", dtype=torch.bfloat16), (mode if mode is not None else torch.autocast("cpu")):
+    def run(mode):
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), mode:
             out = lin(x)
         out.float().pow(2).sum().backward()
-        grads[mode is None] = (out.detach(), lin.weight.grad.clone(), x.grad.clone())
-    native, emulated = grads[True], grads[False]
+        return out.detach(), lin.weight.grad, x.grad
+
+    native, emulated = run(contextlib.nullcontext()), run(Bf16AsOnAUnit())
     xb, wb = x.detach().bfloat16().float(), lin.weight.detach().bfloat16().float()
     assert torch.equal(emulated[0], (lin.bias.detach().bfloat16().float() + xb @ wb.T).bfloat16())
     g = (2 * emulated[0].float()).bfloat16().float()  # d(sum out²)/d out, rounded to bf16 by the cast's backward
